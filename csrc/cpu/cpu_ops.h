@@ -1,0 +1,122 @@
+// Entry points of the C++ CPU kernels, bound in csrc/fastformer.cpp as <op>_<fwd|bwd>_cpu.
+// Callers (fastformer/ops/*.py) validate shapes, dtypes and devices with friendly messages and pass
+// contiguous tensors; the TORCH_CHECKs here are a second line of defense so nothing reads out of bounds.
+#pragma once
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/Optional.h>
+
+#include <tuple>
+
+namespace fastformer::cpu {
+
+using at::Tensor;
+
+// attention: q (B, H, Lq, D), k/v (B, H, Lk, D), key_padding_mask (B, Lk) bool.
+// Returns out (B, H, Lq, D) and the row logsumexp lse (B, H, Lq) in the accumulation dtype.
+std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                         const c10::optional<Tensor>& key_padding_mask, bool causal,
+                                         double dropout_p, double scale, int64_t seed);
+std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                                 const Tensor& v, const Tensor& out, const Tensor& lse,
+                                                 const c10::optional<Tensor>& key_padding_mask, bool causal,
+                                                 double dropout_p, double scale, int64_t seed);
+
+// softmax over the last dim of x (..., N); mask is bool and already expanded to x's shape (a view,
+// any strides).
+Tensor softmax_fwd(const Tensor& x, const c10::optional<Tensor>& mask, double scale);
+Tensor softmax_bwd(const Tensor& dy, const Tensor& y, double scale);
+
+// layer_norm_residual over the last dim of (..., N): returns y, s = residual + dropout(x), mean, rstd.
+std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd(const Tensor& x, const Tensor& residual,
+                                                                   const Tensor& weight, const Tensor& bias,
+                                                                   double eps, double dropout_p, int64_t seed);
+std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor& dy, const c10::optional<Tensor>& ds,
+                                                                   const Tensor& s, const Tensor& weight,
+                                                                   const Tensor& mean, const Tensor& rstd,
+                                                                   double dropout_p, int64_t seed);
+
+// Shared argument checks.
+inline void check_cpu_contiguous(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "fastformer cpu backend: ", name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), "fastformer cpu backend: ", name, " must be contiguous");
+}
+inline void check_float_dtype(const Tensor& t, const char* name) {
+  const auto d = t.scalar_type();
+  TORCH_CHECK(d == at::kFloat || d == at::kDouble || d == at::kHalf || d == at::kBFloat16,
+              "fastformer cpu backend: ", name, " must be float32, float64, float16 or bfloat16, got ", d);
+}
+inline void check_dropout(double p) {
+  TORCH_CHECK(p >= 0.0 && p < 1.0, "fastformer: dropout_p must be in [0, 1), got ", p);
+}
+
+// Vectorized helpers over a float/double buffer of length n (ATen's at::vec, tail handled by count).
+template <typename T>
+inline T vec_max(const T* x, int64_t n) {
+  using Vec = at::vec::Vectorized<T>;
+  T m = -std::numeric_limits<T>::infinity();
+  int64_t j = 0;
+  if (n >= Vec::size()) {
+    Vec vm = Vec::loadu(x);
+    for (j = Vec::size(); j + Vec::size() <= n; j += Vec::size()) vm = at::vec::maximum(vm, Vec::loadu(x + j));
+    m = at::vec::vec_reduce_all<T>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, vm);
+  }
+  for (; j < n; ++j) m = std::max(m, x[j]);
+  return m;
+}
+
+template <typename T>
+inline T vec_sum(const T* x, int64_t n) {
+  using Vec = at::vec::Vectorized<T>;
+  Vec acc(T(0));
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) acc = acc + Vec::loadu(x + j);
+  T s = at::vec::vec_reduce_all<T>([](Vec a, Vec b) { return a + b; }, acc);
+  for (; j < n; ++j) s += x[j];
+  return s;
+}
+
+template <typename T>
+inline T vec_dot(const T* x, const T* y, int64_t n) {
+  using Vec = at::vec::Vectorized<T>;
+  Vec acc(T(0));
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) acc = at::vec::fmadd(Vec::loadu(x + j), Vec::loadu(y + j), acc);
+  T s = at::vec::vec_reduce_all<T>([](Vec a, Vec b) { return a + b; }, acc);
+  for (; j < n; ++j) s += x[j] * y[j];
+  return s;
+}
+
+// y[0:n] += a * x[0:n]
+template <typename T>
+inline void vec_axpy(T a, const T* x, T* y, int64_t n) {
+  using Vec = at::vec::Vectorized<T>;
+  const Vec va(a);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) at::vec::fmadd(va, Vec::loadu(x + j), Vec::loadu(y + j)).store(y + j);
+  for (; j < n; ++j) y[j] += a * x[j];
+}
+
+// y[0:n] *= a
+template <typename T>
+inline void vec_scale(T a, T* y, int64_t n) {
+  using Vec = at::vec::Vectorized<T>;
+  const Vec va(a);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) (va * Vec::loadu(y + j)).store(y + j);
+  for (; j < n; ++j) y[j] *= a;
+}
+
+// Element-type conversion of a row into / out of the accumulation buffer.
+template <typename src_t, typename dst_t>
+inline void convert_row(const src_t* src, dst_t* dst, int64_t n) {
+  if constexpr (std::is_same_v<src_t, dst_t>) {
+    std::memcpy(dst, src, n * sizeof(src_t));
+  } else {
+    at::vec::convert(src, dst, n);
+  }
+}
+
+}  // namespace fastformer::cpu

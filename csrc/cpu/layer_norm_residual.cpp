@@ -1,0 +1,200 @@
+// y = LayerNorm(residual + dropout(x)) over the last dim on the CPU, forward and backward.
+//
+// Rows (R rows of N) are spread over threads. Forward, per row, in a thread-local float buffer:
+//   s = residual + x * r      (r = dropout factor from csrc/philox.h, element index row * N + col)
+//   mean = sum(s) / N, var = sum((s - mean)^2) / N  (two sweeps over the cached row: no cancellation)
+//   y = (s - mean) * rstd * weight + bias,  rstd = 1 / sqrt(var + eps)
+// writes y, s (the pre-norm residual stream), mean and rstd (saved for backward).
+// DRAM traffic: reads x, residual; writes y, s: 4 N sizeof(T) per row.
+// Backward, per row, with xhat = (s - mean) * rstd and g = dy * weight:
+//   ds_total = rstd * (g - mean(g) - xhat * mean(g * xhat)) + ds   (ds: grad of the s output)
+//   dresidual = ds_total, dx = ds_total * r
+//   dweight = sum_rows dy * xhat, dbias = sum_rows dy
+// dweight/dbias are reduced in two stages without races: rows are cut into at most kPartials fixed
+// chunks (independent of the thread count, so results are deterministic), each chunk sums its rows
+// into its own float partial, then the partials are summed in order.
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <vector>
+
+#include "cpu/cpu_ops.h"
+#include "cpu/dropout.h"
+
+namespace fastformer::cpu {
+namespace {
+
+constexpr int64_t kPartials = 64;
+
+template <typename scalar_t>
+void layer_norm_residual_fwd_kernel(const scalar_t* x, const scalar_t* residual, const scalar_t* weight,
+                                    const scalar_t* bias, scalar_t* y, scalar_t* s_out,
+                                    at::opmath_type<scalar_t>* mean_out, at::opmath_type<scalar_t>* rstd_out,
+                                    int64_t R, int64_t N, double eps, double dropout_p, uint64_t seed) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using Vec = at::vec::Vectorized<acc_t>;
+  const int64_t grain = std::max<int64_t>(1, 16384 / N);
+  at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> s(N), tmp(N), w(N), b(N);
+    convert_row(weight, w.data(), N);
+    convert_row(bias, b.data(), N);
+    for (int64_t r = begin; r < end; ++r) {
+      convert_row(x + r * N, s.data(), N);
+      if (dropout_p > 0) {
+        dropout_factors(seed, static_cast<uint64_t>(r * N), N, dropout_p, tmp.data());
+        for (int64_t j = 0; j < N; ++j) s[j] *= tmp[j];
+      }
+      convert_row(residual + r * N, tmp.data(), N);
+      int64_t j = 0;
+      for (; j + Vec::size() <= N; j += Vec::size()) (Vec::loadu(s.data() + j) + Vec::loadu(tmp.data() + j)).store(s.data() + j);
+      for (; j < N; ++j) s[j] += tmp[j];
+      convert_row(s.data(), s_out + r * N, N);
+      const acc_t mean = vec_sum(s.data(), N) / static_cast<acc_t>(N);
+      Vec vmean(mean), vvar(acc_t(0));
+      for (j = 0; j + Vec::size() <= N; j += Vec::size()) {
+        const Vec c = Vec::loadu(s.data() + j) - vmean;
+        vvar = at::vec::fmadd(c, c, vvar);
+      }
+      acc_t var = at::vec::vec_reduce_all<acc_t>([](Vec p, Vec q) { return p + q; }, vvar);
+      for (; j < N; ++j) var += (s[j] - mean) * (s[j] - mean);
+      var /= static_cast<acc_t>(N);
+      const acc_t rstd = acc_t(1) / std::sqrt(var + static_cast<acc_t>(eps));
+      const Vec vrstd(rstd);
+      for (j = 0; j + Vec::size() <= N; j += Vec::size()) {
+        const Vec xhat = (Vec::loadu(s.data() + j) - vmean) * vrstd;
+        at::vec::fmadd(xhat, Vec::loadu(w.data() + j), Vec::loadu(b.data() + j)).store(tmp.data() + j);
+      }
+      for (; j < N; ++j) tmp[j] = (s[j] - mean) * rstd * w[j] + b[j];
+      convert_row(tmp.data(), y + r * N, N);
+      mean_out[r] = mean;
+      rstd_out[r] = rstd;
+    }
+  });
+}
+
+template <typename scalar_t>
+void layer_norm_residual_bwd_kernel(const scalar_t* dy, const scalar_t* ds_in, const scalar_t* s_saved,
+                                    const scalar_t* weight, const at::opmath_type<scalar_t>* mean,
+                                    const at::opmath_type<scalar_t>* rstd, scalar_t* dx, scalar_t* dresidual,
+                                    at::opmath_type<scalar_t>* partial_dw, at::opmath_type<scalar_t>* partial_db,
+                                    int64_t R, int64_t N, double dropout_p, uint64_t seed) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t chunks = std::min(R, kPartials);
+  const int64_t rows_per_chunk = (R + chunks - 1) / chunks;
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> w(N), g(N), xhat(N), dyr(N), tmp(N);
+    convert_row(weight, w.data(), N);
+    for (int64_t c = begin; c < end; ++c) {
+      acc_t* dw = partial_dw + c * N;
+      acc_t* db = partial_db + c * N;
+      std::fill(dw, dw + N, acc_t(0));
+      std::fill(db, db + N, acc_t(0));
+      for (int64_t r = c * rows_per_chunk; r < std::min(R, (c + 1) * rows_per_chunk); ++r) {
+        convert_row(dy + r * N, dyr.data(), N);
+        convert_row(s_saved + r * N, xhat.data(), N);
+        const acc_t mu = mean[r], rs = rstd[r];
+        acc_t sum_g = 0, sum_gx = 0;
+        for (int64_t j = 0; j < N; ++j) {
+          xhat[j] = (xhat[j] - mu) * rs;
+          g[j] = dyr[j] * w[j];
+          sum_g += g[j];
+          sum_gx += g[j] * xhat[j];
+          dw[j] += dyr[j] * xhat[j];
+          db[j] += dyr[j];
+        }
+        const acc_t mean_g = sum_g / static_cast<acc_t>(N), mean_gx = sum_gx / static_cast<acc_t>(N);
+        for (int64_t j = 0; j < N; ++j) g[j] = rs * (g[j] - mean_g - xhat[j] * mean_gx);
+        if (ds_in != nullptr) {
+          convert_row(ds_in + r * N, tmp.data(), N);
+          for (int64_t j = 0; j < N; ++j) g[j] += tmp[j];
+        }
+        convert_row(g.data(), dresidual + r * N, N);
+        if (dropout_p > 0) {
+          dropout_factors(seed, static_cast<uint64_t>(r * N), N, dropout_p, tmp.data());
+          for (int64_t j = 0; j < N; ++j) g[j] *= tmp[j];
+        }
+        convert_row(g.data(), dx + r * N, N);
+      }
+    }
+  });
+}
+
+void check_rows(const Tensor& t, const Tensor& like, const char* name) {
+  check_cpu_contiguous(t, name);
+  TORCH_CHECK(t.sizes() == like.sizes() && t.scalar_type() == like.scalar_type(),
+              "fastformer layer_norm_residual: ", name, " must match x in shape and dtype");
+}
+
+void check_vector(const Tensor& t, const Tensor& x, const char* name) {
+  check_cpu_contiguous(t, name);
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == x.size(-1) && t.scalar_type() == x.scalar_type(),
+              "fastformer layer_norm_residual: ", name, " must be (N,) with x's dtype");
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd(const Tensor& x, const Tensor& residual,
+                                                                   const Tensor& weight, const Tensor& bias,
+                                                                   double eps, double dropout_p, int64_t seed) {
+  check_cpu_contiguous(x, "x");
+  check_float_dtype(x, "x");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "fastformer layer_norm_residual: x must be (..., N) with N > 0");
+  check_rows(residual, x, "residual");
+  check_vector(weight, x, "weight");
+  check_vector(bias, x, "bias");
+  check_dropout(dropout_p);
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "fastformer layer_norm_residual: eps must be finite and >= 0");
+  const int64_t N = x.size(-1), R = x.numel() / N;
+  auto stat_shape = x.sizes().vec();
+  stat_shape.pop_back();
+  const auto stat_opts = x.options().dtype(at::toOpMathType(x.scalar_type()));
+  Tensor y = at::empty_like(x), s = at::empty_like(x);
+  Tensor mean = at::empty(stat_shape, stat_opts), rstd = at::empty(stat_shape, stat_opts);
+  if (R == 0) return {y, s, mean, rstd};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fastformer_lnr_fwd_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    layer_norm_residual_fwd_kernel<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
+                                             weight.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(),
+                                             y.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(), mean.data_ptr<acc_t>(),
+                                             rstd.data_ptr<acc_t>(), R, N, eps, dropout_p, static_cast<uint64_t>(seed));
+  });
+  return {y, s, mean, rstd};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor& dy, const c10::optional<Tensor>& ds,
+                                                                   const Tensor& s, const Tensor& weight,
+                                                                   const Tensor& mean, const Tensor& rstd,
+                                                                   double dropout_p, int64_t seed) {
+  check_cpu_contiguous(s, "s");
+  check_float_dtype(s, "s");
+  TORCH_CHECK(s.dim() >= 1 && s.size(-1) > 0, "fastformer layer_norm_residual: s must be (..., N) with N > 0");
+  check_rows(dy, s, "dy");
+  if (ds.has_value()) check_rows(*ds, s, "ds");
+  check_vector(weight, s, "weight");
+  check_dropout(dropout_p);
+  const int64_t N = s.size(-1), R = s.numel() / N;
+  const auto acc_type = at::toOpMathType(s.scalar_type());
+  check_cpu_contiguous(mean, "mean");
+  check_cpu_contiguous(rstd, "rstd");
+  TORCH_CHECK(mean.numel() == R && rstd.numel() == R && mean.scalar_type() == acc_type && rstd.scalar_type() == acc_type,
+              "fastformer layer_norm_residual: mean/rstd must hold one accumulation-dtype value per row");
+  Tensor dx = at::empty_like(s), dres = at::empty_like(s);
+  if (R == 0) return {dx, dres, at::zeros_like(weight), at::zeros_like(weight)};
+  const int64_t chunks = std::min(R, kPartials);
+  Tensor partial_dw = at::empty({chunks, N}, s.options().dtype(acc_type));
+  Tensor partial_db = at::empty({chunks, N}, s.options().dtype(acc_type));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, s.scalar_type(), "fastformer_lnr_bwd_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    layer_norm_residual_bwd_kernel<scalar_t>(
+        dy.data_ptr<scalar_t>(), ds.has_value() ? ds->data_ptr<scalar_t>() : nullptr, s.data_ptr<scalar_t>(),
+        weight.data_ptr<scalar_t>(), mean.data_ptr<acc_t>(), rstd.data_ptr<acc_t>(), dx.data_ptr<scalar_t>(),
+        dres.data_ptr<scalar_t>(), partial_dw.data_ptr<acc_t>(), partial_db.data_ptr<acc_t>(), R, N, dropout_p,
+        static_cast<uint64_t>(seed));
+  });
+  // Second stage: the chunk partials summed in a fixed order.
+  Tensor dweight = partial_dw.sum(0).to(s.scalar_type());
+  Tensor dbias = partial_db.sum(0).to(s.scalar_type());
+  return {dx, dres, dweight, dbias};
+}
+
+}  // namespace fastformer::cpu

@@ -1,0 +1,17 @@
+"""fastformer: the Transformer of "Attention Is All You Need" on fused kernels of its own.
+
+    import fastformer
+    from fastformer import ops
+    ops.attention(q, k, v, key_padding_mask=..., causal=..., dropout_p=..., backend=None)
+    ops.softmax(x, mask=..., scale=...)
+    ops.layer_norm_residual(x, residual, weight, bias, eps=..., dropout_p=..., prenorm=...)
+    fastformer.backends()          # which backends run on this machine
+    fastformer.set_backend(name)   # process default (also FASTFORMER_BACKEND=name)
+"""
+from fastformer import ops
+from fastformer._dispatch import backends, set_backend
+
+__version__ = "0.1.0"
+__all__ = ["ops", "backends", "set_backend", "__version__"]
+
+backends()  # resolve availability once, at import, so op calls stay cheap and traceable

@@ -1,0 +1,173 @@
+"""Plain-PyTorch reference of every op: the readable math that every backend is tested against
+(in float64), and the ``torch`` backend itself (half inputs are computed in float32).
+
+Each op has ``<op>_fwd`` and ``<op>_bwd`` with the same signature as the kernels'. Backward is
+written out by hand (not taken from autograd) so the formulas here are the ones the kernels
+implement; tests check them against autograd with torch.autograd.gradcheck.
+
+Dropout draws its mask from the same Philox4x32-10 stream as csrc/philox.h (see there), so a seed
+gives the same mask on every backend.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# --------------------------------------------------------------------------------------------------
+# Philox4x32-10 on int64 tensors holding uint32 values (products split so nothing overflows int64).
+
+
+def _mul32(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit words of a * b for uint32 a (tensor) and b (constant)."""
+    b_hi, b_lo = b >> 16, b & 0xFFFF
+    p_hi, p_lo = a * b_hi, a * b_lo  # each < 2^48
+    low = ((p_hi & 0xFFFF) << 16) + p_lo  # a * b mod 2^48, its low 32 bits are the low word
+    high = (p_hi + (p_lo >> 16)) >> 16  # floor(a * b / 2^32)
+    return high & _MASK32, low & _MASK32
+
+
+def philox4x32_10(seed: int, counter: torch.Tensor) -> list[torch.Tensor]:
+    """The four uint32 words (as int64 tensors) of Philox4x32-10 at 64-bit ``counter`` with key ``seed``."""
+    c0, c1 = counter & _MASK32, (counter >> 32) & _MASK32
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    for _ in range(10):
+        hi0, lo0 = _mul32(c0, 0xD2511F53)
+        hi2, lo2 = _mul32(c2, 0xCD9E8D57)
+        c0, c1, c2, c3 = hi2 ^ c1 ^ k0, lo2, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + 0x9E3779B9) & _MASK32, (k1 + 0xBB67AE85) & _MASK32
+    return [c0, c1, c2, c3]
+
+
+def dropout_keep(seed: int, numel: int, p: float, device=None) -> torch.Tensor:
+    """Bool keep-mask of elements 0 .. numel-1 of a tensor dropped with probability p."""
+    index = torch.arange(numel, dtype=torch.int64, device=device)
+    words = torch.stack(philox4x32_10(seed, index >> 2), dim=-1).gather(-1, (index & 3)[:, None])[:, 0]
+    x = torch.where(words >= 2**31, words - 2**32, words)  # reinterpret as int32
+    x = torch.where(x < 0, -x - 1, x)
+    u = x.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32)
+    return u >= torch.tensor(p, dtype=torch.float32)
+
+
+def _dropout_factor(seed: int, shape, p: float, dtype, device) -> torch.Tensor | None:
+    """1/(1-p) where kept and 0 where dropped, shaped like the dropped tensor; None when p == 0."""
+    if p == 0:
+        return None
+    keep = dropout_keep(seed, math.prod(shape), p, device).reshape(shape)
+    one = torch.ones((), dtype=dtype, device=device)
+    return keep.to(dtype) * (one / (one - p))
+
+
+# --------------------------------------------------------------------------------------------------
+# attention
+
+
+def _visible(key_padding_mask, causal: bool, B: int, Lq: int, Lk: int, device) -> torch.Tensor:
+    """(B, 1, Lq, Lk) bool: may query i attend to key j."""
+    visible = torch.ones(B, 1, Lq, Lk, dtype=torch.bool, device=device)
+    if key_padding_mask is not None:
+        visible = visible & ~key_padding_mask[:, None, None, :]
+    if causal:
+        i = torch.arange(Lq, device=device)[:, None]
+        j = torch.arange(Lk, device=device)[None, :]
+        visible = visible & (j <= i + (Lk - Lq))
+    return visible
+
+
+def _probabilities(q, k, key_padding_mask, causal, scale):
+    """softmax(scale q k^T) over visible keys (B, H, Lq, Lk), and the row logsumexp (-inf if none)."""
+    B, _, Lq, _ = q.shape
+    Lk = k.shape[2]
+    visible = _visible(key_padding_mask, causal, B, Lq, Lk, q.device)
+    s = (q @ k.transpose(-1, -2)) * scale
+    empty = ~visible.any(-1, keepdim=True)  # rows with no visible key
+    s = s.masked_fill(~visible, float("-inf")).masked_fill(empty, 0.0)
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = torch.exp(s - lse).masked_fill(~visible, 0.0)
+    return p, lse.masked_fill(empty, float("-inf"))[..., 0]
+
+
+def attention_fwd(q, k, v, key_padding_mask, causal, dropout_p, scale, seed):
+    acc = _acc_dtype(q.dtype)
+    qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
+    p, lse = _probabilities(qa, ka, key_padding_mask, causal, scale)
+    drop = _dropout_factor(seed, p.shape, dropout_p, acc, q.device)
+    if drop is not None:
+        p = p * drop
+    return (p @ va).to(q.dtype), lse
+
+
+def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal, dropout_p, scale, seed):
+    acc = _acc_dtype(q.dtype)
+    qa, ka, va, doa, oa = (t.to(acc) for t in (q, k, v, dout, out))
+    p, _ = _probabilities(qa, ka, key_padding_mask, causal, scale)
+    drop = _dropout_factor(seed, p.shape, dropout_p, acc, q.device)
+    p_dropped = p if drop is None else p * drop
+    dv = p_dropped.transpose(-1, -2) @ doa  # dV = (P r)^T dO
+    dp = doa @ va.transpose(-1, -2)  # dP = (dO V^T) r
+    if drop is not None:
+        dp = dp * drop
+    delta = (doa * oa).sum(-1, keepdim=True)  # D_i = dO_i . O_i
+    ds = p * (dp - delta)  # dS = P (dP - D)
+    dq = (ds @ ka) * scale
+    dk = (ds.transpose(-1, -2) @ qa) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# softmax
+
+
+def softmax_fwd(x, mask, scale):
+    acc = _acc_dtype(x.dtype)
+    a = x.to(acc) * scale
+    if mask is not None:
+        a = a.masked_fill(mask, float("-inf"))
+    empty = torch.isneginf(a).all(-1, keepdim=True)
+    y = torch.softmax(a.masked_fill(empty, 0.0), dim=-1).masked_fill(torch.isneginf(a), 0.0)
+    return y.to(x.dtype)
+
+
+def softmax_bwd(dy, y, scale):
+    acc = _acc_dtype(y.dtype)
+    ya, dya = y.to(acc), dy.to(acc)
+    return (scale * ya * (dya - (dya * ya).sum(-1, keepdim=True))).to(y.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# layer_norm_residual
+
+
+def layer_norm_residual_fwd(x, residual, weight, bias, eps, dropout_p, seed):
+    acc = _acc_dtype(x.dtype)
+    drop = _dropout_factor(seed, x.shape, dropout_p, acc, x.device)
+    s = residual.to(acc) + (x.to(acc) if drop is None else x.to(acc) * drop)
+    mean = s.mean(-1)
+    rstd = torch.rsqrt(s.var(-1, unbiased=False) + eps)
+    y = (s - mean[..., None]) * rstd[..., None] * weight.to(acc) + bias.to(acc)
+    return y.to(x.dtype), s.to(x.dtype), mean, rstd
+
+
+def layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p, seed):
+    acc = _acc_dtype(s.dtype)
+    dya = dy.to(acc)
+    xhat = (s.to(acc) - mean[..., None]) * rstd[..., None]
+    g = dya * weight.to(acc)
+    d_s = rstd[..., None] * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+    if ds is not None:
+        d_s = d_s + ds.to(acc)
+    drop = _dropout_factor(seed, s.shape, dropout_p, acc, s.device)
+    dx = d_s.clone() if drop is None else d_s * drop  # a separate tensor: outputs must not alias
+    rows = tuple(range(s.dim() - 1))
+    dweight = (dya * xhat).sum(rows)
+    dbias = dya.sum(rows)
+    return dx.to(s.dtype), d_s.to(s.dtype), dweight.to(s.dtype), dbias.to(s.dtype)
