@@ -1,0 +1,75 @@
+"""MultiHeadAttention on ops.attention, with a key/value cache for incremental decoding."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from fastformer import ops
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention: self-attention with one fused QKV projection (d -> 3d), or
+    cross-attention with a query projection and one fused KV projection (d -> 2d) of the memory.
+
+    Shapes: x (B, Lq, d); memory (B, Lk, d); key_padding_mask (B, Lk) bool, True = padding.
+    Incremental decoding passes a ``cache`` dict: self-attention appends this step's keys/values
+    (``cache["k"], cache["v"]``: (B, H, t, Dh)); cross-attention computes the memory's keys/values
+    once and keeps them. ``reorder_cache`` follows beam search's choice of rows.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, *, cross: bool = False, attention_dropout: float = 0.0,
+                 backend: Optional[str] = None):
+        super().__init__()
+        self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
+        self.cross, self.attention_dropout, self.backend = cross, attention_dropout, backend
+        if cross:
+            self.q_proj = nn.Linear(d_model, d_model)
+            self.kv_proj = nn.Linear(d_model, 2 * d_model)
+        else:
+            self.qkv_proj = nn.Linear(d_model, 3 * d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        for m in (self.out_proj, *((self.q_proj, self.kv_proj) if self.cross else (self.qkv_proj,))):
+            nn.init.xavier_uniform_(m.weight)
+            nn.init.zeros_(m.bias)
+
+    def _heads(self, x: Tensor, n: int) -> tuple[Tensor, ...]:
+        """(B, L, n * d) -> n tensors (B, H, L, Dh) (views; ops.attention makes them contiguous)."""
+        B, L, _ = x.shape
+        parts = x.view(B, L, n, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        return tuple(parts[i] for i in range(n))
+
+    def forward(self, x: Tensor, memory: Optional[Tensor] = None, *, key_padding_mask: Optional[Tensor] = None,
+                causal: bool = False, cache: Optional[dict] = None) -> Tensor:
+        if self.cross:
+            if memory is None:
+                raise ValueError("cross-attention needs memory")
+            (q,) = self._heads(self.q_proj(x), 1)
+            if cache is not None and "k" in cache:
+                k, v = cache["k"], cache["v"]
+            else:
+                k, v = self._heads(self.kv_proj(memory), 2)
+                if cache is not None:
+                    cache["k"], cache["v"] = k, v
+        else:
+            q, k, v = self._heads(self.qkv_proj(x), 3)
+            if cache is not None:
+                if "k" in cache:
+                    k = torch.cat([cache["k"], k], dim=2)
+                    v = torch.cat([cache["v"], v], dim=2)
+                cache["k"], cache["v"] = k, v
+        out = ops.attention(q, k, v, key_padding_mask=key_padding_mask, causal=causal,
+                            dropout_p=self.attention_dropout if self.training else 0.0, backend=self.backend)
+        B, _, Lq, _ = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(B, Lq, self.d_model))
+
+
+def reorder_cache(cache: dict, order: Tensor) -> None:
+    """Keeps rows ``order`` (a LongTensor of batch indices) of every cached key/value, in place."""
+    for key in ("k", "v"):
+        if key in cache:
+            cache[key] = cache[key].index_select(0, order)

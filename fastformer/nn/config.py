@@ -1,0 +1,73 @@
+"""TransformerConfig: the sizes of the paper's models and of the CPU-friendly ones."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    vocab_size: int
+    d_model: int = 512
+    n_heads: int = 8
+    d_ff: int = 2048
+    n_encoder_layers: int = 6
+    n_decoder_layers: int = 6
+    dropout: float = 0.1  # residual dropout and embedding + position dropout (P_drop in the paper)
+    attention_dropout: float = 0.0  # on attention probabilities
+    activation_dropout: float = 0.0  # after the feed-forward ReLU
+    label_smoothing: float = 0.1
+    norm_first: bool = False  # False: post-norm as in the paper; True: pre-norm with a final LayerNorm
+    layer_norm_eps: float = 1e-5
+    max_positions: int = 1024  # sinusoid table size (extended on demand)
+    pad_id: int = 0
+    unk_id: int = 1
+    bos_id: int = 2
+    eos_id: int = 3
+
+    def __post_init__(self):
+        if self.vocab_size <= max(self.pad_id, self.unk_id, self.bos_id, self.eos_id):
+            raise ValueError(f"vocab_size {self.vocab_size} must exceed the special token ids")
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(f"d_model {self.d_model} must be divisible by n_heads {self.n_heads}")
+        for name in ("dropout", "attention_dropout", "activation_dropout", "label_smoothing"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {value}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TransformerConfig":
+        return cls(**d)
+
+    def replace(self, **changes) -> "TransformerConfig":
+        return replace(self, **changes)
+
+    @classmethod
+    def base(cls, vocab_size: int, **overrides) -> "TransformerConfig":
+        """The paper's base model: N=6, d_model 512, d_ff 2048, 8 heads, dropout 0.1 (65M params at 37k vocab)."""
+        return cls(vocab_size=vocab_size, **overrides)
+
+    @classmethod
+    def big(cls, vocab_size: int, **overrides) -> "TransformerConfig":
+        """The paper's big model: N=6, d_model 1024, d_ff 4096, 16 heads, dropout 0.3 (213M params)."""
+        kw = dict(d_model=1024, d_ff=4096, n_heads=16, dropout=0.3)
+        return cls(vocab_size=vocab_size, **{**kw, **overrides})
+
+    @classmethod
+    def small(cls, vocab_size: int = 8000, **overrides) -> "TransformerConfig":
+        """3+3 layers, d_model 256, 4 heads, d_ff 1024: the size trained on a 2-core CPU."""
+        kw = dict(d_model=256, d_ff=1024, n_heads=4, n_encoder_layers=3, n_decoder_layers=3, dropout=0.1)
+        return cls(vocab_size=vocab_size, **{**kw, **overrides})
+
+    @classmethod
+    def tiny(cls, vocab_size: int = 64, **overrides) -> "TransformerConfig":
+        """2+2 layers, d_model 32, 4 heads, d_ff 64: for tests."""
+        kw = dict(d_model=32, d_ff=64, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, dropout=0.1,
+                  max_positions=256)
+        return cls(vocab_size=vocab_size, **{**kw, **overrides})

@@ -1,0 +1,134 @@
+"""Encoder and decoder stacks of the Transformer on fastformer's ops.
+
+Each layer is a list of sublayers (self-attention, [cross-attention,] feed-forward), each with its
+LayerNorm. Residual connection, residual dropout and LayerNorm are one fused op:
+
+  post-norm (the paper, default):  x = LayerNorm(x + dropout(sublayer(x)))
+      -> x = ops.layer_norm_residual(sublayer(x), x, norm, dropout_p)
+  pre-norm (norm_first=True):      x = x + dropout(sublayer(LayerNorm(x))), final LayerNorm at the end
+      -> the add and the *next* sublayer's LayerNorm are fused:
+         h, x = ops.layer_norm_residual(sublayer(h), x, next_norm, dropout_p, prenorm=True)
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fastformer import ops
+from fastformer.nn.attention import MultiHeadAttention
+from fastformer.nn.config import TransformerConfig
+
+
+class FeedForward(nn.Module):
+    """Linear(d, d_ff) -> ReLU -> dropout -> Linear(d_ff, d)."""
+
+    def __init__(self, d_model: int, d_ff: int, activation_dropout: float = 0.0):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+        self.activation_dropout = activation_dropout
+        for m in (self.fc1, self.fc2):
+            nn.init.xavier_uniform_(m.weight)
+            nn.init.zeros_(m.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.relu(self.fc1(x))
+        if self.activation_dropout > 0:
+            h = F.dropout(h, self.activation_dropout, self.training)
+        return self.fc2(h)
+
+
+Sublayer = tuple[nn.LayerNorm, Callable[[Tensor], Tensor]]
+
+
+def run_sublayers(x: Tensor, sublayers: list[Sublayer], final_norm: Optional[nn.LayerNorm], norm_first: bool,
+                  dropout_p: float, backend: Optional[str]) -> Tensor:
+    """Runs sublayers with fused residual + dropout + LayerNorm (see the module docstring)."""
+    if not norm_first:
+        for norm, fn in sublayers:
+            x = ops.layer_norm_residual(fn(x), x, norm.weight, norm.bias, eps=norm.eps, dropout_p=dropout_p,
+                                        backend=backend)
+        return x
+    first = sublayers[0][0]
+    h = F.layer_norm(x, first.normalized_shape, first.weight, first.bias, first.eps)
+    for index, (_, fn) in enumerate(sublayers):
+        norm = sublayers[index + 1][0] if index + 1 < len(sublayers) else final_norm
+        h, x = ops.layer_norm_residual(fn(h), x, norm.weight, norm.bias, eps=norm.eps, dropout_p=dropout_p,
+                                       prenorm=True, backend=backend)
+    return h
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, config: TransformerConfig, backend: Optional[str] = None):
+        super().__init__()
+        d = config.d_model
+        self.self_attn = MultiHeadAttention(d, config.n_heads, attention_dropout=config.attention_dropout,
+                                            backend=backend)
+        self.ffn = FeedForward(d, config.d_ff, config.activation_dropout)
+        self.self_attn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        self.ffn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
+
+    def sublayers(self, key_padding_mask: Optional[Tensor]) -> list[Sublayer]:
+        return [(self.self_attn_norm, lambda h: self.self_attn(h, key_padding_mask=key_padding_mask)),
+                (self.ffn_norm, self.ffn)]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TransformerConfig, backend: Optional[str] = None):
+        super().__init__()
+        d = config.d_model
+        self.self_attn = MultiHeadAttention(d, config.n_heads, attention_dropout=config.attention_dropout,
+                                            backend=backend)
+        self.cross_attn = MultiHeadAttention(d, config.n_heads, cross=True,
+                                             attention_dropout=config.attention_dropout, backend=backend)
+        self.ffn = FeedForward(d, config.d_ff, config.activation_dropout)
+        self.self_attn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        self.cross_attn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
+        self.ffn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
+
+    def sublayers(self, memory: Tensor, memory_padding_mask: Optional[Tensor],
+                  cache: Optional[dict]) -> list[Sublayer]:
+        self_cache = None if cache is None else cache.setdefault("self", {})
+        cross_cache = None if cache is None else cache.setdefault("cross", {})
+        return [(self.self_attn_norm, lambda h: self.self_attn(h, causal=True, cache=self_cache)),
+                (self.cross_attn_norm, lambda h: self.cross_attn(h, memory, key_padding_mask=memory_padding_mask,
+                                                                 cache=cross_cache)),
+                (self.ffn_norm, self.ffn)]
+
+
+class Encoder(nn.Module):
+    """x (B, S, d) embedded source -> memory (B, S, d)."""
+
+    def __init__(self, config: TransformerConfig, backend: Optional[str] = None):
+        super().__init__()
+        self.config, self.backend = config, backend
+        self.layers = nn.ModuleList(EncoderLayer(config, backend) for _ in range(config.n_encoder_layers))
+        self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else None
+
+    def forward(self, x: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+        sublayers = [s for layer in self.layers for s in layer.sublayers(key_padding_mask)]
+        return run_sublayers(x, sublayers, self.final_norm, self.config.norm_first,
+                             self.config.dropout if self.training else 0.0, self.backend)
+
+
+class Decoder(nn.Module):
+    """x (B, T, d) embedded target prefix -> hidden states (B, T, d). Target padding must come last
+    (right padding): the causal mask then keeps every real position away from it."""
+
+    def __init__(self, config: TransformerConfig, backend: Optional[str] = None):
+        super().__init__()
+        self.config, self.backend = config, backend
+        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.n_decoder_layers))
+        self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else None
+
+    def forward(self, x: Tensor, memory: Tensor, memory_padding_mask: Optional[Tensor],
+                cache: Optional[list] = None) -> Tensor:
+        sublayers = []
+        for index, layer in enumerate(self.layers):
+            sublayers += layer.sublayers(memory, memory_padding_mask, None if cache is None else cache[index])
+        return run_sublayers(x, sublayers, self.final_norm, self.config.norm_first,
+                             self.config.dropout if self.training else 0.0, self.backend)
+
+    def new_cache(self) -> list:
+        return [{} for _ in self.layers]
