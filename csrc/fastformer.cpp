@@ -2,6 +2,8 @@
 // fastformer/_dispatch.py finds them by that name.
 #include <torch/extension.h>
 
+#include <ATen/cpu/vec/vec.h>
+
 #include "cpu/cpu_ops.h"
 
 #ifndef FASTFORMER_TORCH_VERSION
@@ -11,6 +13,8 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fastformer fused kernels: attention, softmax, layer_norm_residual (C++ CPU and CUDA)";
   m.attr("TORCH_VERSION") = FASTFORMER_TORCH_VERSION;
+  // SIMD width the CPU kernels were compiled for (floats per at::vec::Vectorized<float>).
+  m.attr("CPU_VECTOR_FLOATS") = static_cast<int>(at::vec::Vectorized<float>::size());
 #ifdef FASTFORMER_WITH_CUDA
   m.attr("WITH_CUDA") = true;
 #else

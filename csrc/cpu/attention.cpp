@@ -1,25 +1,26 @@
-// Fused masked scaled dot-product attention on the CPU, forward and backward (FlashAttention-2's
-// algorithm, arranged for CPU caches and ATen's at::vec SIMD).
+// Fused masked scaled dot-product attention on the CPU, forward and backward: FlashAttention-2's
+// algorithm on tiles, with the tile products done by the BLAS torch links (sgemm_/dgemm_, which run
+// single-threaded inside each work item's OpenMP thread) and the softmax/mask/dropout work vectorized with at::vec.
 //
-// Forward, one work item per (batch, head, tile of kBlockQ query rows), spread over threads with
-// at::parallel_for:
-//   stage Q_tile * scale in a float buffer (kBlockQ x Dp, Dp = D rounded up to the SIMD width)
-//   for each block of kBlockK keys (blocks past the tile's causal limit are skipped):
-//     stage K_blk transposed (D x kBlockK) and V_blk (kBlockK x Dp) as float
-//     per query row: s = q_i K_blk^T (kBlockK SIMD lanes, D fused multiply-adds each),
-//       masked keys -> -inf, online softmax: m' = max(m, max s), l = l e^(m - m') + sum e^(s - m'),
-//       acc = acc e^(m - m') + sum_j dropout_j e^(s_j - m') v_j
-//   out_i = acc / l, lse_i = m + log l; a row with no visible key gives out 0, lse -inf.
-// At most one block of scores (kBlockK floats) per thread exists at a time; no L x L matrix.
-// Memory traffic: Q, O once; K, V once per query tile (ceil(Lq / kBlockQ) times).
+// Shapes: q (B, H, Lq, D), k and v (B, H, Lk, D), key_padding_mask (B, Lk), out (B, H, Lq, D),
+// lse (B, H, Lq) in the accumulation type acc_t (float for half/bfloat16/float, double for double).
+// Half inputs are converted tile by tile into acc_t buffers; float and double tiles are used in place.
 //
-// Backward, one work item per (batch, head), so dq, dk, dv accumulate without atomics:
-//   D_i = dO_i . O_i; for each key block, for each query row: recompute p = e^(s - lse_i) from the
-//   saved logsumexp, dp = dO_i V_blk^T, then with the forward's dropout factors r (regenerated from
-//   the seed): dV_j += p_j r_j dO_i, ds_j = p_j (dp_j r_j - D_i), dQ_i += scale ds_j k_j,
-//   dK_j += scale ds_j q_i.
-// Dropout: element (b, h, i, j) of the probability matrix is flat index ((b H + h) Lq + i) Lk + j in
-// the Philox stream of csrc/philox.h, the same on every backend.
+// Forward, one work item per (batch, head, tile of kBlockQ query rows), spread over threads:
+//   for each block of kBlockK keys up to the tile's causal limit:
+//     S = scale Q_t K_b^T                        (gemm, kBlockQ x kBlockK scores in a thread buffer)
+//     masked scores -> -inf; per row online softmax: m' = max(m, max S), l = l e^(m - m') + sum e^(S - m'),
+//     O *= e^(m - m'); P = e^(S - m') * dropout;  O += P V_b   (gemm)
+//   out = O / l, lse = m + log l; a row with no visible key gets out = 0, lse = -inf (never NaN).
+// Memory traffic: Q and O once, K and V once per query tile (ceil(Lq / kBlockQ) times); scores never
+// leave the thread's cache (no Lq x Lk matrix).
+//
+// Backward, one work item per (batch, head) so dq, dk, dv need no atomics; FlashAttention-2's loop order
+// (key blocks outside, query tiles inside), probabilities recomputed from the saved logsumexp:
+//   P = e^(scale Q_t K_b^T - lse) (masked -> 0);  dP = dO_t V_b^T;  r = dropout factors of the forward
+//   dV_b += (P r)^T dO_t;  dS = P (dP r - D),  D_i = dO_i . O_i;  dQ_t += scale dS K_b;  dK_b += scale dS^T Q_t
+// Dropout: element (b, h, i, j) of the probability matrix has flat index ((b H + h) Lq + i) Lk + j in the
+// Philox stream of csrc/philox.h, the same on every backend, regenerated in backward.
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -32,54 +33,102 @@
 namespace fastformer::cpu {
 namespace {
 
-constexpr int64_t kBlockQ = 32;  // query rows per forward work item
-constexpr int64_t kBlockK = 64;  // keys staged per block
+// Fortran BLAS exported by libtorch_cpu (MKL or OpenBLAS), LP64 integers; column-major.
+extern "C" {
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
+            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
+            const int* ldc);
+void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
+            const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
+            const int* ldc);
+}
 
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+// Column-major C (m x n) = alpha op(A) op(B) + beta C, op = transpose when the flag is set.
+inline void blas_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+                      const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  const char ca = ta ? 'T' : 'N', cb = tb ? 'T' : 'N';
+  const int im = m, in = n, ik = k, ilda = lda, ildb = ldb, ildc = ldc;
+  sgemm_(&ca, &cb, &im, &in, &ik, &alpha, a, &ilda, b, &ildb, &beta, c, &ildc);
+}
+inline void blas_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const double* a, int64_t lda,
+                      const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
+  const char ca = ta ? 'T' : 'N', cb = tb ? 'T' : 'N';
+  const int im = m, in = n, ik = k, ilda = lda, ildb = ldb, ildc = ldc;
+  dgemm_(&ca, &cb, &im, &in, &ik, &alpha, a, &ilda, b, &ildb, &beta, c, &ildc);
+}
+constexpr int64_t kBlockQ = 64;   // query rows per tile
+constexpr int64_t kBlockK = 128;  // keys per block (the leading dimension of score tiles)
 
 struct AttnDims {
-  int64_t B, H, Lq, Lk, D, Dp;
+  int64_t B, H, Lq, Lk, D;
   bool causal;
   // Keys [0, key_end(i)) can be visible to query row i (bottom-right causal alignment).
   int64_t key_end(int64_t i) const {
     return causal ? std::min<int64_t>(Lk, std::max<int64_t>(0, i + Lk - Lq + 1)) : Lk;
   }
+  // First query row that can see key j (0 if not causal).
+  int64_t first_query(int64_t j) const { return causal ? std::max<int64_t>(0, j - (Lk - Lq)) : 0; }
 };
 
-// out[0:kBlockK] = sum_d x[d] * bt[d * kBlockK + 0:kBlockK]: one row times a transposed block,
-// kBlockK / Vec::size() accumulators kept in registers.
-template <typename acc_t>
-inline void row_times_block(const acc_t* x, const acc_t* bt, int64_t D, acc_t* out) {
-  using Vec = at::vec::Vectorized<acc_t>;
-  constexpr int64_t kLanes = kBlockK / Vec::size();
-  Vec acc[kLanes];
-  for (int64_t u = 0; u < kLanes; ++u) acc[u] = Vec(acc_t(0));
-  for (int64_t d = 0; d < D; ++d) {
-    const Vec xd(x[d]);
-    const acc_t* row = bt + d * kBlockK;
-    for (int64_t u = 0; u < kLanes; ++u) acc[u] = at::vec::fmadd(xd, Vec::loadu(row + u * Vec::size()), acc[u]);
-  }
-  for (int64_t u = 0; u < kLanes; ++u) acc[u].store(out + u * Vec::size());
+// Row-major C (m x n, ldc) = alpha * A (m x k, lda) * op(B) + beta * C, in BLAS's column-major terms.
+// b_transposed: B is stored row-major as (n x k) and used as its transpose (A B^T), else B is (k x n).
+template <typename T>
+inline void gemm_rm(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b, int64_t ldb,
+                    bool b_transposed, T beta, T* c, int64_t ldc) {
+  // Row-major C = A op(B)  <=>  column-major C^T = op(B)^T A^T.
+  blas_gemm(b_transposed, false, n, m, k, alpha, b, ldb, a, lda, beta, c, ldc);
 }
 
-// Stages rows [j0, j0 + nk) of one (b, h)'s K or V: a transposed copy (D x kBlockK) and/or a
-// row-major copy (kBlockK x Dp), either may be nullptr; lanes past nk are zero.
+// A (rows x D) tile of a (B, H, L, D) tensor as acc_t: in place when the types agree, else converted.
 template <typename scalar_t, typename acc_t>
-void stage_keys(const scalar_t* src, int64_t j0, int64_t nk, const AttnDims& s, acc_t* transposed, acc_t* rows) {
-  if (transposed != nullptr) std::fill(transposed, transposed + s.D * kBlockK, acc_t(0));
-  if (rows != nullptr) std::fill(rows, rows + kBlockK * s.Dp, acc_t(0));
-  for (int64_t t = 0; t < nk; ++t) {
-    const scalar_t* row = src + (j0 + t) * s.D;
-    if (transposed != nullptr) {
-      for (int64_t d = 0; d < s.D; ++d) transposed[d * kBlockK + t] = static_cast<acc_t>(row[d]);
-    }
-    if (rows != nullptr) convert_row(row, rows + t * s.Dp, s.D);
+inline const acc_t* tile(const scalar_t* src, int64_t rows, int64_t D, std::vector<acc_t>& buffer) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return src;
+  } else {
+    convert_row(src, buffer.data(), rows * D);
+    return buffer.data();
   }
 }
 
-// visible[t] = key j0 + t exists (t < nk) and is not padding.
-inline void key_visibility(const bool* pad, int64_t j0, int64_t nk, char* visible) {
-  for (int64_t t = 0; t < kBlockK; ++t) visible[t] = t < nk && (pad == nullptr || !pad[j0 + t]);
+// x[0:n] = exp(x[0:n] - m); returns the sum.
+template <typename T>
+inline T exp_sub_sum(T* x, int64_t n, T m) {
+  using Vec = at::vec::Vectorized<T>;
+  const Vec vm(m);
+  Vec acc(T(0));
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    const Vec e = (Vec::loadu(x + j) - vm).exp();
+    e.store(x + j);
+    acc = acc + e;
+  }
+  if (j < n) {
+    const Vec e = (Vec::loadu(x + j, n - j) - vm).exp();
+    e.store(x + j, n - j);
+    acc = acc + Vec::set(Vec(T(0)), e, n - j);
+  }
+  return at::vec::vec_reduce_all<T>([](Vec a, Vec b) { return a + b; }, acc);
+}
+
+// x[0:n] *= y[0:n]
+template <typename T>
+inline void vec_mul(T* x, const T* y, int64_t n) {
+  using Vec = at::vec::Vectorized<T>;
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) (Vec::loadu(x + j) * Vec::loadu(y + j)).store(x + j);
+  for (; j < n; ++j) x[j] *= y[j];
+}
+
+// Scores of row i against keys [j0, j0 + nk) that it cannot see become `value`: padded keys
+// (pad_bias[t] = -inf) and keys past its causal limit.
+template <typename T>
+inline void mask_row(T* s, int64_t nk, const T* pad_bias, int64_t visible_end, T value) {
+  if (pad_bias != nullptr) {
+    for (int64_t t = 0; t < nk; ++t) {
+      if (pad_bias[t] != T(0)) s[t] = value;
+    }
+  }
+  for (int64_t t = std::max<int64_t>(0, visible_end); t < nk; ++t) s[t] = value;
 }
 
 template <typename scalar_t>
@@ -87,69 +136,68 @@ void attention_fwd_kernel(const scalar_t* q, const scalar_t* k, const scalar_t* 
                           scalar_t* out, at::opmath_type<scalar_t>* lse, const AttnDims s, double dropout_p,
                           double scale, uint64_t seed) {
   using acc_t = at::opmath_type<scalar_t>;
-  using Vec = at::vec::Vectorized<acc_t>;
-  const int64_t D = s.D, Dp = s.Dp;
+  const int64_t D = s.D;
   const int64_t tiles = (s.Lq + kBlockQ - 1) / kBlockQ;
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   at::parallel_for(0, s.B * s.H * tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> qs(kBlockQ * Dp), acc(kBlockQ * Dp), kt(D * kBlockK), vb(kBlockK * Dp);
-    std::vector<acc_t> p(kBlockK), drop(kBlockK), m(kBlockQ), l(kBlockQ);
-    std::vector<char> visible(kBlockK);
+    std::vector<acc_t> sc(kBlockQ * kBlockK), o(kBlockQ * D), m(kBlockQ), l(kBlockQ), pad_bias(kBlockK),
+        drop(kBlockK), q_buf, k_buf, v_buf;
+    if constexpr (!std::is_same_v<scalar_t, acc_t>) {
+      q_buf.resize(kBlockQ * D);
+      k_buf.resize(kBlockK * D);
+      v_buf.resize(kBlockK * D);
+    }
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bh = item / tiles, i0 = (item % tiles) * kBlockQ, b = bh / s.H;
       const int64_t nq = std::min(kBlockQ, s.Lq - i0);
       const bool* pad = kpm ? kpm + b * s.Lk : nullptr;
-      std::fill(qs.begin(), qs.end(), acc_t(0));
-      for (int64_t r = 0; r < nq; ++r) {
-        convert_row(q + (bh * s.Lq + i0 + r) * D, qs.data() + r * Dp, D);
-        vec_scale(static_cast<acc_t>(scale), qs.data() + r * Dp, D);
-      }
-      std::fill(acc.begin(), acc.end(), acc_t(0));
+      const acc_t* qt = tile(q + (bh * s.Lq + i0) * D, nq, D, q_buf);
+      std::fill(o.begin(), o.end(), acc_t(0));
       std::fill(m.begin(), m.end(), neg_inf);
       std::fill(l.begin(), l.end(), acc_t(0));
       const int64_t tile_key_end = s.key_end(i0 + nq - 1);
       for (int64_t j0 = 0; j0 < tile_key_end; j0 += kBlockK) {
         const int64_t nk = std::min(kBlockK, tile_key_end - j0);
-        stage_keys(k + bh * s.Lk * D, j0, nk, s, kt.data(), static_cast<acc_t*>(nullptr));
-        stage_keys(v + bh * s.Lk * D, j0, nk, s, static_cast<acc_t*>(nullptr), vb.data());
-        key_visibility(pad, j0, nk, visible.data());
+        const acc_t* kb = tile(k + (bh * s.Lk + j0) * D, nk, D, k_buf);
+        const acc_t* vb = tile(v + (bh * s.Lk + j0) * D, nk, D, v_buf);
+        if (pad != nullptr) {
+          for (int64_t t = 0; t < nk; ++t) pad_bias[t] = pad[j0 + t] ? neg_inf : acc_t(0);
+        }
+        // S (nq x nk) = scale Q_t K_b^T
+        gemm_rm<acc_t>(nq, nk, D, static_cast<acc_t>(scale), qt, D, kb, D, true, acc_t(0), sc.data(), kBlockK);
         for (int64_t r = 0; r < nq; ++r) {
-          const int64_t i = i0 + r, ke = s.key_end(i);
-          if (ke <= j0) continue;
-          row_times_block(qs.data() + r * Dp, kt.data(), D, p.data());
-          for (int64_t t = 0; t < kBlockK; ++t) {
-            if (!visible[t] || j0 + t >= ke) p[t] = neg_inf;
+          const int64_t i = i0 + r;
+          acc_t* p = sc.data() + r * kBlockK;
+          acc_t* o_r = o.data() + r * D;
+          mask_row(p, nk, pad ? pad_bias.data() : nullptr, s.key_end(i) - j0, neg_inf);
+          const acc_t block_max = vec_max(p, nk);
+          if (block_max == neg_inf) {  // nothing visible in this block: contributes nothing
+            std::fill(p, p + nk, acc_t(0));
+            continue;
           }
-          const acc_t block_max = vec_max(p.data(), kBlockK);
-          if (block_max == neg_inf) continue;
           const acc_t m_new = std::max(m[r], block_max);
-          const acc_t correction = std::exp(m[r] - m_new);  // 0 when m[r] = -inf
-          for (int64_t t = 0; t < kBlockK; t += Vec::size()) {
-            (Vec::loadu(p.data() + t) - Vec(m_new)).exp().store(p.data() + t);
-          }
-          l[r] = l[r] * correction + vec_sum(p.data(), kBlockK);
+          const acc_t correction = std::exp(m[r] - m_new);  // 0 while m[r] = -inf
+          l[r] = l[r] * correction + exp_sub_sum(p, nk, m_new);
           m[r] = m_new;
-          acc_t* acc_r = acc.data() + r * Dp;
-          vec_scale(correction, acc_r, Dp);
+          vec_scale(correction, o_r, D);
           if (dropout_p > 0) {
             dropout_factors(seed, static_cast<uint64_t>((bh * s.Lq + i) * s.Lk + j0), nk, dropout_p, drop.data());
-            for (int64_t t = 0; t < nk; ++t) p[t] *= drop[t];
-          }
-          for (int64_t t = 0; t < nk; ++t) {
-            if (p[t] != acc_t(0)) vec_axpy(p[t], vb.data() + t * Dp, acc_r, Dp);
+            vec_mul(p, drop.data(), nk);
           }
         }
+        // O (nq x D) += P (nq x nk) V_b (nk x D)
+        gemm_rm<acc_t>(nq, D, nk, acc_t(1), sc.data(), kBlockK, vb, D, false, acc_t(1), o.data(), D);
       }
       for (int64_t r = 0; r < nq; ++r) {
         const int64_t i = i0 + r;
         scalar_t* out_i = out + (bh * s.Lq + i) * D;
-        acc_t* acc_r = acc.data() + r * Dp;
+        acc_t* o_r = o.data() + r * D;
         if (l[r] == acc_t(0)) {  // no visible key: zeros, never NaN
           std::fill(out_i, out_i + D, scalar_t(0));
           lse[bh * s.Lq + i] = neg_inf;
         } else {
-          vec_scale(acc_t(1) / l[r], acc_r, D);
-          convert_row(acc_r, out_i, D);
+          vec_scale(acc_t(1) / l[r], o_r, D);
+          convert_row(o_r, out_i, D);
           lse[bh * s.Lq + i] = m[r] + std::log(l[r]);
         }
       }
@@ -163,72 +211,85 @@ void attention_bwd_kernel(const scalar_t* dout, const scalar_t* q, const scalar_
                           scalar_t* dq, scalar_t* dk, scalar_t* dv, const AttnDims s, double dropout_p,
                           double scale, uint64_t seed) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t D = s.D, Dp = s.Dp, Lq = s.Lq, Lk = s.Lk;
+  const int64_t D = s.D, Lq = s.Lq, Lk = s.Lk;
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   const acc_t scale_acc = static_cast<acc_t>(scale);
   at::parallel_for(0, s.B * s.H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> qs(Lq * Dp), dos(Lq * Dp), dqs(Lq * Dp), delta(Lq), orow(Dp);
-    std::vector<acc_t> kt(D * kBlockK), vt(D * kBlockK), kb(kBlockK * Dp), dkb(kBlockK * Dp), dvb(kBlockK * Dp);
-    std::vector<acc_t> p(kBlockK), dp(kBlockK), drop(kBlockK, acc_t(1));
-    std::vector<char> visible(kBlockK);
+    std::vector<acc_t> dq_acc(Lq * D), delta(Lq), o_row(D), do_row(D);
+    std::vector<acc_t> p(kBlockQ * kBlockK), dp(kBlockQ * kBlockK), dk_acc(kBlockK * D), dv_acc(kBlockK * D);
+    std::vector<acc_t> pad_bias(kBlockK), drop(kBlockK), q_buf, do_buf, k_buf, v_buf;
+    if constexpr (!std::is_same_v<scalar_t, acc_t>) {
+      q_buf.resize(Lq * D);
+      do_buf.resize(Lq * D);
+      k_buf.resize(kBlockK * D);
+      v_buf.resize(kBlockK * D);
+    }
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / s.H;
       const bool* pad = kpm ? kpm + b * Lk : nullptr;
       const acc_t* lse_bh = lse + bh * Lq;
-      std::fill(qs.begin(), qs.end(), acc_t(0));
-      std::fill(dos.begin(), dos.end(), acc_t(0));
-      std::fill(dqs.begin(), dqs.end(), acc_t(0));
-      for (int64_t i = 0; i < Lq; ++i) {
-        convert_row(q + (bh * Lq + i) * D, qs.data() + i * Dp, D);
-        vec_scale(scale_acc, qs.data() + i * Dp, D);
-        convert_row(dout + (bh * Lq + i) * D, dos.data() + i * Dp, D);
-        convert_row(out + (bh * Lq + i) * D, orow.data(), D);
-        delta[i] = vec_dot(dos.data() + i * Dp, orow.data(), D);  // D_i = dO_i . O_i
+      const acc_t* qa = tile(q + bh * Lq * D, Lq, D, q_buf);       // (Lq, D)
+      const acc_t* doa = tile(dout + bh * Lq * D, Lq, D, do_buf);  // (Lq, D)
+      for (int64_t i = 0; i < Lq; ++i) {  // D_i = dO_i . O_i
+        convert_row(out + (bh * Lq + i) * D, o_row.data(), D);
+        delta[i] = vec_dot(doa + i * D, o_row.data(), D);
       }
+      std::fill(dq_acc.begin(), dq_acc.end(), acc_t(0));
       const int64_t all_key_end = s.key_end(Lq - 1);
       for (int64_t j0 = 0; j0 < all_key_end; j0 += kBlockK) {
         const int64_t nk = std::min(kBlockK, all_key_end - j0);
-        stage_keys(k + bh * Lk * D, j0, nk, s, kt.data(), kb.data());
-        stage_keys(v + bh * Lk * D, j0, nk, s, vt.data(), static_cast<acc_t*>(nullptr));
-        key_visibility(pad, j0, nk, visible.data());
-        std::fill(dkb.begin(), dkb.end(), acc_t(0));
-        std::fill(dvb.begin(), dvb.end(), acc_t(0));
-        for (int64_t i = 0; i < Lq; ++i) {
-          const int64_t ke = s.key_end(i);
-          if (ke <= j0 || lse_bh[i] == neg_inf) continue;
-          const acc_t* q_i = qs.data() + i * Dp;
-          const acc_t* do_i = dos.data() + i * Dp;
-          row_times_block(q_i, kt.data(), D, p.data());
-          using Vec = at::vec::Vectorized<acc_t>;
-          for (int64_t t = 0; t < kBlockK; t += Vec::size()) {
-            (Vec::loadu(p.data() + t) - Vec(lse_bh[i])).exp().store(p.data() + t);
-          }
-          for (int64_t t = 0; t < kBlockK; ++t) {
-            if (!visible[t] || j0 + t >= ke) p[t] = acc_t(0);
-          }
-          row_times_block(do_i, vt.data(), D, dp.data());
-          if (dropout_p > 0) {
-            dropout_factors(seed, static_cast<uint64_t>((bh * Lq + i) * Lk + j0), nk, dropout_p, drop.data());
-          }
-          acc_t* dq_i = dqs.data() + i * Dp;
-          for (int64_t t = 0; t < nk; ++t) {
-            if (p[t] == acc_t(0)) continue;
-            const acc_t p_dropped = p[t] * drop[t];
-            if (p_dropped != acc_t(0)) vec_axpy(p_dropped, do_i, dvb.data() + t * Dp, Dp);
-            const acc_t ds = p[t] * (dp[t] * drop[t] - delta[i]);
-            vec_axpy(ds * scale_acc, kb.data() + t * Dp, dq_i, Dp);
-            vec_axpy(ds, q_i, dkb.data() + t * Dp, Dp);  // q_i is already scaled
-          }
+        const acc_t* kb = tile(k + (bh * Lk + j0) * D, nk, D, k_buf);
+        const acc_t* vb = tile(v + (bh * Lk + j0) * D, nk, D, v_buf);
+        if (pad != nullptr) {
+          for (int64_t t = 0; t < nk; ++t) pad_bias[t] = pad[j0 + t] ? neg_inf : acc_t(0);
         }
-        for (int64_t t = 0; t < nk; ++t) {
-          convert_row(dkb.data() + t * Dp, dk + (bh * Lk + j0 + t) * D, D);
-          convert_row(dvb.data() + t * Dp, dv + (bh * Lk + j0 + t) * D, D);
+        std::fill(dk_acc.begin(), dk_acc.end(), acc_t(0));
+        std::fill(dv_acc.begin(), dv_acc.end(), acc_t(0));
+        // Query tiles that can see some key of this block (causal: rows before first_query see none).
+        for (int64_t i0 = s.first_query(j0) / kBlockQ * kBlockQ; i0 < Lq; i0 += kBlockQ) {
+          const int64_t nq = std::min(kBlockQ, Lq - i0);
+          const acc_t* qt = qa + i0 * D;
+          const acc_t* dot = doa + i0 * D;
+          gemm_rm<acc_t>(nq, nk, D, scale_acc, qt, D, kb, D, true, acc_t(0), p.data(), kBlockK);   // S
+          gemm_rm<acc_t>(nq, nk, D, acc_t(1), dot, D, vb, D, true, acc_t(0), dp.data(), kBlockK);  // dO V^T
+          for (int64_t r = 0; r < nq; ++r) {
+            const int64_t i = i0 + r;
+            acc_t* p_r = p.data() + r * kBlockK;
+            acc_t* dp_r = dp.data() + r * kBlockK;
+            if (lse_bh[i] == neg_inf) {  // row saw nothing in the forward: no gradient
+              std::fill(p_r, p_r + nk, acc_t(0));
+              std::fill(dp_r, dp_r + nk, acc_t(0));
+              continue;
+            }
+            mask_row(p_r, nk, pad ? pad_bias.data() : nullptr, s.key_end(i) - j0, neg_inf);
+            exp_sub_sum(p_r, nk, lse_bh[i]);  // P = e^(S - lse), masked -> 0
+            if (dropout_p > 0) {
+              dropout_factors(seed, static_cast<uint64_t>((bh * Lq + i) * Lk + j0), nk, dropout_p, drop.data());
+              vec_mul(dp_r, drop.data(), nk);  // dP r
+            }
+            // dS = P (dP r - D_i), kept in dp; P r (for dV) kept in p.
+            using Vec = at::vec::Vectorized<acc_t>;
+            const Vec vdelta(delta[i]);
+            int64_t t = 0;
+            for (; t + Vec::size() <= nk; t += Vec::size()) {
+              (Vec::loadu(p_r + t) * (Vec::loadu(dp_r + t) - vdelta)).store(dp_r + t);
+            }
+            for (; t < nk; ++t) dp_r[t] = p_r[t] * (dp_r[t] - delta[i]);
+            if (dropout_p > 0) vec_mul(p_r, drop.data(), nk);
+          }
+          // dV_b (nk x D) += (P r)^T dO_t ; dK_b += scale dS^T Q_t ; dQ_t += scale dS K_b
+          // (column-major: dV_b^T (D x nk) += dO_t^T (D x nq) (P r) (nq x nk), likewise dK_b^T)
+          blas_gemm(false, true, D, nk, nq, acc_t(1), dot, D, p.data(), kBlockK, acc_t(1), dv_acc.data(), D);
+          blas_gemm(false, true, D, nk, nq, scale_acc, qt, D, dp.data(), kBlockK, acc_t(1), dk_acc.data(), D);
+          gemm_rm<acc_t>(nq, D, nk, scale_acc, dp.data(), kBlockK, kb, D, false, acc_t(1), dq_acc.data() + i0 * D, D);
         }
+        convert_row(dk_acc.data(), dk + (bh * Lk + j0) * D, nk * D);
+        convert_row(dv_acc.data(), dv + (bh * Lk + j0) * D, nk * D);
       }
       // Keys no query can see (past the causal limit of the last row) get zero gradients.
       std::fill(dk + (bh * Lk + all_key_end) * D, dk + (bh + 1) * Lk * D, scalar_t(0));
       std::fill(dv + (bh * Lk + all_key_end) * D, dv + (bh + 1) * Lk * D, scalar_t(0));
-      for (int64_t i = 0; i < Lq; ++i) convert_row(dqs.data() + i * Dp, dq + (bh * Lq + i) * D, D);
+      convert_row(dq_acc.data(), dq + bh * Lq * D, Lq * D);
     }
   });
 }
@@ -246,15 +307,13 @@ AttnDims check_attention(const Tensor& q, const Tensor& k, const Tensor& v,
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
               "fastformer attention: q (B, H, Lq, D) and k (B, H, Lk, D) disagree");
   check_dropout(dropout_p);
-  AttnDims s{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), 0, causal};
-  s.Dp = round_up(s.D, at::vec::Vectorized<double>::size() * 2);  // a multiple of every SIMD width used
   if (key_padding_mask.has_value()) {
     const Tensor& m = *key_padding_mask;
     check_cpu_contiguous(m, "key_padding_mask");
-    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 2 && m.size(0) == s.B && m.size(1) == s.Lk,
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 2 && m.size(0) == q.size(0) && m.size(1) == k.size(2),
                 "fastformer attention: key_padding_mask must be bool (B, Lk)");
   }
-  return s;
+  return AttnDims{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), causal};
 }
 
 }  // namespace
@@ -265,7 +324,9 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const
   const AttnDims s = check_attention(q, k, v, key_padding_mask, causal, dropout_p);
   Tensor out = at::empty_like(q);
   Tensor lse = at::empty({s.B, s.H, s.Lq}, q.options().dtype(at::toOpMathType(q.scalar_type())));
-  if (q.numel() == 0) return {out, lse.fill_(-std::numeric_limits<double>::infinity())};
+  if (q.numel() == 0 || s.Lk == 0) {
+    return {out.zero_(), lse.fill_(-std::numeric_limits<double>::infinity())};
+  }
   const bool* kpm = key_padding_mask.has_value() ? key_padding_mask->data_ptr<bool>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "fastformer_attention_fwd_cpu", [&] {
     attention_fwd_kernel<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), kpm,

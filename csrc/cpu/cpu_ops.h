@@ -24,8 +24,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
                                                  const c10::optional<Tensor>& key_padding_mask, bool causal,
                                                  double dropout_p, double scale, int64_t seed);
 
-// softmax over the last dim of x (..., N); mask is bool and already expanded to x's shape (a view,
-// any strides).
+// softmax over the last dim of x (..., N); mask is bool and broadcastable to x.
 Tensor softmax_fwd(const Tensor& x, const c10::optional<Tensor>& mask, double scale);
 Tensor softmax_bwd(const Tensor& dy, const Tensor& y, double scale);
 

@@ -1,7 +1,8 @@
 // y = LayerNorm(residual + dropout(x)) over the last dim on the CPU, forward and backward.
 //
 // Rows (R rows of N) are spread over threads. Forward, per row, in a thread-local float buffer:
-//   s = residual + x * r      (r = dropout factor from csrc/philox.h, element index row * N + col)
+//   s = residual + x * r      (r = dropout factor from csrc/philox.h, element index row * N + col),
+//                             rounded to the input dtype: the statistics are those of the s returned
 //   mean = sum(s) / N, var = sum((s - mean)^2) / N  (two sweeps over the cached row: no cancellation)
 //   y = (s - mean) * rstd * weight + bias,  rstd = 1 / sqrt(var + eps)
 // writes y, s (the pre-norm residual stream), mean and rstd (saved for backward).
@@ -49,6 +50,11 @@ void layer_norm_residual_fwd_kernel(const scalar_t* x, const scalar_t* residual,
       for (; j + Vec::size() <= N; j += Vec::size()) (Vec::loadu(s.data() + j) + Vec::loadu(tmp.data() + j)).store(s.data() + j);
       for (; j < N; ++j) s[j] += tmp[j];
       convert_row(s.data(), s_out + r * N, N);
+      if constexpr (!std::is_same_v<scalar_t, acc_t>) {
+        // Normalize the s that is returned (rounded to scalar_t), so backward's xhat, rebuilt from the
+        // saved s, matches the forward's exactly: with a tiny variance rstd amplifies any mismatch.
+        convert_row(s_out + r * N, s.data(), N);
+      }
       const acc_t mean = vec_sum(s.data(), N) / static_cast<acc_t>(N);
       Vec vmean(mean), vvar(acc_t(0));
       for (j = 0; j + Vec::size() <= N; j += Vec::size()) {

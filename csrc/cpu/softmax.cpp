@@ -7,8 +7,9 @@
 // x (and the mask) and one write of y: 2 N sizeof(T) (+ N mask bytes) per row. A row whose entries
 // are all masked has m = -inf and returns zeros.
 // Backward: dx = scale * y * (dy - sum(dy * y)); reads y, dy and writes dx once.
-// The mask arrives expanded to x's shape (a view: stride 0 on broadcast dims, any strides), so the
-// row's mask pointer is found by unravelling the row index over x's leading dims.
+// The mask is expanded to x's shape as a view (stride 0 on broadcast dims, any strides), so the row's
+// mask pointer is found by unravelling the row index over x's leading dims.
+#include <ATen/ExpandUtils.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -107,10 +108,13 @@ Tensor softmax_fwd(const Tensor& x, const c10::optional<Tensor>& mask, double sc
   TORCH_CHECK(x.dim() >= 1, "fastformer softmax: x must have at least one dimension");
   const int64_t N = x.size(-1), R = N == 0 ? 0 : x.numel() / N;
   MaskRows rows;
+  Tensor m;
   if (mask.has_value()) {
-    const Tensor& m = *mask;
-    TORCH_CHECK(m.device().is_cpu() && m.scalar_type() == at::kBool && m.sizes() == x.sizes(),
-                "fastformer softmax: mask must be a bool CPU tensor expanded to x's shape");
+    TORCH_CHECK(mask->device().is_cpu() && mask->scalar_type() == at::kBool,
+                "fastformer softmax: mask must be a bool CPU tensor");
+    TORCH_CHECK(at::infer_size(mask->sizes(), x.sizes()) == x.sizes(),
+                "fastformer softmax: mask of shape ", mask->sizes(), " does not broadcast to x's shape ", x.sizes());
+    m = mask->expand(x.sizes());  // a view: stride 0 along broadcast dims
     rows.base = m.data_ptr<bool>();
     for (int64_t d = 0; d + 1 < x.dim(); ++d) {
       rows.sizes.push_back(x.size(d));

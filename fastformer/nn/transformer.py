@@ -15,13 +15,13 @@ from fastformer.nn.layers import Decoder, Encoder
 
 
 def sinusoid_table(n_positions: int, d_model: int) -> Tensor:
-    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)); (n, d) float32."""
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)); (n, d) float64."""
     position = torch.arange(n_positions, dtype=torch.float64)[:, None]
     inv_freq = torch.exp(-math.log(10000.0) * torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
     table = torch.zeros(n_positions, d_model, dtype=torch.float64)
     table[:, 0::2] = torch.sin(position * inv_freq)
     table[:, 1::2] = torch.cos(position * inv_freq[: d_model // 2])
-    return table.float()
+    return table
 
 
 class Transformer(nn.Module):
@@ -40,18 +40,23 @@ class Transformer(nn.Module):
         nn.init.normal_(self.embed.weight, mean=0.0, std=config.d_model ** -0.5)
         with torch.no_grad():
             self.embed.weight[config.pad_id].zero_()
-        self.register_buffer("positions", sinusoid_table(config.max_positions, config.d_model), persistent=False)
+        self._position_cache: dict = {}  # (device, dtype) -> sinusoid table, computed in float64 then cast
         self.encoder = Encoder(config, backend)
         self.decoder = Decoder(config, backend)
 
     # ------------------------------------------------------------------------------------------
+    def positions(self, length: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """The first ``length`` rows of the sinusoid table (at least config.max_positions are kept)."""
+        table = self._position_cache.get((device, dtype))
+        if table is None or table.shape[0] < length:
+            n = max(length, self.config.max_positions, 0 if table is None else 2 * table.shape[0])
+            table = sinusoid_table(n, self.config.d_model).to(device=device, dtype=dtype)
+            self._position_cache[(device, dtype)] = table
+        return table[:length]
+
     def _embed(self, tokens: Tensor, offset: int = 0) -> Tensor:
-        length = offset + tokens.shape[1]
-        if length > self.positions.shape[0]:
-            self.positions = sinusoid_table(max(length, 2 * self.positions.shape[0]),
-                                            self.config.d_model).to(self.positions.device)
         x = self.embed(tokens) * math.sqrt(self.config.d_model)
-        x = x + self.positions[offset:length].to(x.dtype)
+        x = x + self.positions(offset + tokens.shape[1], x.dtype, x.device)[offset:]
         return F.dropout(x, self.config.dropout, self.training)
 
     def _check_tokens(self, tokens: Tensor, name: str) -> None:
@@ -75,6 +80,7 @@ class Transformer(nn.Module):
         return F.linear(h, self.embed.weight)
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        self._check_tokens(src, "src")
         self._check_tokens(tgt_in, "tgt_in")
         if src.shape[0] != tgt_in.shape[0]:
             raise ValueError(f"src and tgt_in batch sizes differ: {src.shape[0]} vs {tgt_in.shape[0]}")
@@ -88,11 +94,12 @@ class Transformer(nn.Module):
         """Batched beam search. Returns, per sentence, its finished hypotheses as (tokens, score), best
         first; tokens exclude bos and eos, score = sum of log-probabilities / ((5 + len) / 6) ** alpha
         (GNMT's length penalty, len counting the eos). A sentence of n source tokens (padding excluded)
-        is cut at floor(a * n + b) target tokens, where eos is forced. A sentence stops when beam_size
+        gets at most floor(a * n + b) target tokens before its eos (fairseq's rule; eos is forced then). A sentence stops when beam_size
         hypotheses have finished. beam_size=1 is greedy decoding. ``use_cache=False`` recomputes the
         whole prefix at each step (for tests and benchmarks)."""
         if beam_size < 1:
             raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+        self._check_tokens(src, "src")
         was_training = self.training
         self.eval()
         try:
@@ -104,7 +111,7 @@ class Transformer(nn.Module):
         cfg = self.config
         B, device, neg_inf = src.shape[0], src.device, float("-inf")
         memory, src_padding = self.encode(src)
-        max_len = ((~src_padding).sum(1).double() * a + b).floor().long().clamp(min=1).tolist()
+        max_len = ((~src_padding).sum(1).double() * a + b).floor().long().clamp(min=0).tolist()
         # Row i * K + k of every per-row tensor is beam k of the i-th still active sentence.
         active = list(range(B))
         rows = torch.arange(B, device=device).repeat_interleave(K)
@@ -114,7 +121,7 @@ class Transformer(nn.Module):
         scores = torch.zeros(B, K, dtype=torch.float64, device=device)
         scores[:, 1:] = neg_inf  # at step 0 every beam holds the same prefix: expand only the first
         finished: list[list[tuple[list[int], float]]] = [[] for _ in range(B)]
-        for step in range(max(max_len)):
+        for step in range(max(max_len) + 1):
             if use_cache:
                 logits = self.decode(tokens[:, -1:], memory, src_padding, cache, offset=step)[:, -1]
             else:
@@ -122,7 +129,7 @@ class Transformer(nn.Module):
             lprobs = F.log_softmax(logits.double(), dim=-1)  # (n K, V)
             lprobs[:, cfg.pad_id] = neg_inf
             lprobs[:, cfg.bos_id] = neg_inf
-            at_limit = torch.tensor([step + 1 >= max_len[s] for s in active], device=device).repeat_interleave(K)
+            at_limit = torch.tensor([step >= max_len[s] for s in active], device=device).repeat_interleave(K)
             if bool(at_limit.any()):  # the last allowed position of a sentence: only eos
                 eos = lprobs[:, cfg.eos_id].clone()
                 lprobs[at_limit] = neg_inf
@@ -145,7 +152,7 @@ class Transformer(nn.Module):
                             finished[s].append((tokens[row, 1:].tolist(), score / penalty))
                         continue
                     beams.append((row, token, score))
-                if len(finished[s]) >= K or step + 1 >= max_len[s] or not beams:
+                if len(finished[s]) >= K or step >= max_len[s] or not beams:
                     continue  # the sentence is done: its rows leave the batch
                 beams += [(beams[0][0], cfg.eos_id, neg_inf)] * (K - len(beams))  # idle beams
                 still.append(s)

@@ -151,6 +151,7 @@ def layer_norm_residual_fwd(x, residual, weight, bias, eps, dropout_p, seed):
     acc = _acc_dtype(x.dtype)
     drop = _dropout_factor(seed, x.shape, dropout_p, acc, x.device)
     s = residual.to(acc) + (x.to(acc) if drop is None else x.to(acc) * drop)
+    s = s.to(x.dtype).to(acc)  # normalize the s that is returned, so backward rebuilds the same xhat
     mean = s.mean(-1)
     rstd = torch.rsqrt(s.var(-1, unbiased=False) + eps)
     y = (s - mean[..., None]) * rstd[..., None] * weight.to(acc) + bias.to(acc)

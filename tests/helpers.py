@@ -1,0 +1,131 @@
+"""Shared by the op tests: the backends and dtypes they run over, input construction, forward+backward runs.
+
+BACKENDS are the kernel backends this build can run on CPU tensors; the torch backend is the reference
+(run in float64). ALL_BACKENDS adds the torch backend itself, whose low-precision runs (torch float32 vs
+torch float64) check the harness and its tolerances, and which must reject bad input like the others.
+"""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fastformer
+
+BACKENDS = [b for b in ("cpu", "cuda_sim", "triton") if fastformer.backends().get(b)]
+# Backends compared with the reference: the reference's own low-precision runs and every kernel backend.
+ALL_BACKENDS = ["torch"] + BACKENDS
+
+# Backends that execute GPU kernels on the CPU (a SIMT fiber model, the Triton interpreter): orders of
+# magnitude slower, so only shapes within these limits run on them.
+SLOW_BACKENDS = frozenset({"cuda_sim", "triton"})
+SLOW_LIMITS = dict(B=2, H=2, L=33, D=64, rows=16, N=4099)
+
+_DTYPE_NAMES = {
+    torch.float64: "f64",
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+}
+
+
+def dtypes_for(backend):
+    """The dtypes every op supports on ``backend`` (DESIGN.md: float64 only on torch and cpu)."""
+    dtypes = [torch.float32, torch.float16, torch.bfloat16]
+    if backend in ("torch", "cpu"):
+        dtypes.insert(0, torch.float64)
+    return dtypes
+
+
+# Backends that run float64, for gradcheck.
+FLOAT64_BACKENDS = [b for b in ALL_BACKENDS if torch.float64 in dtypes_for(b)]
+
+
+def dtype_name(dtype):
+    return _DTYPE_NAMES[dtype]
+
+
+def backend_dtype_cases(backends, cases, small, dtypes=None):
+    """pytest params (backend, dtype, case) over every backend, its dtypes and the cases.
+
+    ``small(case)`` says whether the case fits SLOW_LIMITS; slow backends only get those cases.
+    ``dtypes`` restricts the dtypes (intersected with what the backend supports).
+    """
+    params = []
+    for backend in backends:
+        for dtype in dtypes_for(backend):
+            if dtypes is not None and dtype not in dtypes:
+                continue
+            for case in cases:
+                if backend in SLOW_BACKENDS and not small(case):
+                    continue
+                params.append(pytest.param(backend, dtype, case, id=f"{backend}-{dtype_name(dtype)}-{case}"))
+    return params
+
+
+def backend_dtypes(backends):
+    """pytest params (backend, dtype) over every backend and the dtypes it supports."""
+    return [pytest.param(b, d, id=f"{b}-{dtype_name(d)}") for b in backends for d in dtypes_for(b)]
+
+
+def randn(*shape, dtype, scale=1.0, shift=0.0):
+    """Normal samples drawn in float64 and rounded to ``dtype`` (the reference upcasts the rounded values)."""
+    return (torch.randn(*shape, dtype=torch.float64) * scale + shift).to(dtype)
+
+
+def upcast(tensors):
+    """float64 copies of ``tensors`` (None stays None), detached from any graph."""
+    return [None if t is None else t.detach().double() for t in tensors]
+
+
+def forward_backward(fn, inputs, upstream):
+    """Runs ``fn(*inputs)`` on fresh leaves, backpropagates ``upstream`` into its outputs.
+
+    Returns (outputs, gradients of the inputs). The leaves keep the inputs' strides, so non-contiguous
+    inputs stay non-contiguous.
+    """
+    leaves = [x.detach().requires_grad_(True) for x in inputs]
+    outputs = fn(*leaves)
+    outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+    torch.autograd.backward(outputs, list(upstream))
+    return [o.detach() for o in outputs], [leaf.grad for leaf in leaves]
+
+
+def padding_mask(B, Lk):
+    """(B, Lk) bool key padding mask, True = padding.
+
+    Random scattered padding (about a quarter of the keys) plus, in batch element 1, a padded suffix as
+    a real batch of variable-length sentences has. With small Lk this can pad every key of a batch
+    element, which the tests then check returns zeros.
+    """
+    mask = torch.rand(B, Lk) < 0.25
+    if B > 1:
+        mask[1, Lk // 2 :] = True
+    return mask
+
+
+def visible_keys(B, Lq, Lk, key_padding_mask, causal):
+    """(B, 1, Lq, Lk) bool: query i sees key j (not padded; causal bottom-right: j <= i + Lk - Lq)."""
+    visible = torch.ones(B, 1, Lq, Lk, dtype=torch.bool)
+    if key_padding_mask is not None:
+        visible &= ~key_padding_mask[:, None, None, :]
+    if causal:
+        i = torch.arange(Lq)[:, None]
+        j = torch.arange(Lk)[None, :]
+        visible &= j <= i + (Lk - Lq)
+    return visible
+
+
+class RecordBackends(TorchDispatchMode):
+    """Records (op name, backend argument) of every fastformer custom op called while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.name()
+        if name.startswith("fastformer::"):
+            bound = dict(zip((a.name for a in func._schema.arguments), args))
+            bound.update(kwargs)
+            self.calls.append((name.split("::")[1], bound["backend"]))
+        return func(*args, **kwargs)

@@ -1,0 +1,214 @@
+"""ops.attention against the float64 torch reference: every backend and dtype, masks, odd shapes.
+
+Each test draws fresh random q, k, v and a random upstream gradient, runs forward and backward on the
+backend under test in the tested dtype, and compares the output and dq, dk, dv with the torch backend run
+in float64 on float64 copies of the same inputs (tests/tolerances.py). The torch backend itself is first
+checked against a naive formula written here, so the reference is not trusted blindly.
+"""
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from fastformer import ops
+from helpers import (
+    ALL_BACKENDS,
+    FLOAT64_BACKENDS,
+    SLOW_LIMITS,
+    backend_dtype_cases,
+    forward_backward,
+    padding_mask,
+    randn,
+    upcast,
+    visible_keys,
+)
+from tolerances import assert_close
+
+
+@dataclass(frozen=True)
+class Case:
+    B: int
+    H: int
+    Lq: int
+    Lk: int
+    D: int
+    mask: str = "none"  # "none", "padding" (key padding mask), "causal" or "both"
+    scale: float | None = None  # None: the default 1/sqrt(D)
+
+    @property
+    def padding(self):
+        return self.mask in ("padding", "both")
+
+    @property
+    def causal(self):
+        return self.mask in ("causal", "both")
+
+    def __str__(self):
+        scale = "" if self.scale is None else f"-scale{self.scale}"
+        return f"B{self.B}H{self.H}q{self.Lq}k{self.Lk}d{self.D}-{self.mask}{scale}"
+
+
+def small(case):
+    """Whether the case fits the limits of the slow (simulated GPU) backends."""
+    lim = SLOW_LIMITS
+    return case.B <= lim["B"] and case.H <= lim["H"] and max(case.Lq, case.Lk) <= lim["L"] and case.D <= lim["D"]
+
+
+CASES = [
+    # Within the slow backends' limits.
+    Case(1, 1, 1, 1, 16),
+    Case(2, 2, 7, 7, 16),
+    Case(2, 2, 7, 7, 40, "padding"),
+    Case(2, 2, 33, 33, 64, "causal"),
+    Case(2, 2, 33, 33, 40, "both", scale=0.3),
+    Case(2, 1, 1, 33, 64, "causal"),  # one query against a cache of keys (decoding)
+    Case(1, 2, 7, 33, 16, "both"),  # cross-attention, Lq < Lk
+    Case(2, 2, 33, 7, 64, "both"),  # Lq > Lk with causal: the first 26 queries see no key
+    Case(2, 2, 33, 17, 16, "padding"),  # cross-attention, Lq > Lk
+    # Bigger, odd shapes: head dims 40 and 128, lengths 97 and 113 (not multiples of any block size).
+    Case(2, 3, 97, 97, 40, "padding"),
+    Case(1, 2, 113, 113, 64, "causal"),
+    Case(2, 2, 113, 97, 128, "both"),
+    Case(2, 2, 1, 97, 128, "causal"),
+    Case(2, 1, 7, 113, 40, "causal"),
+    Case(1, 2, 97, 113, 16, "none", scale=0.5),
+    Case(2, 2, 113, 7, 64, "causal"),
+    Case(2, 2, 97, 113, 128, "both"),
+]
+
+
+def make_inputs(case, dtype):
+    q = randn(case.B, case.H, case.Lq, case.D, dtype=dtype)
+    k = randn(case.B, case.H, case.Lk, case.D, dtype=dtype)
+    v = randn(case.B, case.H, case.Lk, case.D, dtype=dtype)
+    mask = padding_mask(case.B, case.Lk) if case.padding else None
+    dout = randn(case.B, case.H, case.Lq, case.D, dtype=dtype)
+    return q, k, v, mask, dout
+
+
+def attention_fn(backend, case, mask, **kwargs):
+    return lambda q, k, v: ops.attention(
+        q, k, v, key_padding_mask=mask, causal=case.causal, scale=case.scale, backend=backend, **kwargs
+    )
+
+
+def assert_masked_rows_and_keys_zero(case, mask, out, dq, dk, dv):
+    """Rows with no visible key: output and dq exactly zero; keys no query sees: dk and dv exactly zero."""
+    visible = visible_keys(case.B, case.Lq, case.Lk, mask, case.causal)  # (B, 1, Lq, Lk)
+    empty_rows = (~visible.any(-1)).expand(case.B, case.H, case.Lq)  # (B, H, Lq)
+    unseen_keys = (~visible.any(-2)).expand(case.B, case.H, case.Lk)  # (B, H, Lk)
+    assert (out[empty_rows] == 0).all(), "a query with no visible key must return zeros"
+    assert (dq[empty_rows] == 0).all(), "a query with no visible key must get a zero gradient"
+    assert (dk[unseen_keys] == 0).all(), "a key no query attends to must get a zero gradient"
+    assert (dv[unseen_keys] == 0).all(), "a value no query attends to must get a zero gradient"
+
+
+def naive_attention(q, k, v, key_padding_mask, causal, scale):
+    """softmax(scale q k^T, masked) v written out; rows with no visible key give zeros."""
+    B, _, Lq, D = q.shape
+    Lk = k.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    visible = visible_keys(B, Lq, Lk, key_padding_mask, causal)
+    empty = ~visible.any(-1, keepdim=True)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    # Masked scores -> -inf; rows with nothing visible -> 0 so softmax stays finite, then zeroed by `visible`.
+    scores = scores.masked_fill(~visible, float("-inf")).masked_fill(empty, 0.0)
+    return (torch.softmax(scores, dim=-1) * visible) @ v
+
+
+@pytest.mark.parametrize("case", CASES[:9] + [Case(2, 2, 113, 97, 40, "both", scale=0.7)], ids=str)
+def test_torch_reference_matches_naive_formula(case):
+    # The reference of every other test, checked against the formula in float64.
+    q, k, v, mask, dout = make_inputs(case, torch.float64)
+    (out,), grads = forward_backward(attention_fn("torch", case, mask), [q, k, v], [dout])
+    (expected,), expected_grads = forward_backward(
+        lambda q, k, v: naive_attention(q, k, v, mask, case.causal, case.scale), [q, k, v], [dout]
+    )
+    assert_close(out, expected, torch.float64, "out")
+    for name, g, eg in zip(("dq", "dk", "dv"), grads, expected_grads):
+        assert_close(g, eg, torch.float64, name)
+
+
+@pytest.mark.parametrize("backend,dtype,case", backend_dtype_cases(ALL_BACKENDS, CASES, small))
+def test_attention_matches_reference(backend, dtype, case):
+    q, k, v, mask, dout = make_inputs(case, dtype)
+    (out,), grads = forward_backward(attention_fn(backend, case, mask), [q, k, v], [dout])
+    (ref,), ref_grads = forward_backward(attention_fn("torch", case, mask), upcast([q, k, v]), upcast([dout]))
+    assert_close(out, ref, dtype, "out")
+    for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(g, rg, dtype, name)
+    assert_masked_rows_and_keys_zero(case, mask, out, *grads)
+
+
+# Rows with no visible key, constructed on purpose: every key of batch element 0 padded, or causal with
+# more queries than keys (query i < Lq - Lk sees nothing).
+EMPTY_ROW_CASES = [Case(2, 2, 17, 33, 40, "padding"), Case(2, 2, 33, 9, 64, "causal"), Case(2, 2, 33, 9, 16, "both")]
+
+
+@pytest.mark.parametrize("backend,dtype,case", backend_dtype_cases(ALL_BACKENDS, EMPTY_ROW_CASES, small))
+def test_rows_without_visible_key_are_zero(backend, dtype, case):
+    q, k, v, _, dout = make_inputs(case, dtype)
+    mask = None
+    if case.padding:
+        mask = padding_mask(case.B, case.Lk)
+        mask[0] = True  # batch element 0: nothing to attend to
+    (out,), (dq, dk, dv) = forward_backward(attention_fn(backend, case, mask), [q, k, v], [dout])
+    for name, t in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert torch.isfinite(t).all(), f"{name} holds non-finite values"
+    if case.padding:
+        assert (out[0] == 0).all() and (dq[0] == 0).all() and (dk[0] == 0).all() and (dv[0] == 0).all()
+    if case.causal:
+        first_seen = case.Lq - case.Lk  # query i sees key 0 from i = Lq - Lk on
+        assert (out[:, :, :first_seen] == 0).all() and (dq[:, :, :first_seen] == 0).all()
+        assert (out[:, :, first_seen:] != 0).any()
+    assert_masked_rows_and_keys_zero(case, mask, out, dq, dk, dv)
+    # The rows that do see keys still match the reference.
+    (ref,), ref_grads = forward_backward(attention_fn("torch", case, mask), upcast([q, k, v]), upcast([dout]))
+    assert_close(out, ref, dtype, "out")
+    for name, g, rg in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads):
+        assert_close(g, rg, dtype, name)
+
+
+LSE_CASES = [Case(2, 2, 33, 17, 40, "both"), Case(2, 2, 7, 33, 64, "padding", scale=0.25)]
+
+
+@pytest.mark.parametrize("backend,dtype,case", backend_dtype_cases(ALL_BACKENDS, LSE_CASES, small, [torch.float32]))
+def test_attention_fwd_logsumexp(backend, dtype, case):
+    # The custom op's second output is the log-sum-exp of each row's visible scaled scores, (B, H, Lq),
+    # which the backward uses to rebuild the probabilities.
+    q, k, v, _, _ = make_inputs(case, dtype)
+    mask = padding_mask(case.B, case.Lk)
+    scale = 1.0 / math.sqrt(case.D) if case.scale is None else case.scale
+    seed = torch.tensor(0, dtype=torch.int64)
+    out, lse = torch.ops.fastformer.attention_fwd(q, k, v, mask, case.causal, 0.0, scale, seed, backend)
+    visible = visible_keys(case.B, case.Lq, case.Lk, mask, case.causal)
+    scores = (q.double() @ k.double().transpose(-1, -2)) * scale
+    expected = torch.logsumexp(scores.masked_fill(~visible, float("-inf")), dim=-1)  # (B, H, Lq)
+    assert lse.shape == (case.B, case.H, case.Lq)
+    rows = visible.any(-1).expand(case.B, case.H, case.Lq)
+    assert_close(lse[rows].float(), expected[rows], torch.float32, "lse")
+    assert_close(out, attention_fn("torch", case, mask)(*upcast([q, k, v])), dtype, "out")
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_explicit_default_scale(backend):
+    # scale=None is 1/sqrt(D): passing that value explicitly gives the same result.
+    case = Case(2, 2, 7, 9, 40, "causal")
+    q, k, v, _, _ = make_inputs(case, torch.float32)
+    default = ops.attention(q, k, v, causal=True, backend=backend)
+    explicit = ops.attention(q, k, v, causal=True, scale=1.0 / math.sqrt(40), backend=backend)
+    torch.testing.assert_close(default, explicit, atol=1e-6, rtol=1e-6)
+    other = ops.attention(q, k, v, causal=True, scale=0.5, backend=backend)
+    assert not torch.allclose(default, other, atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", FLOAT64_BACKENDS)
+def test_gradcheck_float64(backend):
+    # Analytic gradients against finite differences, with both masks.
+    case = Case(2, 1, 4, 5, 4, "both")
+    q, k, v, _, _ = make_inputs(case, torch.float64)
+    mask = padding_mask(case.B, case.Lk)
+    fn = attention_fn(backend, case, mask)
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+    assert torch.autograd.gradcheck(fn, inputs)

@@ -1,0 +1,237 @@
+"""Bad input raises a Python exception on every backend (never a crash), and odd strides just work.
+
+DESIGN.md: wrong rank, mismatched shapes, devices or dtypes, a mask of the wrong shape or dtype, dropout_p
+outside [0, 1), non-finite eps and unknown backend names raise ValueError; a named backend that cannot run
+the inputs raises ValueError or RuntimeError naming the backend, with no silent fallback. Device mismatches
+use a "meta" tensor for one argument. Non-contiguous inputs give the same result as contiguous ones.
+"""
+import re
+
+import pytest
+import torch
+
+import fastformer
+from fastformer import ops
+from helpers import ALL_BACKENDS, BACKENDS, backend_dtypes, dtypes_for, forward_backward, randn, upcast
+from tolerances import assert_close
+
+B, H, LQ, LK, D = 2, 2, 5, 7, 16
+ROWS, N = 5, 24
+F32 = torch.float32
+
+
+def with_changes(valid_args, op, changes):
+    """A call of ``op`` on valid arguments with ``changes`` applied (value, or function of the arguments)."""
+
+    def call(backend):
+        args = valid_args()
+        args["backend"] = backend
+        for key, change in changes.items():
+            args[key] = change(args) if callable(change) else change
+        return op(**args)
+
+    return call
+
+
+def attention_args():
+    return dict(
+        q=randn(B, H, LQ, D, dtype=F32),
+        k=randn(B, H, LK, D, dtype=F32),
+        v=randn(B, H, LK, D, dtype=F32),
+        key_padding_mask=torch.rand(B, LK) < 0.3,
+        causal=True,
+    )
+
+
+def softmax_args():
+    return dict(x=randn(B, H, LQ, N, dtype=F32), mask=torch.rand(B, 1, 1, N) < 0.3, scale=0.5)
+
+
+def lnr_args():
+    return dict(
+        x=randn(ROWS, N, dtype=F32),
+        residual=randn(ROWS, N, dtype=F32),
+        weight=randn(N, dtype=F32),
+        bias=randn(N, dtype=F32),
+        prenorm=True,
+    )
+
+
+def attention(**changes):
+    return with_changes(attention_args, ops.attention, changes)
+
+
+def softmax(**changes):
+    return with_changes(softmax_args, ops.softmax, changes)
+
+
+def lnr(**changes):
+    return with_changes(lnr_args, ops.layer_norm_residual, changes)
+
+
+VALUE = (ValueError,)
+# Integer tensors: any clear Python exception (a type error is as good as a value error here).
+ANY = (ValueError, TypeError, RuntimeError)
+meta = lambda name: lambda a: a[name].to("meta")  # noqa: E731
+
+BAD = {
+    # attention: (B, H, Lq, D), (B, H, Lk, D), (B, H, Lk, D), mask (B, Lk)
+    "attention-q_rank3": (attention(q=lambda a: a["q"][0]), VALUE),
+    "attention-k_rank5": (attention(k=lambda a: a["k"][None]), VALUE),
+    "attention-kv_batch": (attention(k=lambda a: a["k"][:1], v=lambda a: a["v"][:1]), VALUE),
+    "attention-kv_heads": (attention(k=lambda a: a["k"][:, :1], v=lambda a: a["v"][:, :1]), VALUE),
+    "attention-k_head_dim": (attention(k=lambda a: a["k"][..., :8]), VALUE),
+    "attention-q_head_dim": (attention(q=lambda a: a["q"][..., :8]), VALUE),
+    "attention-v_head_dim": (attention(v=lambda a: a["v"][..., :8]), VALUE),
+    "attention-v_length": (attention(v=lambda a: a["v"][:, :, :-1]), VALUE),
+    "attention-k_float16": (attention(k=lambda a: a["k"].half()), VALUE),
+    "attention-v_bfloat16": (attention(v=lambda a: a["v"].bfloat16()), VALUE),
+    "attention-q_float64": (attention(q=lambda a: a["q"].double()), VALUE),
+    "attention-int": (attention(**{n: (lambda a, n=n: a[n].long()) for n in "qkv"}), ANY),
+    "attention-k_meta": (attention(k=meta("k")), VALUE),
+    "attention-v_meta": (attention(v=meta("v")), VALUE),
+    "attention-mask_meta": (attention(key_padding_mask=meta("key_padding_mask")), VALUE),
+    "attention-mask_length": (attention(key_padding_mask=torch.zeros(B, LK + 1, dtype=torch.bool)), VALUE),
+    "attention-mask_batch": (attention(key_padding_mask=torch.zeros(B + 1, LK, dtype=torch.bool)), VALUE),
+    "attention-mask_rank1": (attention(key_padding_mask=torch.zeros(LK, dtype=torch.bool)), VALUE),
+    "attention-mask_float": (attention(key_padding_mask=lambda a: a["key_padding_mask"].float()), VALUE),
+    "attention-dropout_negative": (attention(dropout_p=-0.1), VALUE),
+    "attention-dropout_one": (attention(dropout_p=1.0), VALUE),
+    "attention-dropout_above_one": (attention(dropout_p=1.5), VALUE),
+    "attention-dropout_nan": (attention(dropout_p=float("nan")), VALUE),
+    # softmax: x (..., N), mask broadcastable to x
+    "softmax-x_rank0": (softmax(x=torch.tensor(1.0), mask=None), VALUE),
+    "softmax-mask_last_dim": (softmax(mask=torch.zeros(N + 1, dtype=torch.bool)), VALUE),
+    "softmax-mask_rows": (softmax(mask=torch.zeros(B, H, LQ + 1, N, dtype=torch.bool)), VALUE),
+    "softmax-mask_bigger_than_x": (softmax(mask=torch.zeros(3, B, H, LQ, N, dtype=torch.bool)), VALUE),
+    "softmax-mask_float": (softmax(mask=lambda a: a["mask"].float()), VALUE),
+    "softmax-mask_meta": (softmax(mask=meta("mask")), VALUE),
+    "softmax-int": (softmax(x=lambda a: a["x"].long()), ANY),
+    # layer_norm_residual: x, residual (..., N); weight, bias (N,)
+    "lnr-residual_width": (lnr(residual=randn(ROWS, N + 1, dtype=F32)), VALUE),
+    "lnr-residual_rows": (lnr(residual=randn(ROWS - 1, N, dtype=F32)), VALUE),
+    "lnr-weight_width": (lnr(weight=randn(N + 1, dtype=F32)), VALUE),
+    "lnr-weight_rank2": (lnr(weight=randn(1, N, dtype=F32)), VALUE),
+    "lnr-bias_width": (lnr(bias=randn(N - 1, dtype=F32)), VALUE),
+    "lnr-residual_float16": (lnr(residual=lambda a: a["residual"].half()), VALUE),
+    "lnr-x_bfloat16": (lnr(x=lambda a: a["x"].bfloat16()), VALUE),
+    "lnr-residual_meta": (lnr(residual=meta("residual")), VALUE),
+    "lnr-weight_meta": (lnr(weight=meta("weight")), VALUE),
+    "lnr-bias_meta": (lnr(bias=meta("bias")), VALUE),
+    "lnr-eps_nan": (lnr(eps=float("nan")), VALUE),
+    "lnr-eps_inf": (lnr(eps=float("inf")), VALUE),
+    "lnr-eps_minus_inf": (lnr(eps=float("-inf")), VALUE),
+    "lnr-dropout_negative": (lnr(dropout_p=-0.1), VALUE),
+    "lnr-dropout_one": (lnr(dropout_p=1.0), VALUE),
+    "lnr-dropout_above_one": (lnr(dropout_p=1.5), VALUE),
+    "lnr-dropout_nan": (lnr(dropout_p=float("nan")), VALUE),
+    "lnr-int": (lnr(**{n: (lambda a, n=n: a[n].long()) for n in ("x", "residual", "weight", "bias")}), ANY),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_bad_input_raises(backend, name):
+    call, errors = BAD[name]
+    with pytest.raises(errors):
+        call(backend)
+
+
+OPS = {"attention": attention(), "softmax": softmax(), "layer_norm_residual": lnr()}
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_unknown_backend_name_raises(op):
+    with pytest.raises(ValueError, match="nope"):
+        OPS[op]("nope")
+
+
+# Named backends that cannot run CPU inputs of some dtype: "cuda" never runs CPU tensors; backends not
+# built here cannot run anything; simulated GPU backends have no float64. No silent fallback allowed.
+CANNOT_RUN = [("cuda", F32)]
+CANNOT_RUN += [(b, F32) for b in ("cuda_sim", "triton") if not fastformer.backends().get(b)]
+CANNOT_RUN += [(b, torch.float64) for b in BACKENDS if torch.float64 not in dtypes_for(b)]
+
+
+def cast_floats(args, dtype):
+    return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in args.items()}
+
+
+@pytest.mark.parametrize("backend,dtype", CANNOT_RUN, ids=[f"{b}-{d}" for b, d in CANNOT_RUN])
+@pytest.mark.parametrize(
+    "op,valid_args",
+    [(ops.attention, attention_args), (ops.softmax, softmax_args), (ops.layer_norm_residual, lnr_args)],
+    ids=["attention", "softmax", "layer_norm_residual"],
+)
+def test_backend_that_cannot_run_the_inputs_raises(op, valid_args, backend, dtype):
+    args = cast_floats(valid_args(), dtype)
+    with pytest.raises((ValueError, RuntimeError), match=f"(?i){re.escape(backend)}"):
+        op(**args, backend=backend)
+
+
+# Non-contiguous inputs: transposed views, slices with a row stride, a stride-0 broadcast, and
+# non-contiguous masks and upstream gradients. The result must match the reference, and the same
+# backend's result on contiguous copies.
+
+
+def assert_same_as_contiguous(fn, inputs, upstream, backend, dtype):
+    assert not all(t.is_contiguous() for t in inputs), "the test should pass non-contiguous inputs"
+    outs, grads = forward_backward(fn(backend), inputs, upstream)
+    contiguous = [t.contiguous() for t in inputs]
+    c_outs, c_grads = forward_backward(fn(backend), contiguous, [g.contiguous() for g in upstream])
+    refs, ref_grads = forward_backward(fn("torch"), upcast(contiguous), upcast(upstream))
+    for o, c, r in zip(outs + grads, c_outs + c_grads, refs + ref_grads):
+        assert_close(o, r, dtype, "non-contiguous vs reference")
+        torch.testing.assert_close(o, c, msg=lambda m: f"non-contiguous vs contiguous: {m}")
+
+
+@pytest.mark.parametrize("backend,dtype", backend_dtypes(ALL_BACKENDS))
+def test_attention_noncontiguous(backend, dtype):
+    q = randn(B, LQ, H, D, dtype=dtype).transpose(1, 2)  # (B, H, Lq, D) view of (B, Lq, H, D)
+    k = randn(B, LK, H, D, dtype=dtype).transpose(1, 2)
+    v = randn(B, H, LK, 2 * D, dtype=dtype)[..., :D]  # rows strided by 2D
+    mask = (torch.rand(B, 2 * LK) < 0.3)[:, ::2]  # (B, Lk) with stride 2
+    dout = randn(B, LQ, H, D, dtype=dtype).transpose(1, 2)
+
+    def fn(backend):
+        return lambda q, k, v: ops.attention(q, k, v, key_padding_mask=mask, causal=True, backend=backend)
+
+    assert_same_as_contiguous(fn, [q, k, v], [dout], backend, dtype)
+
+
+@pytest.mark.parametrize("backend,dtype", backend_dtypes(ALL_BACKENDS))
+def test_softmax_noncontiguous(backend, dtype):
+    x = randn(B, H, N, LQ, dtype=dtype).transpose(-1, -2)  # last dim strided
+    mask = (torch.rand(B, 1, N, LQ) < 0.3).transpose(-1, -2)
+    dy = randn(B, H, N, LQ, dtype=dtype).transpose(-1, -2)
+
+    def fn(backend):
+        return lambda x: ops.softmax(x, mask=mask, scale=0.5, backend=backend)
+
+    assert_same_as_contiguous(fn, [x], [dy], backend, dtype)
+
+
+@pytest.mark.parametrize("backend,dtype", backend_dtypes(ALL_BACKENDS))
+def test_softmax_stride0_input(backend, dtype):
+    x = randn(1, LQ, N, dtype=dtype).expand(3, LQ, N)  # stride 0 over the first dim
+    dy = randn(3, LQ, N, dtype=dtype)
+
+    def fn(backend):
+        return lambda x: ops.softmax(x, backend=backend)
+
+    assert_same_as_contiguous(fn, [x], [dy], backend, dtype)
+
+
+@pytest.mark.parametrize("backend,dtype", backend_dtypes(ALL_BACKENDS))
+def test_layer_norm_residual_noncontiguous(backend, dtype):
+    x = randn(N, ROWS, dtype=dtype).t()  # (rows, N), last dim strided
+    residual = randn(ROWS, 2 * N, dtype=dtype)[:, ::2]
+    weight = randn(2 * N, dtype=dtype, shift=1.0)[::2]
+    bias = randn(N, 3, dtype=dtype)[:, 1]
+    dy = randn(N, ROWS, dtype=dtype).t()
+    ds = randn(ROWS, 2 * N, dtype=dtype)[:, N:]
+
+    def fn(backend):
+        return lambda x, r, w, b: ops.layer_norm_residual(x, r, w, b, prenorm=True, backend=backend)
+
+    assert_same_as_contiguous(fn, [x, residual, weight, bias], [dy, ds], backend, dtype)

@@ -1,0 +1,209 @@
+"""Dropout in attention and layer_norm_residual.
+
+Contract (DESIGN.md and the op docs): with dropout_p > 0 each call draws its seed from torch's default
+CPU generator, the same way on every backend, and every backend generates the mask with the same
+counter-based generator (Philox4x32-10). So after the same torch.manual_seed every backend drops the same
+elements: a backend in any dtype must match the float64 torch reference within the normal tolerance,
+forward and backward. Kept elements are scaled by 1/(1-p); attention drops normalized probabilities;
+backward reuses the forward's mask.
+"""
+import math
+
+import pytest
+import torch
+
+from fastformer import ops
+import test_attention as att  # the attention cases and their helpers
+import test_layer_norm_residual as lnr
+from helpers import ALL_BACKENDS, FLOAT64_BACKENDS, backend_dtype_cases, forward_backward, padding_mask, upcast
+from tolerances import assert_close
+
+SEED = 20240611
+
+
+def seeded(fn, seed=SEED):
+    """fn with torch.manual_seed(seed) before every call, so every call draws the same dropout seed."""
+
+    def call(*args):
+        torch.manual_seed(seed)
+        return fn(*args)
+
+    return call
+
+
+def attention_dropout_fn(backend, case, mask, p):
+    return seeded(att.attention_fn(backend, case, mask, dropout_p=p))
+
+
+def lnr_dropout_fn(backend, case, p):
+    return seeded(
+        lambda x, residual, weight, bias: ops.layer_norm_residual(
+            x, residual, weight, bias, eps=case.eps, dropout_p=p, prenorm=case.prenorm, backend=backend
+        )
+    )
+
+
+ATTENTION_CASES = [
+    att.Case(2, 2, 33, 33, 64, "both"),
+    att.Case(2, 2, 7, 33, 40, "causal"),
+    att.Case(1, 2, 33, 17, 16, "padding", scale=0.5),
+    att.Case(1, 2, 113, 97, 128, "both"),
+    att.Case(2, 3, 97, 97, 16, "none"),
+]
+
+
+@pytest.mark.parametrize("p", [0.2, 0.5])
+@pytest.mark.parametrize("backend,dtype,case", backend_dtype_cases(ALL_BACKENDS, ATTENTION_CASES, att.small))
+def test_attention_dropout_matches_reference(backend, dtype, case, p):
+    # Same seed -> same mask on every backend: parity with the float64 reference despite dropout.
+    q, k, v, mask, dout = att.make_inputs(case, dtype)
+    (out,), grads = forward_backward(attention_dropout_fn(backend, case, mask, p), [q, k, v], [dout])
+    (ref,), ref_grads = forward_backward(
+        attention_dropout_fn("torch", case, mask, p), upcast([q, k, v]), upcast([dout])
+    )
+    assert_close(out, ref, dtype, "out")
+    for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(g, rg, dtype, name)
+    att.assert_masked_rows_and_keys_zero(case, mask, out, *grads)
+
+
+LNR_CASES = [
+    lnr.Case((7, 97), True),
+    lnr.Case((16, 1000), False),
+    lnr.Case((2, 5, 113), True, 1e-6),
+    lnr.Case((113, 512), True),
+]
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.parametrize("backend,dtype,case", backend_dtype_cases(ALL_BACKENDS, LNR_CASES, lnr.small))
+def test_layer_norm_residual_dropout_matches_reference(backend, dtype, case, p):
+    inputs, upstream = lnr.make_inputs(case, dtype)
+    outs, grads = forward_backward(lnr_dropout_fn(backend, case, p), inputs, upstream)
+    refs, ref_grads = forward_backward(lnr_dropout_fn("torch", case, p), upcast(inputs), upcast(upstream))
+    for name, o, r in zip(("y", "s"), outs, refs):
+        assert_close(o, r, dtype, name)
+    for name, g, r in zip(("dx", "dresidual", "dweight", "dbias"), grads, ref_grads):
+        assert_close(g, r, dtype, name)
+
+
+def assert_kept_fraction(kept, p):
+    """The kept fraction is 1 - p within 5 standard deviations of a Bernoulli mean."""
+    n = kept.numel()
+    fraction = kept.double().mean().item()
+    sigma = math.sqrt(p * (1 - p) / n)
+    assert abs(fraction - (1 - p)) < 5 * sigma, f"kept {fraction:.4f} of {n}, expected {1 - p} +- {5 * sigma:.4f}"
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.8])
+def test_attention_dropout_statistics(backend, p):
+    # q = 0 makes every score 0, so each probability is exactly 1/Lk; v = identity (D = Lk) makes the
+    # output the dropped probability matrix itself: every entry is 0 or 1/(Lk (1-p)).
+    B, H, Lq, Lk = 2, 2, 33, 32
+    q = torch.zeros(B, H, Lq, Lk)
+    k = torch.randn(B, H, Lk, Lk)
+    v = torch.eye(Lk).expand(B, H, Lk, Lk).contiguous()
+    out = ops.attention(q, k, v, dropout_p=p, backend=backend)  # (B, H, Lq, Lk)
+    kept = out != 0
+    expected = torch.where(kept, 1.0 / (Lk * (1 - p)), 0.0)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+    assert_kept_fraction(kept, p)
+    # Each (batch, head) has its own mask (the generator's counter covers all of B and H).
+    planes = kept.reshape(B * H, Lq * Lk)
+    for a in range(B * H):
+        for b in range(a + 1, B * H):
+            assert not torch.equal(planes[a], planes[b]), f"planes {a} and {b} drew the same mask"
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_layer_norm_residual_dropout_statistics(backend, p):
+    # residual = 0 makes s = dropout(x): every entry is 0 (dropped) or x / (1 - p) (kept).
+    x = torch.rand(16, 512) + 0.5  # bounded away from 0, so a kept entry is never 0
+    residual = torch.zeros_like(x)
+    weight, bias = torch.randn(512), torch.randn(512)
+    _, s = ops.layer_norm_residual(x, residual, weight, bias, dropout_p=p, prenorm=True, backend=backend)
+    kept = s != 0
+    torch.testing.assert_close(s, torch.where(kept, x / (1 - p), 0.0), atol=1e-6, rtol=1e-5)
+    assert_kept_fraction(kept, p)
+    assert not torch.equal(kept[0], kept[1]), "rows 0 and 1 drew the same mask"
+
+
+@pytest.mark.parametrize("backend", FLOAT64_BACKENDS)
+def test_attention_dropout_gradcheck(backend):
+    # gradcheck's finite differences re-run the forward many times, each with the same seed (same mask);
+    # the analytic gradient passes only if backward regenerates exactly the forward's mask.
+    case = att.Case(2, 1, 4, 5, 4, "both")
+    q, k, v, _, _ = att.make_inputs(case, torch.float64)
+    mask = padding_mask(case.B, case.Lk)
+    fn = attention_dropout_fn(backend, case, mask, 0.2)
+    assert torch.autograd.gradcheck(fn, [t.requires_grad_() for t in (q, k, v)])
+
+
+@pytest.mark.parametrize("backend", FLOAT64_BACKENDS)
+@pytest.mark.parametrize("prenorm", [False, True])
+def test_layer_norm_residual_dropout_gradcheck(backend, prenorm):
+    case = lnr.Case((3, 7), prenorm)
+    inputs, _ = lnr.make_inputs(case, torch.float64)
+    fn = lnr_dropout_fn(backend, case, 0.3)
+    assert torch.autograd.gradcheck(fn, [t.requires_grad_() for t in inputs])
+
+
+def run_attention(backend, p):
+    case = att.Case(2, 2, 9, 11, 16, "both")
+    torch.manual_seed(1)
+    q, k, v, mask, _ = att.make_inputs(case, torch.float32)
+    return lambda: ops.attention(q, k, v, key_padding_mask=mask, causal=True, dropout_p=p, backend=backend)
+
+
+def run_lnr(backend, p):
+    case = lnr.Case((5, 33), True)
+    torch.manual_seed(1)
+    (x, residual, weight, bias), _ = lnr.make_inputs(case, torch.float32)
+    return lambda: ops.layer_norm_residual(x, residual, weight, bias, dropout_p=p, prenorm=True, backend=backend)[1]
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("make", [run_attention, run_lnr], ids=["attention", "layer_norm_residual"])
+def test_zero_dropout_is_deterministic_and_equal_to_no_dropout(backend, make):
+    without = make(backend, 0.0)()
+    torch.manual_seed(5)
+    first = make(backend, 0.0)()
+    torch.manual_seed(6)
+    second = make(backend, 0.0)()
+    assert torch.equal(first, second)
+    assert torch.equal(first, without)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("make", [run_attention, run_lnr], ids=["attention", "layer_norm_residual"])
+def test_dropout_mask_follows_torch_seed(backend, make):
+    call = make(backend, 0.5)
+    torch.manual_seed(7)
+    a = call()
+    torch.manual_seed(7)
+    b = call()
+    c = call()  # no reseed: a new seed is drawn, so a new mask
+    torch.manual_seed(8)
+    d = call()
+    assert torch.equal(a, b), "the same torch seed must give the same dropout mask"
+    assert not torch.equal(b, c), "consecutive calls must draw different masks"
+    assert not torch.equal(a, d), "a different torch seed must give a different mask"
+
+
+@pytest.mark.parametrize("make", [run_attention, run_lnr], ids=["attention", "layer_norm_residual"])
+def test_backends_draw_the_seed_the_same_way(make):
+    # Every backend consumes torch's default generator identically, so the random stream after a call
+    # (and so every later mask in a model) does not depend on the backend.
+    after = {}
+    for backend in ALL_BACKENDS:
+        call = make(backend, 0.3)
+        torch.manual_seed(11)
+        call()
+        after[backend] = torch.randint(0, 2**62, (4,))
+    for backend in ALL_BACKENDS:
+        assert torch.equal(after[backend], after["torch"]), f"{backend} draws from the generator differently"
+    torch.manual_seed(11)
+    untouched = torch.randint(0, 2**62, (4,))
+    assert not torch.equal(after["torch"], untouched), "a dropout call must draw from torch's generator"

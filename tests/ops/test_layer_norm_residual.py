@@ -1,0 +1,145 @@
+"""ops.layer_norm_residual against the float64 torch reference: every backend and dtype, odd widths.
+
+y = LayerNorm(residual + dropout(x)) over the last dim, with weight and bias of shape (N,);
+prenorm=True also returns s = residual + dropout(x), and the gradient then flows through both outputs.
+(Dropout is tested in test_dropout.py; here dropout_p = 0.)
+"""
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from fastformer import ops
+from helpers import ALL_BACKENDS, FLOAT64_BACKENDS, SLOW_LIMITS, backend_dtype_cases, forward_backward, randn, upcast
+from tolerances import assert_close
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: tuple  # x and residual: (..., N)
+    prenorm: bool = False
+    eps: float = 1e-5
+
+    @property
+    def rows(self):
+        rows = 1
+        for n in self.shape[:-1]:
+            rows *= n
+        return rows
+
+    def __str__(self):
+        return "x".join(map(str, self.shape)) + f"-prenorm{self.prenorm}-eps{self.eps}"
+
+
+def small(case):
+    """Whether the case fits the limits of the slow (simulated GPU) backends."""
+    return case.rows <= SLOW_LIMITS["rows"] and case.shape[-1] <= SLOW_LIMITS["N"]
+
+
+CASES = [
+    # Within the slow backends' limits.
+    Case((1, 1)),  # N = 1: variance 0, y = bias, finite gradients
+    Case((7, 1), True),
+    Case((7, 7)),
+    Case((7, 97), True),
+    Case((1, 113), False, 1e-6),
+    Case((2, 7, 113), True),  # leading dims beyond rows
+    Case((7, 512), False, 0.1),
+    Case((1, 1000), True),
+    Case((16, 1000), False),
+    # Bigger.
+    Case((113, 97), True),
+    Case((113, 113), False, 1e-6),
+    Case((3, 37, 512), True, 1e-5),
+    Case((113, 1000), False),
+    Case((7, 1000), True, 0.1),
+    Case((113, 7), True),
+]
+
+
+def make_inputs(case, dtype):
+    N = case.shape[-1]
+    x = randn(*case.shape, dtype=dtype)
+    residual = randn(*case.shape, dtype=dtype, scale=2.0, shift=0.5)
+    weight = randn(N, dtype=dtype, shift=1.0)
+    bias = randn(N, dtype=dtype)
+    upstream = [randn(*case.shape, dtype=dtype) for _ in range(2 if case.prenorm else 1)]
+    return [x, residual, weight, bias], upstream
+
+
+def lnr_fn(backend, case):
+    return lambda x, residual, weight, bias: ops.layer_norm_residual(
+        x, residual, weight, bias, eps=case.eps, prenorm=case.prenorm, backend=backend
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_torch_reference_matches_naive_formula(case):
+    inputs, upstream = make_inputs(case, torch.float64)
+
+    def naive(x, residual, weight, bias):
+        s = residual + x
+        y = torch.nn.functional.layer_norm(s, (case.shape[-1],), weight, bias, case.eps)
+        return (y, s) if case.prenorm else y
+
+    outs, grads = forward_backward(lnr_fn("torch", case), inputs, upstream)
+    expected, expected_grads = forward_backward(naive, inputs, upstream)
+    for name, o, e in zip(("y", "s"), outs, expected):
+        assert_close(o, e, torch.float64, name)
+    for name, g, e in zip(("dx", "dresidual", "dweight", "dbias"), grads, expected_grads):
+        assert_close(g, e, torch.float64, name)
+
+
+@pytest.mark.parametrize("backend,dtype,case", backend_dtype_cases(ALL_BACKENDS, CASES, small))
+def test_layer_norm_residual_matches_reference(backend, dtype, case):
+    inputs, upstream = make_inputs(case, dtype)
+    outs, grads = forward_backward(lnr_fn(backend, case), inputs, upstream)
+    refs, ref_grads = forward_backward(lnr_fn("torch", case), upcast(inputs), upcast(upstream))
+    assert len(outs) == (2 if case.prenorm else 1)
+    for name, o, r in zip(("y", "s"), outs, refs):
+        assert_close(o, r, dtype, name)
+    for name, g, r in zip(("dx", "dresidual", "dweight", "dbias"), grads, ref_grads):
+        assert_close(g, r, dtype, name)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_single_feature_is_finite(backend, dtype):
+    # N = 1: the variance is 0 and rstd = 1/sqrt(eps), so x - mean = 0, y = bias and dweight = 0;
+    # nothing may turn into NaN.
+    case = Case((7, 1), True)
+    inputs, upstream = make_inputs(case, dtype)
+    (y, s), (dx, dres, dw, db) = forward_backward(lnr_fn(backend, case), inputs, upstream)
+    x, residual, _, bias = inputs
+    zeros = torch.zeros(case.shape, dtype=torch.float64)
+    assert_close(y, bias.double().expand(case.shape), dtype, "y")
+    assert_close(s, (residual.double() + x.double()), dtype, "s")
+    # ds flows straight back into x and residual; dy contributes nothing (y does not depend on s).
+    assert_close(dx, upstream[1].double(), dtype, "dx")
+    assert_close(dres, upstream[1].double(), dtype, "dresidual")
+    assert_close(dw, zeros[0], dtype, "dweight")
+    assert_close(db, upstream[0].double().sum(0), dtype, "dbias")
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_large_mean_is_stable(backend):
+    # Rows with mean 1000 and standard deviation 1: E[s^2] - E[s]^2 in float32 loses all precision,
+    # a two-pass or Welford variance does not.
+    case = Case((7, 512))
+    inputs, upstream = make_inputs(case, torch.float32)
+    inputs[1] = randn(*case.shape, dtype=torch.float32, shift=1000.0)
+    outs, grads = forward_backward(lnr_fn(backend, case), inputs, upstream)
+    refs, ref_grads = forward_backward(lnr_fn("torch", case), upcast(inputs), upcast(upstream))
+    assert_close(outs[0], refs[0], torch.float32, "y")
+    for name, g, r in zip(("dx", "dresidual", "dweight", "dbias"), grads, ref_grads):
+        assert_close(g, r, torch.float32, name)
+
+
+@pytest.mark.parametrize("backend", FLOAT64_BACKENDS)
+@pytest.mark.parametrize("prenorm", [False, True])
+def test_gradcheck_float64(backend, prenorm):
+    # Analytic gradients of all four inputs against finite differences.
+    case = Case((3, 7), prenorm, 1e-5)
+    inputs, _ = make_inputs(case, torch.float64)
+    inputs = [t.requires_grad_() for t in inputs]
+    assert torch.autograd.gradcheck(lnr_fn(backend, case), inputs)

@@ -1,0 +1,96 @@
+"""The package-level API: fastformer.backends(), set_backend, FASTFORMER_BACKEND and backend= precedence.
+
+Which backend ran is observed through the custom ops' `backend` argument (helpers.RecordBackends).
+Everything that changes the process default runs in a fresh interpreter, so it cannot leak into other tests.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fastformer
+
+TESTS = Path(__file__).resolve().parent  # the subprocess imports helpers.py from here
+
+# Runs the three ops forward and backward on CPU tensors after each step of STEPS (a list of
+# (label, statement before the calls, extra keyword arguments)), printing "<label> <op> <backend>"
+# for every custom op call.
+SCRIPT = """
+import torch, fastformer
+from fastformer import ops
+from helpers import RecordBackends
+
+def run(label, extra):
+    q, k, v = (torch.randn(1, 2, 3, 8, requires_grad=True) for _ in range(3))
+    x, r = (torch.randn(3, 8, requires_grad=True) for _ in range(2))
+    w, b = torch.ones(8, requires_grad=True), torch.zeros(8, requires_grad=True)
+    with RecordBackends() as rec:
+        a = ops.attention(q, k, v, causal=True, **extra)
+        s = ops.softmax(x, scale=2.0, **extra)
+        y = ops.layer_norm_residual(x, r, w, b, **extra)
+        (a.sum() + (s * s).sum() + (y * y).sum()).backward()
+    for op, backend in rec.calls:
+        print(label, op, backend)
+
+for label, statement, extra in {steps!r}:
+    exec(statement)
+    run(label, extra)
+"""
+
+ALL_OPS = {
+    "attention_fwd",
+    "attention_bwd",
+    "softmax_fwd",
+    "softmax_bwd",
+    "layer_norm_residual_fwd",
+    "layer_norm_residual_bwd",
+}
+
+
+def backends_used(steps, env_backend=None):
+    """Runs SCRIPT with ``steps`` in a fresh interpreter; returns {label: the one backend all ops used}."""
+    env = {k: v for k, v in os.environ.items() if k != "FASTFORMER_BACKEND"}
+    if env_backend is not None:
+        env["FASTFORMER_BACKEND"] = env_backend
+    code = SCRIPT.format(steps=steps)
+    result = subprocess.run([sys.executable, "-c", code], cwd=TESTS, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    calls = {}
+    for line in result.stdout.splitlines():
+        label, op, backend = line.split()
+        calls.setdefault(label, []).append((op, backend))
+    used = {}
+    for label, _, _ in steps:
+        assert {op for op, _ in calls.get(label, [])} == ALL_OPS, f"{label}: expected every custom op, got {calls}"
+        backends = {backend for _, backend in calls[label]}
+        assert len(backends) == 1, f"{label}: ops ran on different backends: {calls[label]}"
+        used[label] = backends.pop()
+    return used
+
+
+def test_backends_reports_every_backend():
+    available = fastformer.backends()
+    assert set(available) >= {"torch", "cpu", "cuda", "triton", "cuda_sim"}
+    assert all(isinstance(flag, bool) for flag in available.values())
+    assert available["torch"] is True and available["cpu"] is True
+
+
+def test_default_set_backend_and_backend_argument():
+    steps = [
+        ("default", "", {}),  # CPU tensors, nothing set: the cpu backend
+        ("set_torch", "fastformer.set_backend('torch')", {}),
+        ("argument_wins", "", {"backend": "cpu"}),  # still set to torch
+    ]
+    assert backends_used(steps) == {"default": "cpu", "set_torch": "torch", "argument_wins": "cpu"}
+
+
+def test_environment_variable_and_backend_argument():
+    steps = [("environment", "", {}), ("argument_wins", "", {"backend": "cpu"})]
+    assert backends_used(steps, env_backend="torch") == {"environment": "torch", "argument_wins": "cpu"}
+
+
+def test_set_backend_rejects_unknown_names():
+    with pytest.raises(ValueError, match="nope"):
+        fastformer.set_backend("nope")
