@@ -79,17 +79,6 @@ inline void gemm_rm(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_
   blas_gemm(b_transposed, false, n, m, k, alpha, b, ldb, a, lda, beta, c, ldc);
 }
 
-// A (rows x D) tile of a (B, H, L, D) tensor as acc_t: in place when the types agree, else converted.
-template <typename scalar_t, typename acc_t>
-inline const acc_t* tile(const scalar_t* src, int64_t rows, int64_t D, std::vector<acc_t>& buffer) {
-  if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    return src;
-  } else {
-    convert_row(src, buffer.data(), rows * D);
-    return buffer.data();
-  }
-}
-
 // x[0:n] = exp(x[0:n] - m); returns the sum.
 template <typename T>
 inline T exp_sub_sum(T* x, int64_t n, T m) {
@@ -151,15 +140,15 @@ void attention_fwd_kernel(const scalar_t* q, const scalar_t* k, const scalar_t* 
       const int64_t bh = item / tiles, i0 = (item % tiles) * kBlockQ, b = bh / s.H;
       const int64_t nq = std::min(kBlockQ, s.Lq - i0);
       const bool* pad = kpm ? kpm + b * s.Lk : nullptr;
-      const acc_t* qt = tile(q + (bh * s.Lq + i0) * D, nq, D, q_buf);
+      const acc_t* qt = as_acc(q + (bh * s.Lq + i0) * D, nq * D, q_buf);
       std::fill(o.begin(), o.end(), acc_t(0));
       std::fill(m.begin(), m.end(), neg_inf);
       std::fill(l.begin(), l.end(), acc_t(0));
       const int64_t tile_key_end = s.key_end(i0 + nq - 1);
       for (int64_t j0 = 0; j0 < tile_key_end; j0 += kBlockK) {
         const int64_t nk = std::min(kBlockK, tile_key_end - j0);
-        const acc_t* kb = tile(k + (bh * s.Lk + j0) * D, nk, D, k_buf);
-        const acc_t* vb = tile(v + (bh * s.Lk + j0) * D, nk, D, v_buf);
+        const acc_t* kb = as_acc(k + (bh * s.Lk + j0) * D, nk * D, k_buf);
+        const acc_t* vb = as_acc(v + (bh * s.Lk + j0) * D, nk * D, v_buf);
         if (pad != nullptr) {
           for (int64_t t = 0; t < nk; ++t) pad_bias[t] = pad[j0 + t] ? neg_inf : acc_t(0);
         }
@@ -228,8 +217,8 @@ void attention_bwd_kernel(const scalar_t* dout, const scalar_t* q, const scalar_
       const int64_t b = bh / s.H;
       const bool* pad = kpm ? kpm + b * Lk : nullptr;
       const acc_t* lse_bh = lse + bh * Lq;
-      const acc_t* qa = tile(q + bh * Lq * D, Lq, D, q_buf);       // (Lq, D)
-      const acc_t* doa = tile(dout + bh * Lq * D, Lq, D, do_buf);  // (Lq, D)
+      const acc_t* qa = as_acc(q + bh * Lq * D, Lq * D, q_buf);       // (Lq, D)
+      const acc_t* doa = as_acc(dout + bh * Lq * D, Lq * D, do_buf);  // (Lq, D)
       for (int64_t i = 0; i < Lq; ++i) {  // D_i = dO_i . O_i
         convert_row(out + (bh * Lq + i) * D, o_row.data(), D);
         delta[i] = vec_dot(doa + i * D, o_row.data(), D);
@@ -238,8 +227,8 @@ void attention_bwd_kernel(const scalar_t* dout, const scalar_t* q, const scalar_
       const int64_t all_key_end = s.key_end(Lq - 1);
       for (int64_t j0 = 0; j0 < all_key_end; j0 += kBlockK) {
         const int64_t nk = std::min(kBlockK, all_key_end - j0);
-        const acc_t* kb = tile(k + (bh * Lk + j0) * D, nk, D, k_buf);
-        const acc_t* vb = tile(v + (bh * Lk + j0) * D, nk, D, v_buf);
+        const acc_t* kb = as_acc(k + (bh * Lk + j0) * D, nk * D, k_buf);
+        const acc_t* vb = as_acc(v + (bh * Lk + j0) * D, nk * D, v_buf);
         if (pad != nullptr) {
           for (int64_t t = 0; t < nk; ++t) pad_bias[t] = pad[j0 + t] ? neg_inf : acc_t(0);
         }

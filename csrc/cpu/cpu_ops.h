@@ -9,6 +9,7 @@
 #include <c10/util/Optional.h>
 
 #include <tuple>
+#include <vector>
 
 namespace fastformer::cpu {
 
@@ -116,6 +117,35 @@ inline void convert_row(const src_t* src, dst_t* dst, int64_t n) {
   } else {
     at::vec::convert(src, dst, n);
   }
+}
+
+// n elements of src as acc_t: src itself when the types agree, else converted into buffer.
+template <typename scalar_t, typename acc_t>
+inline const acc_t* as_acc(const scalar_t* src, int64_t n, std::vector<acc_t>& buffer) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return src;
+  } else {
+    if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+    convert_row(src, buffer.data(), n);
+    return buffer.data();
+  }
+}
+
+// Where to compute an output row of n elements: dst itself when the types agree, else buffer (then
+// finish_output converts it into dst).
+template <typename scalar_t, typename acc_t>
+inline acc_t* output_row(scalar_t* dst, int64_t n, std::vector<acc_t>& buffer) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return dst;
+  } else {
+    if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+    return buffer.data();
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+inline void finish_output(const acc_t* row, scalar_t* dst, int64_t n) {
+  if constexpr (!std::is_same_v<scalar_t, acc_t>) convert_row(row, dst, n);
 }
 
 }  // namespace fastformer::cpu

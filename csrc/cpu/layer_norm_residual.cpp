@@ -36,42 +36,56 @@ void layer_norm_residual_fwd_kernel(const scalar_t* x, const scalar_t* residual,
   using Vec = at::vec::Vectorized<acc_t>;
   const int64_t grain = std::max<int64_t>(1, 16384 / N);
   at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> s(N), tmp(N), w(N), b(N);
-    convert_row(weight, w.data(), N);
-    convert_row(bias, b.data(), N);
+    std::vector<acc_t> w_buf, b_buf, x_buf, res_buf, s_buf, y_buf, drop(dropout_p > 0 ? N : 0);
+    const acc_t* w = as_acc(weight, N, w_buf);
+    const acc_t* b = as_acc(bias, N, b_buf);
     for (int64_t r = begin; r < end; ++r) {
-      convert_row(x + r * N, s.data(), N);
-      if (dropout_p > 0) {
-        dropout_factors(seed, static_cast<uint64_t>(r * N), N, dropout_p, tmp.data());
-        for (int64_t j = 0; j < N; ++j) s[j] *= tmp[j];
-      }
-      convert_row(residual + r * N, tmp.data(), N);
+      const acc_t* xr = as_acc(x + r * N, N, x_buf);
+      const acc_t* res = as_acc(residual + r * N, N, res_buf);
+      // Sweep 1: s = residual + x * dropout, written out; its sum.
+      acc_t* s = output_row(s_out + r * N, N, s_buf);
+      if (dropout_p > 0) dropout_factors(seed, static_cast<uint64_t>(r * N), N, dropout_p, drop.data());
+      Vec vsum(acc_t(0));
       int64_t j = 0;
-      for (; j + Vec::size() <= N; j += Vec::size()) (Vec::loadu(s.data() + j) + Vec::loadu(tmp.data() + j)).store(s.data() + j);
-      for (; j < N; ++j) s[j] += tmp[j];
-      convert_row(s.data(), s_out + r * N, N);
+      for (; j + Vec::size() <= N; j += Vec::size()) {
+        Vec xv = Vec::loadu(xr + j);
+        if (dropout_p > 0) xv = xv * Vec::loadu(drop.data() + j);
+        const Vec sv = xv + Vec::loadu(res + j);
+        sv.store(s + j);
+        vsum = vsum + sv;
+      }
+      acc_t sum = at::vec::vec_reduce_all<acc_t>([](Vec p, Vec q) { return p + q; }, vsum);
+      for (; j < N; ++j) {
+        s[j] = res[j] + (dropout_p > 0 ? xr[j] * drop[j] : xr[j]);
+        sum += s[j];
+      }
       if constexpr (!std::is_same_v<scalar_t, acc_t>) {
         // Normalize the s that is returned (rounded to scalar_t), so backward's xhat, rebuilt from the
         // saved s, matches the forward's exactly: with a tiny variance rstd amplifies any mismatch.
-        convert_row(s_out + r * N, s.data(), N);
+        finish_output(s, s_out + r * N, N);
+        convert_row(s_out + r * N, s, N);
+        sum = vec_sum(s, N);
       }
-      const acc_t mean = vec_sum(s.data(), N) / static_cast<acc_t>(N);
-      Vec vmean(mean), vvar(acc_t(0));
+      // Sweep 2 (cache): variance around the mean (two-pass: no cancellation).
+      const acc_t mean = sum / static_cast<acc_t>(N);
+      const Vec vmean(mean);
+      Vec vvar(acc_t(0));
       for (j = 0; j + Vec::size() <= N; j += Vec::size()) {
-        const Vec c = Vec::loadu(s.data() + j) - vmean;
+        const Vec c = Vec::loadu(s + j) - vmean;
         vvar = at::vec::fmadd(c, c, vvar);
       }
       acc_t var = at::vec::vec_reduce_all<acc_t>([](Vec p, Vec q) { return p + q; }, vvar);
       for (; j < N; ++j) var += (s[j] - mean) * (s[j] - mean);
-      var /= static_cast<acc_t>(N);
-      const acc_t rstd = acc_t(1) / std::sqrt(var + static_cast<acc_t>(eps));
+      const acc_t rstd = acc_t(1) / std::sqrt(var / static_cast<acc_t>(N) + static_cast<acc_t>(eps));
+      // Sweep 3: y = (s - mean) * rstd * w + b, written out.
+      acc_t* yr = output_row(y + r * N, N, y_buf);
       const Vec vrstd(rstd);
       for (j = 0; j + Vec::size() <= N; j += Vec::size()) {
-        const Vec xhat = (Vec::loadu(s.data() + j) - vmean) * vrstd;
-        at::vec::fmadd(xhat, Vec::loadu(w.data() + j), Vec::loadu(b.data() + j)).store(tmp.data() + j);
+        const Vec xhat = (Vec::loadu(s + j) - vmean) * vrstd;
+        at::vec::fmadd(xhat, Vec::loadu(w + j), Vec::loadu(b + j)).store(yr + j);
       }
-      for (; j < N; ++j) tmp[j] = (s[j] - mean) * rstd * w[j] + b[j];
-      convert_row(tmp.data(), y + r * N, N);
+      for (; j < N; ++j) yr[j] = (s[j] - mean) * rstd * w[j] + b[j];
+      finish_output(yr, y + r * N, N);
       mean_out[r] = mean;
       rstd_out[r] = rstd;
     }
@@ -85,41 +99,68 @@ void layer_norm_residual_bwd_kernel(const scalar_t* dy, const scalar_t* ds_in, c
                                     at::opmath_type<scalar_t>* partial_dw, at::opmath_type<scalar_t>* partial_db,
                                     int64_t R, int64_t N, double dropout_p, uint64_t seed) {
   using acc_t = at::opmath_type<scalar_t>;
+  using Vec = at::vec::Vectorized<acc_t>;
   const int64_t chunks = std::min(R, kPartials);
   const int64_t rows_per_chunk = (R + chunks - 1) / chunks;
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> w(N), g(N), xhat(N), dyr(N), tmp(N);
-    convert_row(weight, w.data(), N);
+    std::vector<acc_t> w_buf, dy_buf, s_buf, ds_buf, dres_buf, dx_buf, drop(dropout_p > 0 ? N : 0);
+    const acc_t* w = as_acc(weight, N, w_buf);
     for (int64_t c = begin; c < end; ++c) {
       acc_t* dw = partial_dw + c * N;
       acc_t* db = partial_db + c * N;
       std::fill(dw, dw + N, acc_t(0));
       std::fill(db, db + N, acc_t(0));
       for (int64_t r = c * rows_per_chunk; r < std::min(R, (c + 1) * rows_per_chunk); ++r) {
-        convert_row(dy + r * N, dyr.data(), N);
-        convert_row(s_saved + r * N, xhat.data(), N);
-        const acc_t mu = mean[r], rs = rstd[r];
-        acc_t sum_g = 0, sum_gx = 0;
-        for (int64_t j = 0; j < N; ++j) {
-          xhat[j] = (xhat[j] - mu) * rs;
-          g[j] = dyr[j] * w[j];
-          sum_g += g[j];
-          sum_gx += g[j] * xhat[j];
-          dw[j] += dyr[j] * xhat[j];
-          db[j] += dyr[j];
+        const acc_t* g = as_acc(dy + r * N, N, dy_buf);
+        const acc_t* s = as_acc(s_saved + r * N, N, s_buf);
+        const Vec vmu(mean[r]), vrs(rstd[r]);
+        // Sweep 1: xhat = (s - mean) rstd; sums of dy w and dy w xhat; dweight += dy xhat, dbias += dy.
+        Vec vsum_g(acc_t(0)), vsum_gx(acc_t(0));
+        int64_t j = 0;
+        for (; j + Vec::size() <= N; j += Vec::size()) {
+          const Vec xhat = (Vec::loadu(s + j) - vmu) * vrs;
+          const Vec gv = Vec::loadu(g + j);
+          const Vec gw = gv * Vec::loadu(w + j);
+          vsum_g = vsum_g + gw;
+          vsum_gx = at::vec::fmadd(gw, xhat, vsum_gx);
+          at::vec::fmadd(gv, xhat, Vec::loadu(dw + j)).store(dw + j);
+          (Vec::loadu(db + j) + gv).store(db + j);
         }
+        auto add = [](Vec p, Vec q) { return p + q; };
+        acc_t sum_g = at::vec::vec_reduce_all<acc_t>(add, vsum_g);
+        acc_t sum_gx = at::vec::vec_reduce_all<acc_t>(add, vsum_gx);
+        for (; j < N; ++j) {
+          const acc_t xhat = (s[j] - mean[r]) * rstd[r];
+          sum_g += g[j] * w[j];
+          sum_gx += g[j] * w[j] * xhat;
+          dw[j] += g[j] * xhat;
+          db[j] += g[j];
+        }
+        // Sweep 2: ds = rstd (dy w - mean(dy w) - xhat mean(dy w xhat)) + ds_in; dresidual = ds, dx = ds r.
         const acc_t mean_g = sum_g / static_cast<acc_t>(N), mean_gx = sum_gx / static_cast<acc_t>(N);
-        for (int64_t j = 0; j < N; ++j) g[j] = rs * (g[j] - mean_g - xhat[j] * mean_gx);
-        if (ds_in != nullptr) {
-          convert_row(ds_in + r * N, tmp.data(), N);
-          for (int64_t j = 0; j < N; ++j) g[j] += tmp[j];
+        const acc_t* dsi = ds_in != nullptr ? as_acc(ds_in + r * N, N, ds_buf) : nullptr;
+        acc_t* dres = output_row(dresidual + r * N, N, dres_buf);
+        acc_t* dxr = output_row(dx + r * N, N, dx_buf);
+        if (dropout_p > 0) dropout_factors(seed, static_cast<uint64_t>(r * N), N, dropout_p, drop.data());
+        const Vec vmean_g(mean_g), vmean_gx(mean_gx);
+        for (j = 0; j + Vec::size() <= N; j += Vec::size()) {
+          const Vec xhat = (Vec::loadu(s + j) - vmu) * vrs;
+          const Vec gw = Vec::loadu(g + j) * Vec::loadu(w + j);
+          Vec d = vrs * (gw - vmean_g - xhat * vmean_gx);
+          if (dsi != nullptr) d = d + Vec::loadu(dsi + j);
+          d.store(dres + j);
+          if (dropout_p > 0) d = d * Vec::loadu(drop.data() + j);
+          d.store(dxr + j);
         }
-        convert_row(g.data(), dresidual + r * N, N);
-        if (dropout_p > 0) {
-          dropout_factors(seed, static_cast<uint64_t>(r * N), N, dropout_p, tmp.data());
-          for (int64_t j = 0; j < N; ++j) g[j] *= tmp[j];
+        for (; j < N; ++j) {
+          const acc_t xhat = (s[j] - mean[r]) * rstd[r];
+          acc_t d = rstd[r] * (g[j] * w[j] - mean_g - xhat * mean_gx);
+          if (dsi != nullptr) d += dsi[j];
+          dres[j] = d;
+          dxr[j] = dropout_p > 0 ? d * drop[j] : d;
         }
-        convert_row(g.data(), dx + r * N, N);
+        finish_output(dres, dresidual + r * N, N);
+        finish_output(dxr, dx + r * N, N);
       }
     }
   });

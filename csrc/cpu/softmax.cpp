@@ -3,9 +3,9 @@
 // x is viewed as R rows of N; rows are spread over threads with at::parallel_for. Per row:
 //   a = scale * x (masked -> -inf) into a thread-local float row buffer,
 //   m = max a; a = e^(a - m) with the sum l accumulated; y = a / l.
-// The three sweeps run over the buffer while it sits in L1/L2 (N floats), so DRAM sees one read of
-// x (and the mask) and one write of y: 2 N sizeof(T) (+ N mask bytes) per row. A row whose entries
-// are all masked has m = -inf and returns zeros.
+// Only the first sweep reads x and only the last writes y; the others run over the buffer while it sits
+// in L1/L2 (N floats), so DRAM sees 2 N sizeof(T) (+ N mask bytes) per row. A row whose entries are all
+// masked has m = -inf and returns zeros.
 // Backward: dx = scale * y * (dy - sum(dy * y)); reads y, dy and writes dx once.
 // The mask is expanded to x's shape as a view (stride 0 on broadcast dims, any strides), so the row's
 // mask pointer is found by unravelling the row index over x's leading dims.
@@ -43,26 +43,32 @@ void softmax_fwd_kernel(const scalar_t* x, const MaskRows& mask, scalar_t* y, in
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1));
   at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> a(N);
+    std::vector<acc_t> a(N), in_buf, out_buf;
+    const Vec vscale(static_cast<acc_t>(scale));
     for (int64_t r = begin; r < end; ++r) {
-      convert_row(x + r * N, a.data(), N);
-      vec_scale(static_cast<acc_t>(scale), a.data(), N);
+      // Sweep 1 (reads x): a = scale * x, masked -> -inf.
+      const acc_t* xr = as_acc(x + r * N, N, in_buf);
+      int64_t j = 0;
+      for (; j + Vec::size() <= N; j += Vec::size()) (Vec::loadu(xr + j) * vscale).store(a.data() + j);
+      for (; j < N; ++j) a[j] = static_cast<acc_t>(scale) * xr[j];
       if (mask.base != nullptr) {
         const bool* mr = mask.row(r);
-        for (int64_t j = 0; j < N; ++j) {
-          if (mr[j * mask.col_stride]) a[j] = neg_inf;
+        if (mask.col_stride == 1) {
+          for (j = 0; j < N; ++j) a[j] = mr[j] ? neg_inf : a[j];
+        } else {
+          for (j = 0; j < N; ++j) a[j] = mr[j * mask.col_stride] ? neg_inf : a[j];
         }
       }
-      scalar_t* yr = y + r * N;
+      // Sweep 2 (cache): m = max a.  Sweep 3 (cache): a = e^(a - m), l = sum a.  Sweep 4 (writes y): a / l.
       const acc_t m = vec_max(a.data(), N);
+      scalar_t* yr = y + r * N;
       if (m == neg_inf) {  // fully masked row
         std::fill(yr, yr + N, scalar_t(0));
         continue;
       }
       const Vec vm(m);
       Vec vsum(acc_t(0));
-      int64_t j = 0;
-      for (; j + Vec::size() <= N; j += Vec::size()) {
+      for (j = 0; j + Vec::size() <= N; j += Vec::size()) {
         const Vec e = (Vec::loadu(a.data() + j) - vm).exp();
         e.store(a.data() + j);
         vsum = vsum + e;
@@ -72,8 +78,11 @@ void softmax_fwd_kernel(const scalar_t* x, const MaskRows& mask, scalar_t* y, in
         a[j] = std::exp(a[j] - m);
         sum += a[j];
       }
-      vec_scale(acc_t(1) / sum, a.data(), N);
-      convert_row(a.data(), yr, N);
+      acc_t* out = output_row(yr, N, out_buf);
+      const Vec vinv(acc_t(1) / sum);
+      for (j = 0; j + Vec::size() <= N; j += Vec::size()) (Vec::loadu(a.data() + j) * vinv).store(out + j);
+      for (; j < N; ++j) out[j] = a[j] / sum;
+      finish_output(out, yr, N);
     }
   });
 }
@@ -84,18 +93,19 @@ void softmax_bwd_kernel(const scalar_t* dy, const scalar_t* y, scalar_t* dx, int
   using Vec = at::vec::Vectorized<acc_t>;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1));
   at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> yr(N), gr(N);
+    std::vector<acc_t> y_buf, dy_buf, out_buf;
     for (int64_t r = begin; r < end; ++r) {
-      convert_row(y + r * N, yr.data(), N);
-      convert_row(dy + r * N, gr.data(), N);
-      const acc_t dot = vec_dot(yr.data(), gr.data(), N);
+      const acc_t* yr = as_acc(y + r * N, N, y_buf);
+      const acc_t* gr = as_acc(dy + r * N, N, dy_buf);
+      const acc_t dot = vec_dot(yr, gr, N);  // sum(dy * y)
+      acc_t* out = output_row(dx + r * N, N, out_buf);
       const Vec vdot(dot), vscale(static_cast<acc_t>(scale));
       int64_t j = 0;
       for (; j + Vec::size() <= N; j += Vec::size()) {
-        (vscale * Vec::loadu(yr.data() + j) * (Vec::loadu(gr.data() + j) - vdot)).store(gr.data() + j);
+        (vscale * Vec::loadu(yr + j) * (Vec::loadu(gr + j) - vdot)).store(out + j);
       }
-      for (; j < N; ++j) gr[j] = static_cast<acc_t>(scale) * yr[j] * (gr[j] - dot);
-      convert_row(gr.data(), dx + r * N, N);
+      for (; j < N; ++j) out[j] = static_cast<acc_t>(scale) * yr[j] * (gr[j] - dot);
+      finish_output(out, dx + r * N, N);
     }
   });
 }

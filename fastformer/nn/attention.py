@@ -24,6 +24,10 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
         self.cross, self.attention_dropout, self.backend = cross, attention_dropout, backend
+        # When set (by fastformer.visualize), forward also stores the attention probabilities
+        # (B, H, Lq, Lk), recomputed by the plain PyTorch reference: the fused op never forms them.
+        self.record_attention = False
+        self.last_attention: Optional[Tensor] = None
         if cross:
             self.q_proj = nn.Linear(d_model, d_model)
             self.kv_proj = nn.Linear(d_model, 2 * d_model)
@@ -62,6 +66,11 @@ class MultiHeadAttention(nn.Module):
                     k = torch.cat([cache["k"], k], dim=2)
                     v = torch.cat([cache["v"], v], dim=2)
                 cache["k"], cache["v"] = k, v
+        if self.record_attention:
+            from fastformer.ops.reference import attention_probabilities
+
+            self.last_attention = attention_probabilities(q.detach(), k.detach(), key_padding_mask, causal,
+                                                          self.head_dim ** -0.5)
         out = ops.attention(q, k, v, key_padding_mask=key_padding_mask, causal=causal,
                             dropout_p=self.attention_dropout if self.training else 0.0, backend=self.backend)
         B, _, Lq, _ = out.shape

@@ -96,6 +96,12 @@ def _probabilities(q, k, key_padding_mask, causal, scale):
     return p, lse.masked_fill(empty, float("-inf"))[..., 0]
 
 
+def attention_probabilities(q, k, key_padding_mask, causal, scale):
+    """softmax(scale q k^T) over the visible keys, (B, H, Lq, Lk), in float32 or float64."""
+    acc = _acc_dtype(q.dtype)
+    return _probabilities(q.to(acc), k.to(acc), key_padding_mask, causal, scale)[0]
+
+
 def attention_fwd(q, k, v, key_padding_mask, causal, dropout_p, scale, seed):
     acc = _acc_dtype(q.dtype)
     qa, ka, va = q.to(acc), k.to(acc), v.to(acc)

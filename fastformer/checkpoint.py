@@ -1,0 +1,107 @@
+"""Checkpoints: written atomically (temporary file, then rename), loaded with ``weights_only=True``.
+
+A checkpoint is a dict of tensors and plain values: ``config`` (TransformerConfig as a dict), ``model``
+(state dict), ``tokenizer`` (the sentencepiece model's bytes as a uint8 tensor), ``data`` (how the corpus
+was chosen), and for resuming ``optimizer``, ``step``, ``epoch``, ``batch_in_epoch``, ``rng``, ``log_state``.
+Files are ``checkpoint_<step>.pt`` in the run folder; the last ``keep`` are kept.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import torch
+
+from fastformer.data.tokenizer import Tokenizer
+from fastformer.nn import Transformer, TransformerConfig
+
+_NAME = re.compile(r"checkpoint_(\d+)\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def save(state: dict, path: str) -> None:
+    tmp = f"{path}.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def list_checkpoints(run_dir: str) -> list[str]:
+    """Checkpoint files of a run folder, oldest first (by step)."""
+    found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(run_dir, "checkpoint_*.pt"))
+             if (m := _NAME.search(os.path.basename(p)))]
+    return [p for _, p in sorted(found)]
+
+
+def prune(run_dir: str, keep: int) -> None:
+    for path in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        os.remove(path)
+
+
+def resolve(path: str) -> str:
+    """A checkpoint file, or a run folder's latest checkpoint."""
+    if os.path.isdir(path):
+        found = list_checkpoints(path) or sorted(glob.glob(os.path.join(path, "*.pt")))
+        if not found:
+            raise CheckpointError(f"{path} holds no checkpoint_*.pt file")
+        return found[-1]
+    if not os.path.exists(path):
+        raise CheckpointError(f"no such checkpoint file or run folder: {path}")
+    return path
+
+
+def load(path: str) -> dict:
+    path = resolve(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a truncated or foreign file: say which and why
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise CheckpointError(f"{path} is not a readable fastformer checkpoint (corrupt, truncated or not a "
+                              f"checkpoint: {type(exc).__name__}: {reason[:120]})") from exc
+    missing = [key for key in ("config", "model", "tokenizer") if not isinstance(state, dict) or key not in state]
+    if missing:
+        raise CheckpointError(f"{path} is not a fastformer checkpoint: missing {', '.join(missing)}")
+    return state
+
+
+def tokenizer_bytes(tokenizer: Tokenizer) -> torch.Tensor:
+    return torch.frombuffer(bytearray(tokenizer.model_proto), dtype=torch.uint8)
+
+
+def load_model(path: str, backend: str | None = None, device: str = "cpu") -> tuple[Transformer, Tokenizer, dict]:
+    """The model (eval mode) and tokenizer of a checkpoint file or run folder, and the raw state."""
+    state = load(path)
+    try:
+        config = TransformerConfig.from_dict(state["config"])
+        model = Transformer(config, backend=backend)
+        model.load_state_dict(state["model"])
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{resolve(path)}: weights do not match the stored config ({exc})") from exc
+    tokenizer = Tokenizer(bytes(state["tokenizer"].tolist()))
+    if tokenizer.vocab_size != config.vocab_size:
+        raise CheckpointError(f"{resolve(path)}: tokenizer has {tokenizer.vocab_size} pieces, model {config.vocab_size}")
+    return model.to(device).eval(), tokenizer, state
+
+
+def average(paths: list[str]) -> dict:
+    """The first checkpoint's state with its model weights replaced by the mean over all of them
+    (float parameters averaged in float64), as the paper averaged its last checkpoints."""
+    if not paths:
+        raise CheckpointError("nothing to average")
+    states = [load(p) for p in paths]
+    first = states[0]
+    for p, s in zip(paths[1:], states[1:]):
+        if s["config"] != first["config"] or s["model"].keys() != first["model"].keys():
+            raise CheckpointError(f"{p} has a different model than {paths[0]}; cannot average them")
+    averaged = {}
+    for name, tensor in first["model"].items():
+        if tensor.is_floating_point():
+            total = sum(s["model"][name].double() for s in states)
+            averaged[name] = (total / len(states)).to(tensor.dtype)
+        else:
+            averaged[name] = tensor
+    keep = {k: first[k] for k in ("config", "tokenizer", "data", "args", "step") if k in first}
+    return {**keep, "model": averaged, "averaged_from": [os.path.basename(p) for p in paths]}

