@@ -67,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch size in tokens: sentences x longest sentence (source or target), padding included")
     g.add_argument("--update-tokens", type=int, default=3500,
                    help="target tokens per update: batches are accumulated (over all ranks) until this many")
-    g.add_argument("--warmup", type=int, default=400, help="linear warmup updates of the inverse-sqrt schedule")
-    g.add_argument("--lr-factor", type=float, default=2.0,
+    g.add_argument("--warmup", type=int, default=300, help="linear warmup updates of the inverse-sqrt schedule")
+    g.add_argument("--lr-factor", type=float, default=0.5,
                    help="lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (the paper's schedule)")
     g.add_argument("--dropout", type=float, help="override the config's residual/embedding dropout")
     g.add_argument("--label-smoothing", type=float, help="override the config's label smoothing (0.1)")
@@ -145,14 +145,16 @@ def load_corpus(args):
 
 
 def loss_sums(model, src, tgt_in, tgt_out, pad_id: int, label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Label-smoothed cross-entropy and plain NLL summed over non-pad target tokens, and their count."""
-    logits = model(src, tgt_in).float()
-    flat_logits, flat_target = logits.view(-1, logits.shape[-1]), tgt_out.view(-1)
-    loss = F.cross_entropy(flat_logits, flat_target, ignore_index=pad_id, label_smoothing=label_smoothing,
-                           reduction="sum")
-    with torch.no_grad():
-        nll = F.cross_entropy(flat_logits, flat_target, ignore_index=pad_id, reduction="sum")
-    return loss, nll, int((tgt_out != pad_id).sum())
+    """Label-smoothed cross-entropy and plain NLL summed over the non-pad target tokens, and their count.
+
+    Only non-pad positions go through the output projection (the largest matmul) and the log-softmax;
+    both losses come from one log-softmax: smoothed = (1 - e) nll + e mean_c(-log p_c), as torch's
+    cross_entropy(label_smoothing=e) defines it."""
+    keep = tgt_out != pad_id
+    lprobs = F.log_softmax(model(src, tgt_in, positions=keep).float(), dim=-1)  # (n, V)
+    nll = -lprobs.gather(1, tgt_out[keep][:, None]).sum()
+    loss = (1.0 - label_smoothing) * nll - label_smoothing * lprobs.mean(dim=-1).sum()
+    return loss, nll.detach(), int(keep.sum())
 
 
 @torch.no_grad()

@@ -76,16 +76,26 @@ class Transformer(nn.Module):
                cache: Optional[list] = None, offset: int = 0) -> Tensor:
         """Target prefix (B, T) -> logits (B, T, vocab). With a cache, tgt_in holds only the new
         positions starting at ``offset``; earlier keys/values come from the cache."""
-        h = self.decoder(self._embed(tgt_in, offset), memory, memory_padding_mask, cache)
-        return F.linear(h, self.embed.weight)
+        return self.project(self.decoder(self._embed(tgt_in, offset), memory, memory_padding_mask, cache))
 
-    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+    def hidden(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """Decoder output states (B, T, d) before the (shared-embedding) output projection."""
         self._check_tokens(src, "src")
         self._check_tokens(tgt_in, "tgt_in")
         if src.shape[0] != tgt_in.shape[0]:
             raise ValueError(f"src and tgt_in batch sizes differ: {src.shape[0]} vs {tgt_in.shape[0]}")
         memory, src_padding = self.encode(src)
-        return self.decode(tgt_in, memory, src_padding)
+        return self.decoder(self._embed(tgt_in), memory, src_padding)
+
+    def project(self, h: Tensor) -> Tensor:
+        """Logits (..., vocab) of decoder states (..., d): the embedding matrix, transposed."""
+        return F.linear(h, self.embed.weight)
+
+    def forward(self, src: Tensor, tgt_in: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+        """Logits (B, T, vocab); with a bool ``positions`` mask (B, T), only those positions' logits, (n, vocab)
+        (training projects only the non-pad targets: the output projection is the largest matmul)."""
+        h = self.hidden(src, tgt_in)
+        return self.project(h if positions is None else h[positions])
 
     # ------------------------------------------------------------------------------------------
     @torch.no_grad()
