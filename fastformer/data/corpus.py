@@ -30,6 +30,7 @@ class ParallelCorpus:
     tgt_lang: str
     src: dict[str, list[str]]
     tgt: dict[str, list[str]]
+    keys: dict[str, list[tuple]] | None = None  # the Bible's (book, chapter, verse) of each pair
 
     def sizes(self) -> dict[str, int]:
         return {split: len(self.src[split]) for split in self.src}
@@ -73,13 +74,15 @@ def load_bible(name: str) -> ParallelCorpus:
             rows[lang] = {(b, c, v): text for b, c, v, text in db.execute(query, (BIBLE_VERSIONS[lang],))}
     src = {split: [] for split in SPLITS}
     tgt = {split: [] for split in SPLITS}
+    keys = {split: [] for split in SPLITS}
     for key in sorted(rows[src_lang].keys() & rows[tgt_lang].keys()):
         s, t = clean_verse(rows[src_lang][key], src_lang), clean_verse(rows[tgt_lang][key], tgt_lang)
         if s and t:
             split = chapter_split(key[0], key[1])
             src[split].append(s)
             tgt[split].append(t)
-    return ParallelCorpus(src_lang, tgt_lang, src, tgt)
+            keys[split].append(key)
+    return ParallelCorpus(src_lang, tgt_lang, src, tgt, keys)
 
 
 def read_lines(path: str) -> list[str]:

@@ -1,0 +1,103 @@
+"""The translate, evaluate, average and visualize commands on a checkpoint trained on the fixture, their
+--help, and clear errors for corrupt or mismatched checkpoints."""
+import importlib
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fastformer import checkpoint as ckpt
+from fastformer.train import main
+from train_helpers import DATA, tiny_run_args
+
+COMMANDS = ("train", "translate", "evaluate", "average", "visualize")
+
+
+def run(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, input=stdin, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "run"
+    main(tiny_run_args(out, "--max-steps", "30"))
+    return out
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_explains_every_flag(command):
+    module = importlib.import_module(f"fastformer.{command}")
+    for action in module.build_parser()._actions:
+        assert action.help and action.help.strip(), f"{command}: {action.option_strings} has no help text"
+    done = run(f"fastformer.{command}", "--help")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: python -m fastformer." + command)
+
+
+def test_translate_files_and_stdin(run_dir, tmp_path):
+    output = tmp_path / "out.en"
+    done = run("fastformer.translate", "--checkpoint", str(run_dir), "--input", str(DATA / "test.de"),
+               "--output", str(output), "--beam", "2")
+    assert done.returncode == 0, done.stderr
+    lines = output.read_text().splitlines()
+    assert len(lines) == 40 and sum(bool(line.strip()) for line in lines) > 30
+    piped = run("fastformer.translate", "--checkpoint", str(run_dir / "checkpoint_30.pt"), "--beam", "2",
+                stdin="Im Anfang schuf Gott die Himmel und die Erde.\nUnd Gott sprach.\n")
+    assert piped.returncode == 0, piped.stderr
+    assert len(piped.stdout.splitlines()) == 2
+
+
+def test_evaluate_prints_bleu_chrf_and_signature(run_dir):
+    done = run("fastformer.evaluate", "--checkpoint", str(run_dir), "--split", "test", "--beam", "1", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["sentences"] == 40 and 0.0 <= result["bleu"] <= 100.0 and result["chrf"] > 0.0
+    assert "tok:13a" in result["bleu_signature"]
+    text = run("fastformer.evaluate", "--checkpoint", str(run_dir), "--split", "dev", "--beam", "1", "--limit", "5")
+    assert text.returncode == 0 and "BLEU signature: nrefs:1" in text.stdout and "chrF" in text.stdout
+
+
+def test_visualize_writes_one_png_per_layer(run_dir, tmp_path):
+    done = run("fastformer.visualize", "--checkpoint", str(run_dir), "--text", "Und Gott sprach.",
+               "--out", str(tmp_path / "att.png"), "--beam", "1")
+    assert done.returncode == 0, done.stderr
+    pngs = sorted(p.name for p in tmp_path.glob("att_*.png"))
+    assert pngs == ["att_decoder_cross_layer1.png", "att_decoder_cross_layer2.png",
+                    "att_encoder_layer1.png", "att_encoder_layer2.png"]
+    assert all((tmp_path / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
+
+
+def test_recorded_attention_rows_are_distributions(run_dir):
+    model, tokenizer, _ = ckpt.load_model(str(run_dir))
+    layer = model.encoder.layers[0].self_attn
+    layer.record_attention = True
+    src = torch.tensor([tokenizer.encode(["Und Gott sprach."])[0] + [3]])
+    model.encode(src)
+    weights = layer.last_attention  # (1, H, S, S)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]))
+
+
+def test_corrupt_and_mismatched_checkpoints_are_rejected(run_dir, tmp_path):
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(b"this is not a checkpoint")
+    done = run("fastformer.translate", "--checkpoint", str(corrupt), stdin="Hallo\n")
+    assert done.returncode != 0 and "not a readable fastformer checkpoint" in done.stderr
+    assert "Traceback" not in done.stderr
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes((run_dir / "checkpoint_30.pt").read_bytes()[:2000])
+    with pytest.raises(ckpt.CheckpointError, match="not a readable"):
+        ckpt.load(str(truncated))
+    state = ckpt.load(str(run_dir))
+    state["config"] = {**state["config"], "d_model": 64, "d_ff": 128}
+    mismatched = tmp_path / "mismatched.pt"
+    torch.save(state, mismatched)
+    with pytest.raises(ckpt.CheckpointError, match="do not match"):
+        ckpt.load_model(str(mismatched))
+    with pytest.raises(ckpt.CheckpointError, match="no such checkpoint"):
+        ckpt.load(str(tmp_path / "nothing-here"))
+    empty = tmp_path / "empty_run"
+    empty.mkdir()
+    with pytest.raises(ckpt.CheckpointError, match="holds no checkpoint"):
+        ckpt.load(str(empty))

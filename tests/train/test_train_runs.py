@@ -1,0 +1,103 @@
+"""python -m fastformer.train on the committed fixture: the loss falls, --resume continues exactly,
+checkpoints average, and torchrun trains with DistributedDataParallel on 2 CPU processes (gloo)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fastformer import checkpoint as ckpt
+from fastformer.train import learning_rate, main
+from train_helpers import DATA, tiny_run_args
+
+
+def read_log(run_dir):
+    with open(os.path.join(run_dir, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_learning_rate_is_the_papers_schedule():
+    # lr = factor d^-0.5 min(step^-0.5, step warmup^-1.5): linear warmup, peak at `warmup`, then 1/sqrt.
+    d, warmup = 512, 4000
+    assert learning_rate(1, d, warmup, 1.0) == pytest.approx(d ** -0.5 * warmup ** -1.5)
+    assert learning_rate(warmup, d, warmup, 1.0) == pytest.approx(d ** -0.5 * warmup ** -0.5)
+    assert learning_rate(4 * warmup, d, warmup, 2.0) == pytest.approx(2.0 * d ** -0.5 * (4 * warmup) ** -0.5)
+    peak = learning_rate(warmup, d, warmup, 1.0)
+    assert learning_rate(warmup - 1, d, warmup, 1.0) < peak and learning_rate(warmup + 1, d, warmup, 1.0) < peak
+
+
+def test_loss_falls_and_run_folder_is_complete(tmp_path):
+    out = tmp_path / "run"
+    result = main(tiny_run_args(out, "--max-steps", "40", "--eval-every", "20", "--eval-sentences", "8"))
+    assert result["steps"] == 40
+    log = read_log(out)
+    train = [r["loss"] for r in log if r["kind"] == "train"]
+    assert len(train) == 40
+    first, last = sum(train[:5]) / 5, sum(train[-5:]) / 5
+    assert last < first - 0.5, f"loss did not fall: {first:.2f} -> {last:.2f}"
+    dev = [r for r in log if r["kind"] == "dev"]
+    assert [r["step"] for r in dev] == [20, 40] and dev[1]["dev_loss"] < dev[0]["dev_loss"]
+    for name in ("spm.model", "checkpoint_40.pt", "loss.png", "log.jsonl"):
+        assert (out / name).exists(), name
+    state = ckpt.load(str(out))
+    assert state["step"] == 40 and state["data"]["kind"] == "files"
+
+
+def test_resume_matches_an_uninterrupted_run(tmp_path):
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    main(tiny_run_args(straight, "--max-steps", "12", "--keep", "10"))
+    interrupted.mkdir()
+    shutil.copy(straight / "spm.model", interrupted / "spm.model")
+    main(tiny_run_args(interrupted, "--max-steps", "5"))
+    main(tiny_run_args(interrupted, "--max-steps", "12", "--resume"))
+    a = ckpt.load(str(straight / "checkpoint_12.pt"))
+    b = ckpt.load(str(interrupted / "checkpoint_12.pt"))
+    timing = ("train_seconds",)  # wall time differs; everything else must be identical
+    assert {k: v for k, v in a["train_state"].items() if k not in timing} == \
+        {k: v for k, v in b["train_state"].items() if k not in timing}
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), f"{name} differs after resuming"
+    for key, value in a["optimizer"]["state"].items():
+        assert torch.equal(value["exp_avg"], b["optimizer"]["state"][key]["exp_avg"])
+    # The resumed log continues the interrupted one: steps 1..12, each once.
+    assert [r["step"] for r in read_log(interrupted) if r["kind"] == "train"] == list(range(1, 13))
+
+
+def test_resume_refuses_a_folder_without_checkpoints(tmp_path):
+    with pytest.raises(SystemExit, match="no checkpoint"):
+        main(tiny_run_args(tmp_path / "empty", "--max-steps", "2", "--resume"))
+
+
+def test_average_of_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    main(tiny_run_args(out, "--max-steps", "3"))
+    main(tiny_run_args(out, "--max-steps", "6", "--resume"))
+    paths = ckpt.list_checkpoints(str(out))
+    assert [os.path.basename(p) for p in paths] == ["checkpoint_3.pt", "checkpoint_6.pt"]
+    averaged_path = tmp_path / "avg.pt"
+    done = subprocess.run([sys.executable, "-m", "fastformer.average", "--inputs", str(out), "--last", "2",
+                           "--output", str(averaged_path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    averaged = ckpt.load(str(averaged_path))["model"]
+    first, second = (ckpt.load(p)["model"] for p in paths)
+    for name in first:
+        torch.testing.assert_close(averaged[name], (first[name].double() + second[name].double()).div(2).to(
+            first[name].dtype), rtol=0, atol=0)
+    assert not torch.equal(first["embed.weight"], second["embed.weight"])
+
+
+def test_ddp_two_cpu_processes(tmp_path):
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "fastformer.train", *tiny_run_args(out, "--max-steps", "6", "--threads", "1")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 process(es)" in done.stdout + done.stderr
+    log = [r for r in read_log(out) if r["kind"] == "train"]
+    assert [r["step"] for r in log] == list(range(1, 7))  # rank 0 logs each update once
+    state = ckpt.load(str(out))
+    assert state["step"] == 6 and len(state["rng"]) == 2  # one RNG state per rank, for exact resumption
