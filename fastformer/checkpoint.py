@@ -86,6 +86,14 @@ def load_model(path: str, backend: str | None = None, device: str = "cpu") -> tu
     return model.to(device).eval(), tokenizer, state
 
 
+def load_model_or_exit(path: str, backend: str | None = None, device: str = "cpu"):
+    """load_model for the command-line tools: a bad checkpoint ends the program with its message."""
+    try:
+        return load_model(path, backend=backend, device=device)
+    except CheckpointError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+
+
 def average(paths: list[str]) -> dict:
     """The first checkpoint's state with its model weights replaced by the mean over all of them
     (float parameters averaged in float64), as the paper averaged its last checkpoints."""

@@ -4,11 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
-
 from fastformer import checkpoint as ckpt
 from fastformer.data import load_bible, load_text_files
-from fastformer.translation import score, translate
+from fastformer.translation import add_decoding_arguments, score, translate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,22 +16,16 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--checkpoint", required=True, metavar="P", help="checkpoint file, or run folder (its latest)")
     p.add_argument("--split", choices=("dev", "test"), default="test", help="which split to score")
-    p.add_argument("--beam", type=int, default=4, help="beam size (1: greedy)")
-    p.add_argument("--lenpen", type=float, default=0.6, help="GNMT length penalty alpha")
     p.add_argument("--limit", type=int, help="score only the first N sentences")
     p.add_argument("--output", metavar="F", help="also write the translations here")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--backend", help="fastformer op backend (default: the best for the device)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    add_decoding_arguments(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    try:
-        model, tokenizer, state = ckpt.load_model(args.checkpoint, backend=args.backend, device=args.device)
-    except ckpt.CheckpointError as exc:
-        raise SystemExit(f"error: {exc}") from exc
+    model, tokenizer, state = ckpt.load_model_or_exit(args.checkpoint, backend=args.backend, device=args.device)
     data = state.get("data") or {}
     if data.get("kind") == "bible":
         corpus = load_bible(data["name"])

@@ -4,10 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
 from fastformer import checkpoint as ckpt
-from fastformer.translation import translate
+from fastformer.translation import add_decoding_arguments, translate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,23 +13,17 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Translate one sentence per line with a fastformer checkpoint.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--checkpoint", required=True, metavar="P", help="checkpoint file, or run folder (its latest)")
-    p.add_argument("--beam", type=int, default=4, help="beam size (1: greedy)")
-    p.add_argument("--lenpen", type=float, default=0.6, help="GNMT length penalty alpha")
     p.add_argument("--max-len-a", type=float, default=1.2, help="at most a * source length + b target tokens")
     p.add_argument("--max-len-b", type=int, default=10, help="see --max-len-a")
     p.add_argument("--input", metavar="F", help="source text file (default: standard input)")
     p.add_argument("--output", metavar="F", help="where translations go (default: standard output)")
-    p.add_argument("--backend", help="fastformer op backend (default: the best for the device)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    add_decoding_arguments(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    try:
-        model, tokenizer, _ = ckpt.load_model(args.checkpoint, backend=args.backend, device=args.device)
-    except ckpt.CheckpointError as exc:
-        raise SystemExit(f"error: {exc}") from exc
+    model, tokenizer, _ = ckpt.load_model_or_exit(args.checkpoint, backend=args.backend, device=args.device)
     if args.input:
         with open(args.input, encoding="utf-8") as f:
             lines = [line.rstrip("\n") for line in f]

@@ -40,6 +40,14 @@ def translate(model: Transformer, tokenizer: Tokenizer, sentences: list[str], *,
     return out
 
 
+def add_decoding_arguments(parser) -> None:
+    """The flags every translating command shares: beam search settings, backend and device."""
+    parser.add_argument("--beam", type=int, default=4, help="beam size (1: greedy)")
+    parser.add_argument("--lenpen", type=float, default=0.6, help="GNMT length penalty alpha")
+    parser.add_argument("--backend", help="fastformer op backend (default: the best for the device)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+
+
 def score(hypotheses: list[str], references: list[str]) -> dict:
     """sacrebleu BLEU (13a tokenization, on detokenized text) and chrF, with their signatures."""
     import sacrebleu

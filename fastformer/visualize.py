@@ -9,7 +9,7 @@ import torch
 
 from fastformer import checkpoint as ckpt
 from fastformer.data.batching import collate
-from fastformer.data.tokenizer import BOS_ID, EOS_ID
+from fastformer.data.tokenizer import BOS_ID
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,10 +36,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise SystemExit("visualize needs matplotlib: pip install matplotlib") from exc
-    try:
-        model, tokenizer, _ = ckpt.load_model(args.checkpoint)
-    except ckpt.CheckpointError as exc:
-        raise SystemExit(f"error: {exc}") from exc
+    model, tokenizer, _ = ckpt.load_model_or_exit(args.checkpoint)
     src_ids = tokenizer.encode([args.text])[0]
     src = collate([src_ids])
     hyp = model.generate(src, beam_size=args.beam)[0]

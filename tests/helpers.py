@@ -17,7 +17,7 @@ ALL_BACKENDS = ["torch"] + BACKENDS
 # Backends that execute GPU kernels on the CPU (a SIMT fiber model, the Triton interpreter): orders of
 # magnitude slower, so only shapes within these limits run on them.
 SLOW_BACKENDS = frozenset({"cuda_sim", "triton"})
-SLOW_LIMITS = dict(B=2, H=2, L=33, D=64, rows=16, N=4099)
+SLOW_LIMITS = dict(B=2, H=2, L=33, D=128, rows=16, N=4099)
 
 _DTYPE_NAMES = {
     torch.float64: "f64",

@@ -66,6 +66,8 @@ CASES = [
     Case(1, 2, 7, 33, 16, "both"),  # cross-attention, Lq < Lk
     Case(2, 2, 33, 7, 64, "both"),  # Lq > Lk with causal: the first 26 queries see no key
     Case(2, 2, 33, 17, 16, "padding"),  # cross-attention, Lq > Lk
+    Case(1, 2, 17, 9, 128, "both"),  # the largest head dim, Lq > Lk
+    Case(2, 1, 1, 33, 128, "causal"),
     # Bigger, odd shapes: head dims 40 and 128, lengths 97 and 113 (not multiples of any block size).
     Case(2, 3, 97, 97, 40, "padding"),
     Case(1, 2, 113, 113, 64, "causal"),

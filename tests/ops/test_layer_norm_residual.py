@@ -4,6 +4,7 @@ y = LayerNorm(residual + dropout(x)) over the last dim, with weight and bias of 
 prenorm=True also returns s = residual + dropout(x), and the gradient then flows through both outputs.
 (Dropout is tested in test_dropout.py; here dropout_p = 0.)
 """
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -22,10 +23,7 @@ class Case:
 
     @property
     def rows(self):
-        rows = 1
-        for n in self.shape[:-1]:
-            rows *= n
-        return rows
+        return math.prod(self.shape[:-1])
 
     def __str__(self):
         return "x".join(map(str, self.shape)) + f"-prenorm{self.prenorm}-eps{self.eps}"

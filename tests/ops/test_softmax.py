@@ -4,6 +4,7 @@ softmax(scale * x, with mask=True positions set to -inf) over the last dim; the 
 broadcastable to x; a fully masked row returns zeros. Forward and backward (random upstream gradient) are
 compared with the torch backend run in float64 on float64 copies of the same inputs.
 """
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -22,10 +23,7 @@ class Case:
 
     @property
     def rows(self):
-        rows = 1
-        for n in self.shape[:-1]:
-            rows *= n
-        return rows
+        return math.prod(self.shape[:-1])
 
     def __str__(self):
         shape = "x".join(map(str, self.shape))

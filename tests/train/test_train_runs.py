@@ -11,7 +11,7 @@ import torch
 
 from fastformer import checkpoint as ckpt
 from fastformer.train import learning_rate, main
-from train_helpers import DATA, tiny_run_args
+from train_helpers import tiny_run_args
 
 
 def read_log(run_dir):

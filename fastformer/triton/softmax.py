@@ -1,0 +1,126 @@
+"""Masked, scaled softmax over the last dim in Triton, forward and backward.
+
+One program per row of N. Forward: a first loop over BLOCK_N chunks keeps the running max m and sum l
+(online softmax: l = l e^(m - m') + sum e^(a - m')), a second loop writes y = e^(a - m) / l. Bytes moved
+per row: x read twice (the second read mostly from L2) and y written once: about 3 N sizeof(T), plus
+N mask bytes twice. Backward, per row: one loop for sum(dy y), one writing dx = scale y (dy - sum);
+reads y and dy twice, writes dx once.
+A fully masked row has m = -inf and gives zeros. The mask is addressed through a per-row offset table
+(int64, one entry per row) and a column stride, so any broadcast mask works without a copy.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastformer.triton._common import check, row_blocks
+
+
+@triton.jit
+def _softmax_fwd_kernel(
+    x_ptr,  # (R, N) input, contiguous
+    y_ptr,  # (R, N) output
+    mask_ptr,  # bool mask, addressed as mask_ptr + mask_rows[r] + col * mask_col_stride (unused if not HAS_MASK)
+    mask_rows_ptr,  # (R,) int64 offset of each row's mask
+    mask_col_stride,  # stride of the mask along the last dim (0 when broadcast)
+    N,  # row length
+    scale,  # multiplier applied to x before the softmax
+    HAS_MASK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * N
+    y_row = y_ptr + row * N
+    if HAS_MASK:
+        mask_row = mask_ptr + tl.load(mask_rows_ptr + row)
+    m = tl.full([BLOCK_N], float("-inf"), tl.float32)  # per-lane running max
+    l = tl.zeros([BLOCK_N], tl.float32)  # per-lane running sum of e^(a - m)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        inside = cols < N
+        a = tl.load(x_row + cols, mask=inside, other=float("-inf")).to(tl.float32) * scale
+        if HAS_MASK:
+            masked = tl.load(mask_row + cols * mask_col_stride, mask=inside, other=1).to(tl.int1)
+            a = tl.where(masked, float("-inf"), a)
+        m_new = tl.maximum(m, a)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l = l * tl.exp(m - m_safe) + tl.exp(a - m_safe)
+        m = m_new
+    row_max = tl.max(m, 0)
+    row_max_safe = tl.where(row_max == float("-inf"), 0.0, row_max)
+    total = tl.sum(l * tl.exp(m - row_max_safe), 0)
+    inv = tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)  # fully masked row: zeros
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        inside = cols < N
+        a = tl.load(x_row + cols, mask=inside, other=float("-inf")).to(tl.float32) * scale
+        if HAS_MASK:
+            masked = tl.load(mask_row + cols * mask_col_stride, mask=inside, other=1).to(tl.int1)
+            a = tl.where(masked, float("-inf"), a)
+        y = tl.exp(a - row_max_safe) * inv
+        tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _softmax_bwd_kernel(
+    dy_ptr,  # (R, N) gradient of y
+    y_ptr,  # (R, N) forward output
+    dx_ptr,  # (R, N) gradient of x, written
+    N,  # row length
+    scale,  # the forward's scale
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        inside = cols < N
+        y = tl.load(y_ptr + row * N + cols, mask=inside, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * N + cols, mask=inside, other=0.0).to(tl.float32)
+        acc += y * dy
+    dot = tl.sum(acc, 0)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        inside = cols < N
+        y = tl.load(y_ptr + row * N + cols, mask=inside, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * N + cols, mask=inside, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + row * N + cols, (scale * y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=inside)
+
+
+def _mask_rows(mask: torch.Tensor, shape) -> tuple[torch.Tensor, int]:
+    """(R,) int64 offsets of each row's mask in the broadcast view, and the mask's last-dim stride."""
+    view = mask.expand(shape)
+    offsets = torch.zeros(shape[:-1], dtype=torch.int64, device=mask.device)
+    for dim, (size, stride) in enumerate(zip(shape[:-1], view.stride()[:-1])):
+        index = torch.arange(size, dtype=torch.int64, device=mask.device) * stride
+        offsets += index.view([size if d == dim else 1 for d in range(len(shape) - 1)])
+    return offsets.reshape(-1), view.stride(-1)
+
+
+def softmax_fwd(x: torch.Tensor, mask, scale: float) -> torch.Tensor:
+    check("softmax", x)
+    x = x.contiguous()
+    N = x.shape[-1]
+    R = x.numel() // N if N else 0
+    y = torch.empty_like(x)
+    if R == 0:
+        return y
+    cfg = row_blocks(N)
+    if mask is not None:
+        rows, col_stride = _mask_rows(mask, x.shape)
+        _softmax_fwd_kernel[(R,)](x, y, mask, rows, col_stride, N, scale, HAS_MASK=True, **cfg)
+    else:
+        _softmax_fwd_kernel[(R,)](x, y, x, x, 0, N, scale, HAS_MASK=False, **cfg)
+    return y
+
+
+def softmax_bwd(dy: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+    check("softmax", dy, y)
+    dy, y = dy.contiguous(), y.contiguous()
+    N = y.shape[-1]
+    R = y.numel() // N if N else 0
+    dx = torch.empty_like(y)
+    if R:
+        _softmax_bwd_kernel[(R,)](dy, y, dx, N, scale, **row_blocks(N))
+    return dx
