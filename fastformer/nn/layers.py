@@ -45,17 +45,22 @@ Sublayer = tuple[nn.LayerNorm, Callable[[Tensor], Tensor]]
 def run_sublayers(x: Tensor, sublayers: list[Sublayer], final_norm: Optional[nn.LayerNorm], norm_first: bool,
                   dropout_p: float, backend: Optional[str]) -> Tensor:
     """Runs sublayers with fused residual + dropout + LayerNorm (see the module docstring)."""
+    # Under autocast the sublayers return half-precision tensors while the residual stream and the
+    # LayerNorm parameters stay in float32: the fused op runs in the residual stream's dtype.
+    def fused(branch, residual, norm, prenorm):
+        dtype = residual.dtype
+        return ops.layer_norm_residual(branch.to(dtype), residual, norm.weight.to(dtype), norm.bias.to(dtype),
+                                       eps=norm.eps, dropout_p=dropout_p, prenorm=prenorm, backend=backend)
+
     if not norm_first:
         for norm, fn in sublayers:
-            x = ops.layer_norm_residual(fn(x), x, norm.weight, norm.bias, eps=norm.eps, dropout_p=dropout_p,
-                                        backend=backend)
+            x = fused(fn(x), x, norm, False)
         return x
     first = sublayers[0][0]
     h = F.layer_norm(x, first.normalized_shape, first.weight, first.bias, first.eps)
     for index, (_, fn) in enumerate(sublayers):
         norm = sublayers[index + 1][0] if index + 1 < len(sublayers) else final_norm
-        h, x = ops.layer_norm_residual(fn(h), x, norm.weight, norm.bias, eps=norm.eps, dropout_p=dropout_p,
-                                       prenorm=True, backend=backend)
+        h, x = fused(fn(h), x, norm, True)
     return h
 
 
