@@ -24,16 +24,28 @@ from fastformer.triton._common import MAX_HEAD_DIM, attention_blocks, check, dro
 
 
 @triton.jit
-def _scores(q, k_ptrs, kpm_row, offs_m, offs_n, Lq, Lk, d_inside, scale, HAS_KPM: tl.constexpr,
-            CAUSAL: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """S = scale q k^T for one (BLOCK_M x BLOCK_N) tile, and which entries are visible."""
-    k = tl.load(k_ptrs, mask=(offs_n[:, None] < Lk) & d_inside[None, :], other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b accumulated in float32; float32 inputs use exact IEEE products (not TF32) when IEEE."""
     if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-    else:
-        s = tl.dot(q, tl.trans(k)) * scale
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _load_tile(ptr, bh, L, offs, offs_d, D, UPCAST: tl.constexpr):
+    """Rows ``offs`` of one (b, h) slice of a (B, H, L, D) tensor as a (rows, BLOCK_D) tile, zero-padded."""
+    tile = tl.load(ptr + (bh * L + offs[:, None]) * D + offs_d[None, :],
+                   mask=(offs[:, None] < L) & (offs_d[None, :] < D), other=0.0)
+    if UPCAST:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
+def _scores(q, k, kpm_row, offs_m, offs_n, Lq, Lk, scale, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr,
+            IEEE: tl.constexpr):
+    """S = scale q k^T for one (BLOCK_M x BLOCK_N) tile, and which entries are visible."""
+    s = _dot(q, tl.trans(k), IEEE) * scale
     visible = (offs_n[None, :] < Lk) & (offs_m[:, None] < Lq)
     if HAS_KPM:
         pad = tl.load(kpm_row + offs_n, mask=offs_n < Lk, other=1).to(tl.int1)
@@ -41,6 +53,14 @@ def _scores(q, k_ptrs, kpm_row, offs_m, offs_n, Lq, Lk, d_inside, scale, HAS_KPM
     if CAUSAL:
         visible = visible & (offs_n[None, :] <= offs_m[:, None] + (Lk - Lq))
     return s, visible
+
+
+@triton.jit
+def _causal_key_end(tile, Lq, Lk, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """Keys past the diagonal of a query tile's last row are invisible to the whole tile."""
+    if CAUSAL:
+        return tl.minimum(Lk, tl.maximum(0, (tile + 1) * BLOCK_M - 1 + Lk - Lq + 1))
+    return Lk
 
 
 @triton.jit
@@ -57,26 +77,17 @@ def _attn_fwd_kernel(
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     tile, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    b = bh // H
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    d_inside = offs_d < D
-    q = tl.load(q_ptr + (bh * Lq + offs_m[:, None]) * D + offs_d[None, :],
-                mask=(offs_m[:, None] < Lq) & d_inside[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    q = _load_tile(q_ptr, bh, Lq, offs_m, offs_d, D, UPCAST)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    kpm_row = kpm_ptr + b * Lk
-    key_end = Lk
-    if CAUSAL:  # keys past the last row's diagonal are invisible to the whole tile
-        key_end = tl.minimum(Lk, tl.maximum(0, (tile + 1) * BLOCK_M - 1 + Lk - Lq + 1))
-    for start_n in range(0, key_end, BLOCK_N):
+    kpm_row = kpm_ptr + (bh // H) * Lk
+    for start_n in range(0, _causal_key_end(tile, Lq, Lk, BLOCK_M, CAUSAL), BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_ptrs = k_ptr + (bh * Lk + offs_n[:, None]) * D + offs_d[None, :]
-        s, visible = _scores(q, k_ptrs, kpm_row, offs_m, offs_n, Lq, Lk, d_inside, scale, HAS_KPM, CAUSAL,
-                             UPCAST, IEEE)
+        k = _load_tile(k_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
+        s, visible = _scores(q, k, kpm_row, offs_m, offs_n, Lq, Lk, scale, HAS_KPM, CAUSAL, IEEE)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -87,19 +98,13 @@ def _attn_fwd_kernel(
         if HAS_DROPOUT:
             index = (bh * Lq + offs_m[:, None]) * Lk + offs_n[None, :]
             prob = tl.where(dropout_keep(seed, index, p), prob / (1.0 - p), 0.0)
-        v = tl.load(v_ptr + (bh * Lk + offs_n[:, None]) * D + offs_d[None, :],
-                    mask=(offs_n[:, None] < Lk) & d_inside[None, :], other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
+        v = _load_tile(v_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
+        acc = acc * alpha[:, None] + _dot(prob.to(v.dtype), v, IEEE)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
     tl.store(o_ptr + (bh * Lq + offs_m[:, None]) * D + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=(offs_m[:, None] < Lq) & d_inside[None, :])
+             mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
     tl.store(lse_ptr + bh * Lq + offs_m, lse, mask=offs_m < Lq)
 
 
@@ -119,11 +124,21 @@ def _attn_bwd_preprocess(
 
 
 @triton.jit
-def _probabilities(s, visible, lse):
-    """P = e^(S - lse) on visible entries, 0 elsewhere and on rows that saw nothing (lse = -inf)."""
+def _backward_tile(q, do, k, v, kpm_row, lse, delta, offs_m, offs_n, bh, Lq, Lk, scale, p, seed,
+                   HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr):
+    """For one (query tile, key block): P r (the dropped probabilities, for dV) and
+    dS = P (dP r - delta) with dP = dO V^T, P = e^(S - lse) recomputed (0 where invisible or where the
+    row saw nothing, lse = -inf)."""
+    s, visible = _scores(q, k, kpm_row, offs_m, offs_n, Lq, Lk, scale, HAS_KPM, CAUSAL, IEEE)
     seen = lse > float("-inf")
-    lse_safe = tl.where(seen, lse, 0.0)
-    return tl.where(visible & seen[:, None], tl.exp(s - lse_safe[:, None]), 0.0)
+    prob = tl.where(visible & seen[:, None], tl.exp(s - tl.where(seen, lse, 0.0)[:, None]), 0.0)
+    dp = _dot(do, tl.trans(v), IEEE)
+    prob_dropped = prob
+    if HAS_DROPOUT:
+        keep = dropout_keep(seed, (bh * Lq + offs_m[:, None]) * Lk + offs_n[None, :], p)
+        prob_dropped = tl.where(keep, prob / (1.0 - p), 0.0)
+        dp = tl.where(keep, dp / (1.0 - p), 0.0)
+    return prob_dropped, prob * (dp - delta[:, None])
 
 
 @triton.jit
@@ -137,17 +152,11 @@ def _attn_bwd_dkdv_kernel(
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     block, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    b = bh // H
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    d_inside = offs_d < D
-    kv_mask = (offs_n[:, None] < Lk) & d_inside[None, :]
-    k_ptrs = k_ptr + (bh * Lk + offs_n[:, None]) * D + offs_d[None, :]
-    v = tl.load(v_ptr + (bh * Lk + offs_n[:, None]) * D + offs_d[None, :], mask=kv_mask, other=0.0)
-    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-    if UPCAST:
-        v = v.to(tl.float32)
-        k = k.to(tl.float32)
+    k = _load_tile(k_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
+    v = _load_tile(v_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
+    kpm_row = kpm_ptr + (bh // H) * Lk
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     first_m = 0
@@ -155,34 +164,16 @@ def _attn_bwd_dkdv_kernel(
         first_m = tl.maximum(0, block * BLOCK_N - (Lk - Lq)) // BLOCK_M * BLOCK_M
     for start_m in range(first_m, Lq, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q_mask = (offs_m[:, None] < Lq) & d_inside[None, :]
-        q = tl.load(q_ptr + (bh * Lq + offs_m[:, None]) * D + offs_d[None, :], mask=q_mask, other=0.0)
-        do = tl.load(do_ptr + (bh * Lq + offs_m[:, None]) * D + offs_d[None, :], mask=q_mask, other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
-        s, visible = _scores(q, k_ptrs, kpm_ptr + b * Lk, offs_m, offs_n, Lq, Lk, d_inside, scale, HAS_KPM,
-                             CAUSAL, UPCAST, IEEE)
+        q = _load_tile(q_ptr, bh, Lq, offs_m, offs_d, D, UPCAST)
+        do = _load_tile(do_ptr, bh, Lq, offs_m, offs_d, D, UPCAST)
         lse = tl.load(lse_ptr + bh * Lq + offs_m, mask=offs_m < Lq, other=float("-inf"))
         delta = tl.load(delta_ptr + bh * Lq + offs_m, mask=offs_m < Lq, other=0.0)
-        prob = _probabilities(s, visible, lse)  # (BLOCK_M, BLOCK_N)
-        if IEEE:
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-        else:
-            dp = tl.dot(do, tl.trans(v))
-        prob_dropped = prob
-        if HAS_DROPOUT:
-            keep = dropout_keep(seed, (bh * Lq + offs_m[:, None]) * Lk + offs_n[None, :], p)
-            prob_dropped = tl.where(keep, prob / (1.0 - p), 0.0)
-            dp = tl.where(keep, dp / (1.0 - p), 0.0)
-        ds = prob * (dp - delta[:, None])
-        if IEEE:
-            dv += tl.dot(tl.trans(prob_dropped.to(do.dtype)), do, input_precision="ieee")
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision="ieee")
-        else:
-            dv += tl.dot(tl.trans(prob_dropped.to(do.dtype)), do)
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        prob_dropped, ds = _backward_tile(q, do, k, v, kpm_row, lse, delta, offs_m, offs_n, bh, Lq, Lk, scale, p,
+                                          seed, HAS_KPM, CAUSAL, HAS_DROPOUT, IEEE)
+        dv += _dot(tl.trans(prob_dropped.to(do.dtype)), do, IEEE)
+        dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE)
     out_offs = (bh * Lk + offs_n[:, None]) * D + offs_d[None, :]
+    kv_mask = (offs_n[:, None] < Lk) & (offs_d[None, :] < D)
     tl.store(dk_ptr + out_offs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + out_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
@@ -196,48 +187,23 @@ def _attn_bwd_dq_kernel(
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     tile, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    b = bh // H
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    d_inside = offs_d < D
-    q_mask = (offs_m[:, None] < Lq) & d_inside[None, :]
-    q = tl.load(q_ptr + (bh * Lq + offs_m[:, None]) * D + offs_d[None, :], mask=q_mask, other=0.0)
-    do = tl.load(do_ptr + (bh * Lq + offs_m[:, None]) * D + offs_d[None, :], mask=q_mask, other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    q = _load_tile(q_ptr, bh, Lq, offs_m, offs_d, D, UPCAST)
+    do = _load_tile(do_ptr, bh, Lq, offs_m, offs_d, D, UPCAST)
     lse = tl.load(lse_ptr + bh * Lq + offs_m, mask=offs_m < Lq, other=float("-inf"))
     delta = tl.load(delta_ptr + bh * Lq + offs_m, mask=offs_m < Lq, other=0.0)
+    kpm_row = kpm_ptr + (bh // H) * Lk
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    key_end = Lk
-    if CAUSAL:
-        key_end = tl.minimum(Lk, tl.maximum(0, (tile + 1) * BLOCK_M - 1 + Lk - Lq + 1))
-    for start_n in range(0, key_end, BLOCK_N):
+    for start_n in range(0, _causal_key_end(tile, Lq, Lk, BLOCK_M, CAUSAL), BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n[:, None] < Lk) & d_inside[None, :]
-        k_ptrs = k_ptr + (bh * Lk + offs_n[:, None]) * D + offs_d[None, :]
-        s, visible = _scores(q, k_ptrs, kpm_ptr + b * Lk, offs_m, offs_n, Lq, Lk, d_inside, scale, HAS_KPM,
-                             CAUSAL, UPCAST, IEEE)
-        prob = _probabilities(s, visible, lse)
-        v = tl.load(v_ptr + (bh * Lk + offs_n[:, None]) * D + offs_d[None, :], mask=kv_mask, other=0.0)
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-            k = k.to(tl.float32)
-        if IEEE:
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-        else:
-            dp = tl.dot(do, tl.trans(v))
-        if HAS_DROPOUT:
-            keep = dropout_keep(seed, (bh * Lq + offs_m[:, None]) * Lk + offs_n[None, :], p)
-            dp = tl.where(keep, dp / (1.0 - p), 0.0)
-        ds = prob * (dp - delta[:, None])
-        if IEEE:
-            dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
-        else:
-            dq += tl.dot(ds.to(k.dtype), k)
+        k = _load_tile(k_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
+        v = _load_tile(v_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
+        _, ds = _backward_tile(q, do, k, v, kpm_row, lse, delta, offs_m, offs_n, bh, Lq, Lk, scale, p, seed,
+                               HAS_KPM, CAUSAL, HAS_DROPOUT, IEEE)
+        dq += _dot(ds.to(k.dtype), k, IEEE)
     tl.store(dq_ptr + (bh * Lq + offs_m[:, None]) * D + offs_d[None, :], (dq * scale).to(dq_ptr.dtype.element_ty),
-             mask=q_mask)
+             mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
 
 
 def _flags(q, key_padding_mask, causal, dropout_p):

@@ -18,6 +18,17 @@ from fastformer.triton._common import check, row_blocks
 
 
 @triton.jit
+def _masked_scaled(x_row, mask_row, mask_col_stride, cols, N, scale, HAS_MASK: tl.constexpr):
+    """scale * x[cols] in float32, -inf where masked or past the row's end."""
+    inside = cols < N
+    a = tl.load(x_row + cols, mask=inside, other=float("-inf")).to(tl.float32) * scale
+    if HAS_MASK:
+        masked = tl.load(mask_row + cols * mask_col_stride, mask=inside, other=1).to(tl.int1)
+        a = tl.where(masked, float("-inf"), a)
+    return a
+
+
+@triton.jit
 def _softmax_fwd_kernel(
     x_ptr,  # (R, N) input, contiguous
     y_ptr,  # (R, N) output
@@ -32,17 +43,14 @@ def _softmax_fwd_kernel(
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * N
     y_row = y_ptr + row * N
+    mask_row = mask_ptr
     if HAS_MASK:
         mask_row = mask_ptr + tl.load(mask_rows_ptr + row)
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)  # per-lane running max
     l = tl.zeros([BLOCK_N], tl.float32)  # per-lane running sum of e^(a - m)
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        inside = cols < N
-        a = tl.load(x_row + cols, mask=inside, other=float("-inf")).to(tl.float32) * scale
-        if HAS_MASK:
-            masked = tl.load(mask_row + cols * mask_col_stride, mask=inside, other=1).to(tl.int1)
-            a = tl.where(masked, float("-inf"), a)
+        a = _masked_scaled(x_row, mask_row, mask_col_stride, cols, N, scale, HAS_MASK)
         m_new = tl.maximum(m, a)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l = l * tl.exp(m - m_safe) + tl.exp(a - m_safe)
@@ -53,13 +61,9 @@ def _softmax_fwd_kernel(
     inv = tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)  # fully masked row: zeros
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        inside = cols < N
-        a = tl.load(x_row + cols, mask=inside, other=float("-inf")).to(tl.float32) * scale
-        if HAS_MASK:
-            masked = tl.load(mask_row + cols * mask_col_stride, mask=inside, other=1).to(tl.int1)
-            a = tl.where(masked, float("-inf"), a)
+        a = _masked_scaled(x_row, mask_row, mask_col_stride, cols, N, scale, HAS_MASK)
         y = tl.exp(a - row_max_safe) * inv
-        tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=inside)
+        tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
 
 
 @triton.jit
