@@ -10,7 +10,10 @@ writes O = acc / l and lse = m + log l (-inf and O = 0 for a row with no visible
 Bytes moved: Q, O once; K, V once per query tile: (2 Lq + 2 Lk ceil(Lq / BLOCK_M)) D sizeof(T) per (b, h).
 Backward: a preprocessing kernel forms delta = rowsum(dO O); one kernel per key block accumulates dK, dV
 over the query tiles that can see it; one kernel per query tile accumulates dQ over its key blocks. No
-atomics, no Lq x Lk matrix; probabilities are recomputed from lse: P = e^(S - lse).
+atomics, no Lq x Lk matrix; probabilities are recomputed from lse: P = e^(S - lse). Bytes moved per (b, h):
+the dK/dV kernel reads K, V once and Q, dO once per key block, (2 Lk + 2 Lq ceil(Lk / BLOCK_N)) D sizeof(T),
+and writes dK, dV; the dQ kernel reads Q, dO once and K, V once per query tile, (2 Lq + 2 Lk
+ceil(Lq / BLOCK_M)) D sizeof(T), and writes dQ; both also read lse and delta (4 bytes per row).
 Dropout keeps element (b, h, i, j) of P when dropout_keep(seed, ((b H + h) Lq + i) Lk + j) is true,
 the same Philox stream as every other backend.
 """
