@@ -324,8 +324,13 @@ def main(argv: list[str] | None = None) -> dict:
     # ---- training
     budget_s = args.max_minutes * 60.0
     batches = epoch_batches(state["epoch"])
-    bar = tqdm(total=args.max_steps, initial=state["step"], unit="upd", disable=not ddp.main, dynamic_ncols=True,
-               desc="train")
+    # Progress against --max-steps when given, else against the --max-minutes training budget.
+    by_steps = args.max_steps is not None
+    bar = tqdm(total=args.max_steps if by_steps else round(args.max_minutes, 2),
+               initial=state["step"] if by_steps else round(state["train_seconds"] / 60, 2),
+               unit="upd" if by_steps else "min", disable=not ddp.main, dynamic_ncols=True, desc="train",
+               bar_format=None if by_steps else "{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} min "
+                                                 "[{elapsed}<{remaining}{postfix}]")
     last_ckpt = time.monotonic()
     model.train()
     window_tokens, window_seconds, last_dev_step = 0, 0.0, -1
@@ -378,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
         elapsed = time.monotonic() - t0
         state["train_seconds"] += elapsed
         window_tokens, window_seconds = window_tokens + tokens, window_seconds + elapsed
-        bar.update(1)
+        bar.update(1 if by_steps else min(elapsed / 60, bar.total - bar.n))
         if state["step"] % args.log_every == 0:  # tokens/s over whole updates (forward, backward, optimizer)
             tok_s = window_tokens / max(window_seconds, 1e-9)
             window_tokens, window_seconds = 0, 0.0
@@ -386,8 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "nll": round(nll_sum / tokens, 4), "lr": lr, "tokens_per_s": round(tok_s, 1),
                    "train_minutes": round(state["train_seconds"] / 60, 2)}
             log(rec)
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tok_s:.0f}", lr=f"{lr:.2e}",
-                            min=f"{rec['train_minutes']:.1f}")
+            bar.set_postfix(upd=state["step"], loss=f"{rec['loss']:.3f}", tok_s=f"{tok_s:.0f}", lr=f"{lr:.2e}")
         if args.eval_every and state["step"] % args.eval_every == 0 and ddp.main:
             evaluate_dev()
             last_dev_step = state["step"]
