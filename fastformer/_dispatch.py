@@ -47,19 +47,12 @@ def set_backend(name: str | None) -> None:
     _default = None if name is None else _check_name(name)
 
 
-def _triton_status() -> tuple[bool, str]:
+def _module_status(name: str, module: str) -> tuple[bool, str]:
+    """A backend implemented by an importable module: usable iff the module imports here."""
     try:
-        importlib.import_module("fastformer.triton")
+        importlib.import_module(module)
     except ImportError as exc:
-        return False, f"the triton backend is not available ({exc})"
-    return True, ""
-
-
-def _cuda_sim_status() -> tuple[bool, str]:
-    try:
-        importlib.import_module("fastformer.cuda_sim")
-    except ImportError as exc:
-        return False, f"the cuda_sim backend is not available ({exc})"
+        return False, f"the {name} backend is not available ({exc})"
     return True, ""
 
 
@@ -79,8 +72,8 @@ def _status(name: str) -> tuple[bool, str]:
             return False, "no CUDA device is visible"
         return True, ""
     if name == "triton":
-        return _triton_status()
-    return _cuda_sim_status()
+        return _module_status(name, "fastformer.triton")
+    return _module_status(name, "fastformer.cuda_sim")
 
 
 _status_cache: dict[str, tuple[bool, str]] = {}

@@ -80,11 +80,10 @@ class Transformer(nn.Module):
 
     def hidden(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """Decoder output states (B, T, d) before the (shared-embedding) output projection."""
-        self._check_tokens(src, "src")
+        memory, src_padding = self.encode(src)  # checks src
         self._check_tokens(tgt_in, "tgt_in")
         if src.shape[0] != tgt_in.shape[0]:
             raise ValueError(f"src and tgt_in batch sizes differ: {src.shape[0]} vs {tgt_in.shape[0]}")
-        memory, src_padding = self.encode(src)
         return self.decoder(self._embed(tgt_in), memory, src_padding)
 
     def project(self, h: Tensor) -> Tensor:
@@ -109,7 +108,6 @@ class Transformer(nn.Module):
         whole prefix at each step (for tests and benchmarks)."""
         if beam_size < 1:
             raise ValueError(f"beam_size must be >= 1, got {beam_size}")
-        self._check_tokens(src, "src")
         was_training = self.training
         self.eval()
         try:
