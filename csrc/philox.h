@@ -8,7 +8,9 @@
 // The 32-bit word becomes a uniform in [0, 1) exactly as Triton's tl.rand does it
 // (int32 x -> (x < 0 ? -x - 1 : x) * 2^-31, in float32); an element is kept iff u >= p.
 #pragma once
+#if !defined(__CUDACC_RTC__)  // NVRTC has no standard headers; csrc/cuda/compat.h typedefs the ints
 #include <cstdint>
+#endif
 
 #if defined(__CUDACC__)
 #define FF_HOST_DEVICE __host__ __device__ __forceinline__

@@ -95,8 +95,6 @@ def _supported_dtypes(name: str, device: torch.device) -> tuple[torch.dtype, ...
         return _ALL_FLOAT
     if name == "cuda" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
         return (torch.float16, torch.float32)
-    if name == "cuda_sim":
-        return (torch.float16, torch.float32)
     return _HALF_AND_FLOAT
 
 

@@ -1,0 +1,74 @@
+// Device helpers shared by the kernels of csrc/cuda/: element conversion, vector loads, warp and block
+// reductions. Compiles under nvcc, NVRTC and the CPU SIMT model (compat.h).
+#pragma once
+#include "compat.h"
+#include "../philox.h"
+
+namespace fastformer {
+namespace cuda {
+
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+FF_DEVICE float ff_inf() { return __int_as_float(0x7f800000); }
+
+FF_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// Element <-> float32 (all arithmetic is in float32; storage is float, __half or __nv_bfloat16).
+FF_DEVICE float to_float(float x) { return x; }
+FF_DEVICE float to_float(__half x) { return __half2float(x); }
+FF_DEVICE float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> FF_DEVICE T from_float(float x);
+template <> FF_DEVICE float from_float<float>(float x) { return x; }
+template <> FF_DEVICE __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> FF_DEVICE __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// Two consecutive elements p[0], p[1] as float2 in one load (p must be aligned to 2 elements):
+// a 4-byte half2/bfloat162 load or an 8-byte float2 load.
+FF_DEVICE float2 load2(const float* p) { return *reinterpret_cast<const float2*>(p); }
+FF_DEVICE float2 load2(const __half* p) { return __half22float2(*reinterpret_cast<const __half2*>(p)); }
+FF_DEVICE float2 load2(const __nv_bfloat16* p) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+}
+FF_DEVICE void store2(float* p, float2 v) { *reinterpret_cast<float2*>(p) = v; }
+FF_DEVICE void store2(__half* p, float2 v) { *reinterpret_cast<__half2*>(p) = __float22half2_rn(v); }
+FF_DEVICE void store2(__nv_bfloat16* p, float2 v) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __float22bfloat162_rn(v);
+}
+
+// Butterfly reductions over the 32 lanes of a warp (every lane gets the result; all lanes must call).
+FF_DEVICE float warp_sum(float x) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(kFullMask, x, offset);
+  return x;
+}
+FF_DEVICE float warp_max(float x) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, offset));
+  return x;
+}
+
+// Sums kValues floats over the threads of the block (blockDim.x a multiple of 32, at most 1024): each warp
+// reduces by shuffles, lane 0 of each stages its sums in scratch, then every warp sums the staged values
+// in the same order, so all threads get the same result. scratch: the caller's __shared__
+// float[kValues][kWarpSize], reusable right after the call. All threads of the block must call it
+// (two __syncthreads).
+template <int kValues>
+FF_DEVICE void block_sum(float (&v)[kValues], float (*scratch)[kWarpSize]) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int warps = blockDim.x / kWarpSize;
+#pragma unroll
+  for (int i = 0; i < kValues; ++i) v[i] = warp_sum(v[i]);
+  __syncthreads();  // every reader of the previous call is done with scratch
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < kValues; ++i) scratch[i][warp] = v[i];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kValues; ++i) v[i] = warp_sum(lane < warps ? scratch[i][lane] : 0.0f);
+}
+
+}  // namespace cuda
+}  // namespace fastformer

@@ -1,0 +1,15 @@
+// Backend cuda_sim, op attention: the CUDA launcher csrc/cuda/attention.cu and its kernels, unchanged, compiled as
+// plain C++ against the CPU SIMT execution model (simt.h) and run on CPU tensors. Built on first use by
+// fastformer/cuda_sim (one extension per op).
+// torch first: its headers never see the model's CUDA built-in macros.
+#include <torch/extension.h>
+
+#include "../cuda/attention.cu"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fastformer attention CUDA kernels on the CPU SIMT execution model (test equipment)";
+  m.def("attention_fwd", &fastformer::cuda::attention_fwd, "attention forward (cuda_sim)");
+  m.def("attention_bwd", &fastformer::cuda::attention_bwd, "attention backward (cuda_sim)");
+  m.def("set_schedule_seed", &fastformer::sim::set_schedule_seed,
+        "seed of the warp/lane order between barriers (0 = index order)");
+}
