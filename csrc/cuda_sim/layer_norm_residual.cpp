@@ -12,4 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm_residual_bwd", &fastformer::cuda::layer_norm_residual_bwd, "layer_norm_residual backward (cuda_sim)");
   m.def("set_schedule_seed", &fastformer::sim::set_schedule_seed,
         "seed of the warp/lane order between barriers (0 = index order)");
+  m.def("delete_barrier", &fastformer::sim::delete_barrier,
+        "mutation testing: the __syncthreads at (file suffix, line) becomes a no-op; '' clears");
+  m.def("deleted_barrier_hits", &fastformer::sim::deleted_barrier_hits,
+        "how many times threads passed the deleted barrier");
 }

@@ -14,6 +14,7 @@
 #include <ucontext.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <exception>
 #include <map>
@@ -96,6 +97,15 @@ struct Scheduler {
 
 thread_local Scheduler* tls_scheduler = nullptr;
 uint64_t g_schedule_seed = 0;
+std::string g_deleted_file;  // mutation testing: the barrier treated as deleted (empty: none)
+int g_deleted_line = 0;
+std::atomic<uint64_t> g_deleted_hits{0};
+
+bool is_deleted(const char* file, int line) {
+  if (g_deleted_file.empty() || line != g_deleted_line) return false;
+  const size_t n = std::strlen(file), m = g_deleted_file.size();
+  return n >= m && g_deleted_file.compare(0, m, file + n - m) == 0;
+}
 
 Scheduler& scheduler() {
   if (tls_scheduler == nullptr) {
@@ -298,7 +308,19 @@ const Coords& coords() { return running_fiber().coords; }
 void set_schedule_seed(uint64_t seed) { g_schedule_seed = seed; }
 uint64_t schedule_seed() { return g_schedule_seed; }
 
+void delete_barrier(const char* file, int line) {
+  g_deleted_file = file;
+  g_deleted_line = line;
+  g_deleted_hits = 0;
+}
+
+uint64_t deleted_barrier_hits() { return g_deleted_hits; }
+
 void syncthreads(const char* file, int line) {
+  if (is_deleted(file, line)) {
+    ++g_deleted_hits;
+    return;
+  }
   Fiber& f = running_fiber();
   f.state = State::kBlockBarrier;
   f.site = Site{file, line};

@@ -47,6 +47,12 @@ void launch(dim3 grid, dim3 block, const std::function<void()>& body);
 void set_schedule_seed(uint64_t seed);
 uint64_t schedule_seed();
 
+// Mutation testing: the __syncthreads at `line` of the file whose path ends with `file` becomes a no-op
+// (as if deleted from the source) until cleared with an empty file name. Returns nothing; the number
+// of times a thread passed the deleted barrier is deleted_barrier_hits().
+void delete_barrier(const char* file, int line);
+uint64_t deleted_barrier_hits();
+
 // Barriers, called through the macros below with the call site.
 void syncthreads(const char* file, int line);
 void syncwarp(unsigned mask, const char* file, int line);

@@ -16,6 +16,7 @@ index order) and is changed with ``set_schedule_seed``.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -37,45 +38,37 @@ if shutil.which(os.environ.get("CXX", "c++")) is None:
     raise ImportError("no C++ compiler on PATH (the cuda_sim backend compiles the CUDA kernels on first use)")
 
 _lock = threading.Lock()
-_modules: dict[tuple[str, str], object] = {}
+_modules: dict[str, object] = {}
 _seed = int(os.environ.get("FASTFORMER_CUDA_SIM_SEED", "1"))
 
 
-def build(name: str, sources: list[str], *, root: str | os.PathLike | None = None, verbose: bool = False):
-    """Compiles C++ ``sources`` (which include csrc/cuda/ kernels) with the SIMT model into extension ``name``.
+def build(name: str, sources: list, *, verbose: bool = False):
+    """Compiles C++ ``sources`` (which include csrc/cuda/ kernels) and the SIMT model into extension ``name``.
 
-    ``root`` is the csrc/ tree on the include path (the installed one by default); simt.cpp is added.
+    The csrc/ tree is on the include path ("cuda/common.cuh", "cuda/softmax.cu", ...).
     """
     from torch.utils import cpp_extension
 
-    base = Path(root) if root is not None else SOURCE_ROOT
     return cpp_extension.load(
         name=name,
-        sources=[str(s) for s in sources] + [str(base / "cuda_sim" / "simt.cpp")],
-        extra_include_paths=[str(base)],
+        sources=[str(s) for s in sources] + [str(SOURCE_ROOT / "cuda_sim" / "simt.cpp")],
+        extra_include_paths=[str(SOURCE_ROOT)],
         extra_cflags=["-O2", "-fopenmp", "-Wno-unknown-pragmas"],
         extra_ldflags=["-fopenmp"],
         verbose=verbose,
     )
 
 
-def load(op: str, *, root: str | os.PathLike | None = None, variant: str = "", verbose: bool = False):
-    """The compiled extension of ``op`` (built on first use).
-
-    ``root`` builds from another copy of the csrc/ tree (the mutation tests build a kernel with a barrier
-    deleted this way); ``variant`` names that build so it is cached apart from the real one.
-    """
+def load(op: str, *, verbose: bool = False):
+    """The compiled extension of ``op`` (built on first use, then cached)."""
     if op not in OPS:
         raise ValueError(f"cuda_sim: unknown op {op!r}; choose one of {OPS}")
-    key = (op, variant)
     with _lock:
-        if key not in _modules:
-            base = Path(root) if root is not None else SOURCE_ROOT
-            name = f"fastformer_cuda_sim_{op}" + (f"_{variant}" if variant else "")
-            module = build(name, [base / "cuda_sim" / f"{op}.cpp"], root=base, verbose=verbose)
+        if op not in _modules:
+            module = build(f"fastformer_cuda_sim_{op}", [SOURCE_ROOT / "cuda_sim" / f"{op}.cpp"], verbose=verbose)
             module.set_schedule_seed(_seed)
-            _modules[key] = module
-        return _modules[key]
+            _modules[op] = module
+        return _modules[op]
 
 
 def set_schedule_seed(seed: int) -> None:
@@ -91,6 +84,19 @@ def set_schedule_seed(seed: int) -> None:
 
 def schedule_seed() -> int:
     return _seed
+
+
+@contextlib.contextmanager
+def barrier_deleted(op: str, file: str, line: int):
+    """Mutation testing: within the block, the ``__syncthreads()`` at ``line`` of the kernel file whose path
+    ends with ``file`` (e.g. "cuda/softmax.cuh") is a no-op in ``op``'s kernels, as if deleted from the
+    source. Yields the op's extension; its ``deleted_barrier_hits()`` counts the threads that passed it."""
+    module = load(op)
+    module.delete_barrier(file, int(line))
+    try:
+        yield module
+    finally:
+        module.delete_barrier("", 0)
 
 
 def _entry(op: str, phase: str):

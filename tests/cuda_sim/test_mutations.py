@@ -1,0 +1,122 @@
+"""Mutation tests of the CUDA kernels on the CPU SIMT model: every ``__syncthreads()`` in csrc/cuda/*.cuh
+is deleted in turn (the model treats that one call site as a no-op, exactly as if the line were removed),
+and the op's parity check against the float64 reference must then fail under some shuffled schedule.
+A barrier whose deletion goes unnoticed is either unneeded or untested; both are defects. The test also
+checks that the parity case really passes the deleted barrier, so it cannot pass vacuously.
+"""
+import re
+
+import pytest
+import torch
+
+import fastformer
+from fastformer import ops
+
+from helpers import padding_mask, randn
+from tolerances import assert_close
+
+pytestmark = pytest.mark.skipif(not fastformer.backends()["cuda_sim"], reason="cuda_sim needs a C++ compiler")
+
+SEEDS = (1, 2, 3)
+
+
+def barrier_sites():
+    if not fastformer.backends()["cuda_sim"]:
+        return []
+    from fastformer import cuda_sim
+
+    sites = []
+    for op in cuda_sim.OPS:
+        source = (cuda_sim.SOURCE_ROOT / "cuda" / f"{op}.cuh").read_text().splitlines()
+        for number, text in enumerate(source, start=1):
+            code = text.split("//")[0]
+            if re.search(r"\b__syncthreads\(\)", code):
+                sites.append(pytest.param(op, number, id=f"{op}.cuh:{number}"))
+    return sites
+
+
+def _parity(run, reference):
+    """True iff the cuda_sim outputs and gradients match the float64 reference."""
+    try:
+        for got, want in zip(run(), reference()):
+            assert_close(got, want, torch.float32)
+    except AssertionError:
+        return False
+    return True
+
+
+def _grads(fn, inputs):
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    out = fn(*leaves)
+    out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape))
+    return [out.detach()] + [leaf.grad for leaf in leaves]
+
+
+def softmax_case():
+    """Rows short enough for a warp per row and long enough for a block per row."""
+    cases = []
+    for rows, n in ((5, 97), (3, 2500)):
+        x = randn(rows, n, dtype=torch.float32, scale=3.0)
+        mask = torch.rand(rows, n) < 0.2
+        cases.append((x, mask))
+
+    def run(backend, dtype):
+        out = []
+        for x, mask in cases:
+            out += _grads(lambda t: ops.softmax(t, mask=mask, scale=0.7, backend=backend), [x.to(dtype)])
+        return out
+
+    return run
+
+
+def layer_norm_residual_case():
+    cases = [[randn(*shape, dtype=torch.float32) for shape in ((rows, n), (rows, n), (n,), (n,))]
+             for rows, n in ((9, 97), (4, 1536))]
+
+    def run(backend, dtype):
+        out = []
+        for x, res, w, b in cases:
+            out += _grads(lambda *t: ops.layer_norm_residual(*t, backend=backend),
+                          [x.to(dtype), res.to(dtype), w.to(dtype), b.to(dtype)])
+        return out
+
+    return run
+
+
+def attention_case():
+    B, H, Lq, Lk, D = 2, 2, 33, 40, 40
+    q, k, v = (randn(B, H, L, D, dtype=torch.float32) for L in (Lq, Lk, Lk))
+    kpm = padding_mask(B, Lk)
+
+    def run(backend, dtype):
+        out = []
+        for causal in (False, True):
+            out += _grads(lambda *t: ops.attention(*t, key_padding_mask=kpm, causal=causal, backend=backend),
+                          [q.to(dtype), k.to(dtype), v.to(dtype)])
+        return out
+
+    return run
+
+
+CASES = {"softmax": softmax_case, "layer_norm_residual": layer_norm_residual_case, "attention": attention_case}
+
+
+@pytest.mark.parametrize("op, line", barrier_sites())
+def test_deleting_any_barrier_breaks_parity(op, line):
+    from fastformer import cuda_sim
+
+    run = CASES[op]()
+    reference = lambda: run("torch", torch.float64)  # noqa: E731
+    assert _parity(lambda: run("cuda_sim", torch.float32), reference), "the unmutated kernel must pass first"
+    before = cuda_sim.schedule_seed()
+    caught = []
+    try:
+        with cuda_sim.barrier_deleted(op, f"cuda/{op}.cuh", line) as module:
+            for seed in SEEDS:
+                cuda_sim.set_schedule_seed(seed)
+                caught.append(not _parity(lambda: run("cuda_sim", torch.float32), reference))
+            hits = module.deleted_barrier_hits()
+    finally:
+        cuda_sim.set_schedule_seed(before)
+    assert hits > 0, f"the parity case never reaches the barrier at {op}.cuh:{line}"
+    assert any(caught), f"deleting the __syncthreads at {op}.cuh:{line} went unnoticed under seeds {SEEDS}"

@@ -1,0 +1,179 @@
+"""Every op on CUDA tensors, on the GPU backends (cuda, triton), against the float64 reference on the CPU.
+
+These run only where a CUDA device is visible (CI has none: there the same kernels run on the CPU, the
+CUDA ones through cuda_sim and the Triton ones in the interpreter, tests/ops). Shapes include the
+translation sizes and odd lengths that the simulated runs are too slow for.
+Run on a GPU machine with: ``python -m pytest tests/gpu -q`` (without TRITON_INTERPRET).
+"""
+import pytest
+import torch
+
+import fastformer
+from fastformer import ops
+
+from helpers import dtype_name, forward_backward, padding_mask, randn, upcast, visible_keys
+from tolerances import assert_close
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+GPU_BACKENDS = [b for b in ("cuda", "triton") if fastformer.backends().get(b)]
+
+
+def gpu_dtypes(backend):
+    dtypes = [torch.float32, torch.float16]
+    if torch.cuda.is_available() and (backend == "triton" or torch.cuda.get_device_capability() >= (8, 0)):
+        dtypes.append(torch.bfloat16)
+    return dtypes
+
+
+def params(cases):
+    return [pytest.param(b, d, c, id=f"{b}-{dtype_name(d)}-{c}") for b in GPU_BACKENDS for d in gpu_dtypes(b)
+            for c in cases]
+
+
+def cuda(tensors):
+    return [None if t is None else t.cuda() for t in tensors]
+
+
+def cpu(tensors):
+    return [t.cpu() for t in tensors]
+
+
+# (B, H, Lq, Lk, D, mask kind)
+ATTENTION_CASES = [
+    (1, 1, 1, 1, 16, "none"),
+    (2, 3, 97, 97, 40, "padding"),
+    (2, 2, 113, 113, 64, "causal"),
+    (2, 2, 113, 97, 128, "both"),
+    (2, 2, 1, 97, 128, "causal"),
+    (2, 2, 33, 9, 64, "both"),
+    (16, 8, 128, 128, 64, "padding"),
+    (4, 8, 256, 256, 64, "both"),
+    (1, 4, 1024, 1024, 64, "causal"),
+    (3, 2, 77, 77, 7, "padding"),
+]
+
+
+@pytest.mark.parametrize("backend,dtype,case", params(ATTENTION_CASES))
+def test_attention(backend, dtype, case):
+    B, H, Lq, Lk, D, kind = case
+    q, k, v = (randn(B, H, L, D, dtype=dtype) for L in (Lq, Lk, Lk))
+    dout = randn(B, H, Lq, D, dtype=dtype)
+    mask = padding_mask(B, Lk) if kind in ("padding", "both") else None
+    causal = kind in ("causal", "both")
+    gpu_mask = None if mask is None else mask.cuda()
+
+    def fn(backend, m):
+        return lambda q, k, v: ops.attention(q, k, v, key_padding_mask=m, causal=causal, backend=backend)
+
+    (out,), grads = forward_backward(fn(backend, gpu_mask), cuda([q, k, v]), cuda([dout]))
+    (ref,), ref_grads = forward_backward(fn("torch", mask), upcast([q, k, v]), upcast([dout]))
+    assert_close(out.cpu(), ref, dtype, "out")
+    for name, g, rg in zip(("dq", "dk", "dv"), cpu(grads), ref_grads):
+        assert_close(g, rg, dtype, name)
+    visible = visible_keys(B, Lq, Lk, mask, causal)
+    empty = (~visible.any(-1)).expand(B, H, Lq)
+    assert (out.cpu()[empty] == 0).all() and (grads[0].cpu()[empty] == 0).all()
+
+
+# (rows, N, mask)
+SOFTMAX_CASES = [(1, 1, False), (7, 97, True), (4096, 64, True), (256, 1024, True), (33, 1025, True),
+                 (8, 5000, True), (2, 40000, False)]
+
+
+@pytest.mark.parametrize("backend,dtype,case", params(SOFTMAX_CASES))
+def test_softmax(backend, dtype, case):
+    rows, n, masked = case
+    x = randn(rows, n, dtype=dtype, scale=3.0)
+    dy = randn(rows, n, dtype=dtype)
+    mask = torch.rand(rows, n) < 0.3 if masked else None
+    if masked and rows > 1:
+        mask[1] = True  # a fully masked row gives zeros
+    gpu_mask = None if mask is None else mask.cuda()
+    (y,), (dx,) = forward_backward(lambda x: ops.softmax(x, mask=gpu_mask, scale=0.6, backend=backend), cuda([x]), cuda([dy]))
+    (ry,), (rdx,) = forward_backward(lambda x: ops.softmax(x, mask=mask, scale=0.6, backend="torch"), upcast([x]), upcast([dy]))
+    assert_close(y.cpu(), ry, dtype, "y")
+    assert_close(dx.cpu(), rdx, dtype, "dx")
+
+
+def test_softmax_broadcast_mask():
+    for backend in GPU_BACKENDS:
+        x = randn(2, 4, 33, 33, dtype=torch.float32)
+        mask = torch.rand(2, 1, 1, 33) < 0.3
+        y = ops.softmax(x.cuda(), mask=mask.cuda(), backend=backend)
+        assert_close(y.cpu(), ops.softmax(x.double(), mask=mask, backend="torch"), torch.float32, backend)
+
+
+# (rows, N, dropout_p, prenorm)
+LNR_CASES = [(1, 1, 0.0, False), (7, 97, 0.0, True), (4096, 512, 0.0, False), (4096, 512, 0.1, True),
+             (64, 1024, 0.0, False), (3, 4099, 0.0, True), (300, 16384, 0.0, False)]
+
+
+@pytest.mark.parametrize("backend,dtype,case", params(LNR_CASES))
+def test_layer_norm_residual(backend, dtype, case):
+    rows, n, p, prenorm = case
+    x, res = randn(rows, n, dtype=dtype), randn(rows, n, dtype=dtype, shift=0.5)
+    w, b = randn(n, dtype=dtype, shift=1.0), randn(n, dtype=dtype)
+    ups = [randn(rows, n, dtype=dtype) for _ in range(2 if prenorm else 1)]
+
+    def fn(backend):
+        return lambda *t: ops.layer_norm_residual(*t, dropout_p=p, prenorm=prenorm, backend=backend)
+
+    torch.manual_seed(5)
+    outs, grads = forward_backward(fn(backend), cuda([x, res, w, b]), cuda(ups))
+    # Dropout draws the same mask on every backend for the same seed: the CPU kernel (float32) is the
+    # reference of the dropped run; without dropout the float64 torch reference is.
+    torch.manual_seed(5)
+    if p > 0:
+        routs, rgrads = forward_backward(fn("cpu"), [t.float() for t in (x, res, w, b)], [u.float() for u in ups])
+        routs, rgrads = [t.double() for t in routs], [t.double() for t in rgrads]
+    else:
+        routs, rgrads = forward_backward(fn("torch"), upcast([x, res, w, b]), upcast(ups))
+    for name, o, r in zip(("y", "s"), cpu(outs), routs):
+        assert_close(o, r, dtype, name)
+    for name, g, r in zip(("dx", "dres", "dw", "db"), cpu(grads), rgrads):
+        assert_close(g, r, dtype, name)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_attention_dropout_matches_cpu_mask(backend):
+    B, H, L, D = 2, 4, 97, 64
+    q, k, v = (randn(B, H, L, D, dtype=torch.float32) for _ in range(3))
+    dout = randn(B, H, L, D, dtype=torch.float32)
+    mask = padding_mask(B, L)
+    results = []
+    for name, dev in ((backend, "cuda"), ("cpu", "cpu")):
+        torch.manual_seed(11)
+        m = mask.to(dev)
+        results.append(forward_backward(
+            lambda q, k, v: ops.attention(q, k, v, key_padding_mask=m, dropout_p=0.3, backend=name),
+            [t.to(dev) for t in (q, k, v)], [dout.to(dev)]))
+    (out, grads), (rout, rgrads) = results
+    assert_close(out[0].cpu(), rout[0].double(), torch.float32, "out")
+    for g, r in zip(grads, rgrads):
+        assert_close(g.cpu(), r.double(), torch.float32, "grad")
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_bad_inputs_raise(backend):
+    q = torch.randn(2, 2, 8, 16, device="cuda")
+    with pytest.raises((ValueError, RuntimeError)):
+        ops.attention(q, q, q[..., :8], backend=backend)
+    with pytest.raises((ValueError, RuntimeError)):
+        ops.attention(q.cpu(), q.cpu(), q.cpu(), backend=backend)
+    with pytest.raises((ValueError, RuntimeError)):
+        ops.softmax(q, mask=torch.zeros(3, dtype=torch.bool, device="cuda"), backend=backend)
+    if backend == "cuda":
+        with pytest.raises((ValueError, RuntimeError), match="128"):
+            big = torch.randn(1, 1, 4, 160, device="cuda")
+            ops.attention(big, big, big, backend="cuda")
+
+
+def test_default_backend_on_cuda_tensors():
+    x = torch.randn(4, 8, device="cuda")
+    major, _ = torch.cuda.get_device_capability()
+    expected = ("triton", "cuda") if major >= 8 else ("cuda", "triton")
+    from fastformer import _dispatch
+
+    chosen = _dispatch.resolve("softmax", None, x.device, x.dtype)
+    assert chosen == next(b for b in expected + ("torch",) if fastformer.backends()[b])
