@@ -3,11 +3,11 @@
 // One block at a time per OpenMP thread. The block's CUDA threads are fibers (ucontext) on stacks of
 // kStackBytes, allocated once per OpenMP thread and reused. The scheduler runs in rounds: each round
 // visits the warps in an order drawn from the schedule seed, and in each warp the lanes in a drawn
-// order, switching into every runnable fiber until it blocks at a barrier or returns. After a round
-// every fiber is blocked or finished, and the scheduler releases what can be released:
-//   1. a warp whose 32 lanes all wait at the same warp collective (shuffle values exchanged here);
-//   2. otherwise, the block barrier, when every thread waits at the same __syncthreads;
-//   3. otherwise nothing can progress: a divergent barrier or a deadlock, raised as an error.
+// order, switching into every runnable fiber until it blocks at a barrier or returns; a warp whose 32
+// lanes all wait at the same warp collective is released at once (shuffle values exchanged) and runs on,
+// so each warp runs ahead until a __syncthreads or its end. After a round every fiber waits at a block
+// barrier or is finished: the block barrier is released when every thread waits at the same
+// __syncthreads; otherwise nothing can progress (a divergent barrier or a deadlock), raised as an error.
 #include "simt.h"
 
 #include <sys/mman.h>
@@ -90,7 +90,7 @@ struct Scheduler {
 
  private:
   void resume(Fiber& f);
-  bool release_warps(int n_warps, const std::string& block_name);
+  bool release_warp(int w, const std::string& block_name);
   bool release_block(const std::string& block_name);
   [[noreturn]] void stuck(const std::string& block_name);
 };
@@ -182,54 +182,41 @@ std::string describe(const std::vector<Fiber>& fibers, const std::vector<int>& i
   return out.str();
 }
 
-// Warp collectives: a warp whose lanes all wait at the same collective is released (values exchanged).
-bool Scheduler::release_warps(int n_warps, const std::string& block_name) {
-  bool released = false;
-  for (int w = 0; w < n_warps; ++w) {
-    Fiber* lanes = &fibers[static_cast<size_t>(w) * kWarp];
-    int waiting = 0;
-    for (int l = 0; l < kWarp; ++l) waiting += lanes[l].state == State::kWarpCollective;
-    if (waiting == 0) continue;
-    if (waiting < kWarp) {
-      // Some lanes wait at a collective that the others never reach: fine only if the others are
-      // still coming, which after a full round means they are blocked elsewhere or exited.
-      bool others_blocked = true;
-      for (int l = 0; l < kWarp; ++l) others_blocked &= lanes[l].state != State::kRunnable;
-      if (others_blocked) {
-        std::vector<int> ids(kWarp);
-        for (int l = 0; l < kWarp; ++l) ids[l] = w * kWarp + l;
-        throw std::runtime_error("cuda_sim: divergent warp collective in block " + block_name + ", warp " +
-                                 std::to_string(w) + ": " + describe(fibers, ids) +
-                                 " (all 32 lanes must reach the same __syncwarp/__shfl_*_sync)");
-      }
-      continue;
-    }
-    for (int l = 1; l < kWarp; ++l) {
-      if (!(lanes[l].site == lanes[0].site)) {
-        std::vector<int> ids(kWarp);
-        for (int k = 0; k < kWarp; ++k) ids[k] = w * kWarp + k;
-        throw std::runtime_error("cuda_sim: divergent warp collective in block " + block_name + ", warp " +
-                                 std::to_string(w) + ": " + describe(fibers, ids));
-      }
-    }
-    if (lanes[0].is_shuffle) {
-      for (int l = 0; l < kWarp; ++l) {
-        Fiber& f = lanes[l];
-        const int width = f.width, segment = (l / width) * width, lane_in = l % width;
-        int src = l;
-        switch (f.mode) {
-          case ShuffleMode::kIndex: src = segment + ((f.lane_arg % width) + width) % width; break;
-          case ShuffleMode::kXor: src = (l ^ f.lane_arg) < segment + width ? (l ^ f.lane_arg) : l; break;
-          case ShuffleMode::kDown: src = lane_in + f.lane_arg < width ? l + f.lane_arg : l; break;
-          case ShuffleMode::kUp: src = lane_in - f.lane_arg >= 0 ? l - f.lane_arg : l; break;
-        }
-        f.result = lanes[src].value;
-      }
-    }
-    for (int l = 0; l < kWarp; ++l) lanes[l].state = State::kRunnable;
-    released = true;
+// Warp collectives: when the 32 lanes of warp w all wait at the same collective, it is released (shuffle
+// values exchanged) and the warp runs on at once: warps advance independently between block barriers,
+// so one that runs ahead can overwrite shared memory another has not read yet (a missing barrier shows).
+bool Scheduler::release_warp(int w, const std::string& block_name) {
+  Fiber* lanes = &fibers[static_cast<size_t>(w) * kWarp];
+  int waiting = 0;
+  for (int l = 0; l < kWarp; ++l) waiting += lanes[l].state == State::kWarpCollective;
+  if (waiting == 0) return false;
+  bool same_site = waiting == kWarp;
+  for (int l = 1; l < kWarp && same_site; ++l) same_site = lanes[l].site == lanes[0].site;
+  if (!same_site) {
+    // The lanes are all blocked (none runnable), some at a collective the others never reach: they
+    // wait at another one, at a block barrier that needs these lanes too, or exited.
+    std::vector<int> ids(kWarp);
+    for (int l = 0; l < kWarp; ++l) ids[l] = w * kWarp + l;
+    throw std::runtime_error("cuda_sim: divergent warp collective in block " + block_name + ", warp " +
+                             std::to_string(w) + ": " + describe(fibers, ids) +
+                             " (all 32 lanes must reach the same __syncwarp/__shfl_*_sync)");
   }
-  return released;
+  if (lanes[0].is_shuffle) {
+    for (int l = 0; l < kWarp; ++l) {
+      Fiber& f = lanes[l];
+      const int width = f.width, segment = (l / width) * width, lane_in = l % width;
+      int src = l;
+      switch (f.mode) {
+        case ShuffleMode::kIndex: src = segment + ((f.lane_arg % width) + width) % width; break;
+        case ShuffleMode::kXor: src = (l ^ f.lane_arg) < segment + width ? (l ^ f.lane_arg) : l; break;
+        case ShuffleMode::kDown: src = lane_in + f.lane_arg < width ? l + f.lane_arg : l; break;
+        case ShuffleMode::kUp: src = lane_in - f.lane_arg >= 0 ? l - f.lane_arg : l; break;
+      }
+      f.result = lanes[src].value;
+    }
+  }
+  for (int l = 0; l < kWarp; ++l) lanes[l].state = State::kRunnable;
+  return true;
 }
 
 // The block barrier: released when every thread waits at the same __syncthreads.
@@ -286,16 +273,17 @@ void Scheduler::run_block(dim3 grid, dim3 block, dim3 block_idx, uint64_t seed) 
   while (true) {
     if (seed != 0) std::shuffle(warp_order.begin(), warp_order.end(), rng);
     for (int w : warp_order) {
-      if (seed != 0) std::shuffle(lane_order.begin(), lane_order.end(), rng);
-      for (int l : lane_order) {
-        Fiber& f = fibers[static_cast<size_t>(w) * kWarp + l];
-        if (f.state == State::kRunnable) resume(f);
-      }
+      do {  // the warp runs until its lanes block at a __syncthreads or exit
+        if (seed != 0) std::shuffle(lane_order.begin(), lane_order.end(), rng);
+        for (int l : lane_order) {
+          Fiber& f = fibers[static_cast<size_t>(w) * kWarp + l];
+          if (f.state == State::kRunnable) resume(f);
+        }
+      } while (release_warp(w, block_name));
     }
     bool all_done = true;
     for (const Fiber& f : fibers) all_done &= f.state == State::kDone;
     if (all_done) return;
-    if (release_warps(n_warps, block_name)) continue;
     if (release_block(block_name)) continue;
     stuck(block_name);
   }

@@ -7,7 +7,8 @@
 //   __syncthreads()            block barrier: released when every thread of the block waits at it,
 //                              at the same source line;
 //   __syncwarp(), __shfl_*()   warp collectives: released when all 32 lanes wait at the same one;
-//                              a shuffle's values are exchanged at the release.
+//                              a shuffle's values are exchanged at the release, and the warp runs on:
+//                              warps advance independently until they reach a __syncthreads.
 // A thread that exits while others wait at a barrier, threads waiting at different barriers, or a
 // state where nothing can run is a deadlock on a GPU (or undefined behaviour): here it raises a
 // std::runtime_error naming the block, the threads and the source lines, never hangs.

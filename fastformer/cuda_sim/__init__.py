@@ -53,7 +53,7 @@ def build(name: str, sources: list, *, verbose: bool = False):
         name=name,
         sources=[str(s) for s in sources] + [str(SOURCE_ROOT / "cuda_sim" / "simt.cpp")],
         extra_include_paths=[str(SOURCE_ROOT)],
-        extra_cflags=["-O2", "-fopenmp", "-Wno-unknown-pragmas"],
+        extra_cflags=["-O2", "-fopenmp", "-fno-strict-aliasing", "-Wno-unknown-pragmas"],
         extra_ldflags=["-fopenmp"],
         verbose=verbose,
     )

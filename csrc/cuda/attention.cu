@@ -1,0 +1,195 @@
+// Launchers of the attention kernels (csrc/cuda/attention.cuh): validation, outputs, dtype and head-dim
+// dispatch. Semantics of csrc/cpu/attention.cpp; compiled by nvcc (backend "cuda") and as plain C++
+// against the CPU SIMT model (backend "cuda_sim", csrc/cuda_sim/attention.cpp).
+//
+// Forward: one launch, grid (ceil(Lq / kBlockM), B H). Backward: three launches on the stream, in order:
+// delta = rowsum(dO O) into a float32 (B, H, Lq) workspace (grid min(ceil(B H Lq / 8), 2^20)), then dK/dV (grid
+// (ceil(Lk / kBlock), B H)) and dQ (grid (ceil(Lq / kBlock), B H)), which both read delta.
+// The head dim D picks the smallest instantiation D_MAX in {16, 32, 64, 128} that holds it.
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <type_traits>
+
+#include "attention.cuh"
+#include "cuda_ops.h"
+#include "launch.h"
+
+namespace fastformer::cuda {
+namespace {
+
+constexpr int64_t kMaxHeadDim = 128;
+constexpr int64_t kMaxBatchHeads = 65535;  // gridDim.y
+constexpr int64_t kMaxLength = int64_t{1} << 30;  // sequence lengths index with int in the kernels
+constexpr int64_t kMaxDeltaBlocks = int64_t{1} << 20;  // the delta kernel strides over the rest
+
+struct AttnDims {
+  int64_t B, H, Lq, Lk, D;
+};
+
+AttnDims check_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                         const c10::optional<Tensor>& key_padding_mask, double dropout_p) {
+  check_input(q, "q");
+  check_input(k, "k");
+  check_input(v, "v");
+  check_dtype(q, "q");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "fastformer ", kBackend,
+              " backend: attention q, k, v must be 4-D (B, H, L, D), got ", q.sizes(), ", ", k.sizes(), ", ",
+              v.sizes());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "fastformer ", kBackend,
+              " backend: attention q, k, v must share a dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+              v.scalar_type());
+  TORCH_CHECK(k.sizes() == v.sizes(), "fastformer ", kBackend, " backend: attention k ", k.sizes(), " and v ",
+              v.sizes(), " must have the same shape");
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3), "fastformer ", kBackend,
+              " backend: attention q (B, H, Lq, D) = ", q.sizes(), " and k (B, H, Lk, D) = ", k.sizes(),
+              " disagree in B, H or D");
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "fastformer ", kBackend,
+              " backend: attention dropout_p must be in [0, 1), got ", dropout_p);
+  const AttnDims s{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
+  TORCH_CHECK(s.D <= kMaxHeadDim, "fastformer ", kBackend, " backend: attention head dim D = ", s.D,
+              " is not supported; the kernels take D from 1 to ", kMaxHeadDim,
+              " (use more heads of a smaller dim, or the cpu/torch backend)");
+  TORCH_CHECK(s.B * s.H <= kMaxBatchHeads, "fastformer ", kBackend, " backend: attention B * H = ", s.B * s.H,
+              " exceeds ", kMaxBatchHeads, " (one grid row per (batch, head)); split the batch");
+  TORCH_CHECK(s.Lq <= kMaxLength && s.Lk <= kMaxLength, "fastformer ", kBackend,
+              " backend: attention sequence lengths must be at most 2^30, got Lq = ", s.Lq, ", Lk = ", s.Lk);
+  if (key_padding_mask.has_value()) {
+    const Tensor& m = *key_padding_mask;
+    check_input(m, "key_padding_mask");
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 2 && m.size(0) == s.B && m.size(1) == s.Lk,
+                "fastformer ", kBackend, " backend: attention key_padding_mask must be bool of shape (B, Lk) = (",
+                s.B, ", ", s.Lk, "), got ", m.scalar_type(), " ", m.sizes());
+  }
+  return s;
+}
+
+// fn(std::integral_constant<int, D_MAX>) with the smallest D_MAX in {16, 32, 64, 128} that holds D.
+template <typename Fn>
+void dispatch_head_dim(int64_t D, Fn&& fn) {
+  if (D <= 16) {
+    fn(std::integral_constant<int, 16>());
+  } else if (D <= 32) {
+    fn(std::integral_constant<int, 32>());
+  } else if (D <= 64) {
+    fn(std::integral_constant<int, 64>());
+  } else {
+    fn(std::integral_constant<int, 128>());
+  }
+}
+
+// Element pairs can move as one load2/store2: D even and every tensor's data 2-element aligned.
+template <typename T>
+bool pairs_aligned(int64_t D, std::initializer_list<const void*> ptrs) {
+  if (D % 2 != 0) return false;
+  for (const void* p : ptrs) {
+    if (reinterpret_cast<uintptr_t>(p) % (2 * sizeof(T)) != 0) return false;
+  }
+  return true;
+}
+
+int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                         const c10::optional<Tensor>& key_padding_mask, bool causal,
+                                         double dropout_p, double scale, int64_t seed) {
+  const AttnDims s = check_attention(q, k, v, key_padding_mask, dropout_p);
+  Tensor out = at::empty_like(q);
+  Tensor lse = at::empty({s.B, s.H, s.Lq}, q.options().dtype(at::kFloat));
+  if (q.numel() == 0 || s.Lk == 0) {  // nothing to attend to: zeros, lse = -inf
+    return {out.zero_(), lse.fill_(-std::numeric_limits<float>::infinity())};
+  }
+  const DeviceScope scope(q);
+  FF_DISPATCH_KERNEL_TYPES(q.scalar_type(), "fastformer_attention_fwd_cuda", [&] {
+    using T = typename DeviceType<scalar_t>::type;
+    AttentionFwdParams<T> p;
+    p.q = device_ptr<scalar_t>(q);
+    p.k = device_ptr<scalar_t>(k);
+    p.v = device_ptr<scalar_t>(v);
+    p.key_padding_mask = key_padding_mask.has_value() ? key_padding_mask->const_data_ptr<bool>() : nullptr;
+    p.out = device_ptr_mut<scalar_t>(out);
+    p.lse = lse.mutable_data_ptr<float>();
+    p.H = static_cast<int>(s.H);
+    p.Lq = static_cast<int>(s.Lq);
+    p.Lk = static_cast<int>(s.Lk);
+    p.D = static_cast<int>(s.D);
+    p.scale = static_cast<float>(scale);
+    p.causal = causal;
+    p.vec2 = pairs_aligned<T>(s.D, {p.q, p.k, p.v, p.out});
+    p.dropout_p = static_cast<float>(dropout_p);
+    p.dropout_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
+    p.seed = static_cast<uint64_t>(seed);
+    dispatch_head_dim(s.D, [&](auto d_max) {
+      constexpr int D_MAX = decltype(d_max)::value;
+      using Cfg = AttentionFwdConfig<D_MAX>;
+      const dim3 grid(static_cast<unsigned>(ceil_div64(s.Lq, Cfg::kBlockM)), static_cast<unsigned>(s.B * s.H));
+      launch(attention_fwd_kernel<T, D_MAX>, grid, dim3(Cfg::kThreads), p);
+    });
+  });
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                                 const Tensor& v, const Tensor& out, const Tensor& lse,
+                                                 const c10::optional<Tensor>& key_padding_mask, bool causal,
+                                                 double dropout_p, double scale, int64_t seed) {
+  const AttnDims s = check_attention(q, k, v, key_padding_mask, dropout_p);
+  check_input(dout, "dout");
+  check_input(out, "out");
+  check_input(lse, "lse");
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "fastformer ", kBackend,
+              " backend: attention dout ", dout.sizes(), " and out ", out.sizes(), " must have q's shape ", q.sizes());
+  TORCH_CHECK(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(), "fastformer ",
+              kBackend, " backend: attention dout and out must have q's dtype ", q.scalar_type());
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(0) == s.B && lse.size(1) == s.H &&
+                  lse.size(2) == s.Lq,
+              "fastformer ", kBackend, " backend: attention lse must be float32 of shape (B, H, Lq) = (", s.B, ", ",
+              s.H, ", ", s.Lq, "), got ", lse.scalar_type(), " ", lse.sizes());
+  Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  if (q.numel() == 0 || k.numel() == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
+  Tensor delta = at::empty({s.B, s.H, s.Lq}, q.options().dtype(at::kFloat));
+  const DeviceScope scope(q);
+  FF_DISPATCH_KERNEL_TYPES(q.scalar_type(), "fastformer_attention_bwd_cuda", [&] {
+    using T = typename DeviceType<scalar_t>::type;
+    AttentionBwdParams<T> p;
+    p.q = device_ptr<scalar_t>(q);
+    p.k = device_ptr<scalar_t>(k);
+    p.v = device_ptr<scalar_t>(v);
+    p.out = device_ptr<scalar_t>(out);
+    p.dout = device_ptr<scalar_t>(dout);
+    p.lse = lse.const_data_ptr<float>();
+    p.delta = delta.mutable_data_ptr<float>();
+    p.key_padding_mask = key_padding_mask.has_value() ? key_padding_mask->const_data_ptr<bool>() : nullptr;
+    p.dq = device_ptr_mut<scalar_t>(dq);
+    p.dk = device_ptr_mut<scalar_t>(dk);
+    p.dv = device_ptr_mut<scalar_t>(dv);
+    p.BH = static_cast<int>(s.B * s.H);
+    p.H = static_cast<int>(s.H);
+    p.Lq = static_cast<int>(s.Lq);
+    p.Lk = static_cast<int>(s.Lk);
+    p.D = static_cast<int>(s.D);
+    p.scale = static_cast<float>(scale);
+    p.causal = causal;
+    p.vec2 = pairs_aligned<T>(s.D, {p.q, p.k, p.v, p.out, p.dout, p.dq, p.dk, p.dv});
+    p.dropout_p = static_cast<float>(dropout_p);
+    p.dropout_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
+    p.seed = static_cast<uint64_t>(seed);
+    const int64_t delta_blocks = std::min(ceil_div64(s.B * s.H * s.Lq, kDeltaThreads / kWarpSize), kMaxDeltaBlocks);
+    launch(attention_bwd_delta_kernel<T>, dim3(static_cast<unsigned>(delta_blocks)), dim3(kDeltaThreads), p);
+    dispatch_head_dim(s.D, [&](auto d_max) {
+      constexpr int D_MAX = decltype(d_max)::value;
+      using Cfg = AttentionBwdConfig<D_MAX>;
+      const unsigned bh = static_cast<unsigned>(s.B * s.H);
+      launch(attention_bwd_dkdv_kernel<T, D_MAX>, dim3(static_cast<unsigned>(ceil_div64(s.Lk, Cfg::kBlock)), bh),
+             dim3(Cfg::kThreads), p);
+      launch(attention_bwd_dq_kernel<T, D_MAX>, dim3(static_cast<unsigned>(ceil_div64(s.Lq, Cfg::kBlock)), bh),
+             dim3(Cfg::kThreads), p);
+    });
+  });
+  return {dq, dk, dv};
+}
+
+}  // namespace fastformer::cuda

@@ -1,0 +1,609 @@
+// Fused masked scaled dot-product attention for P100-class GPUs, forward and backward: FlashAttention-2's
+// algorithm in SIMT code (fp32 math and accumulation, no tensor cores, no atomics). The launchers are in
+// csrc/cuda/attention.cu; the semantics are those of csrc/cpu/attention.cpp.
+//
+// Shapes: q (B, H, Lq, D), k and v (B, H, Lk, D), all contiguous; key_padding_mask (B, Lk) bool (True =
+// padding) or none; out like q; lse (B, H, Lq) float32. Query i sees key j iff j < Lk, the key is not
+// padding, and (causal, bottom-right aligned) j <= i + Lk - Lq. The head dim D (1..D_MAX) is a runtime
+// size; D_MAX in {16, 32, 64, 128} is a template parameter fixing the shared tiles and the columns each
+// lane owns. Columns D..D_MAX-1 of every shared tile are zeros, so they add nothing to dot products.
+// Storage is float, __half or __nv_bfloat16; every tile is converted to float when it is staged in
+// shared memory. Element pairs move with one load2/store2 when `vec2` (D even, pointers 2-aligned).
+//
+// Common mapping: a warp owns kRowsPerWarp = 4 rows of the "owned" side (query rows in the forward and
+// the dQ kernel, keys in the dK/dV kernel) and walks tiles of 32 rows of the other side, lane t taking
+// row t of the tile. Phase 1 (scores): lane t forms the 4 dot products of its tile row (from a shared
+// tile padded to D_MAX + 4 floats per row, so the float4 reads of 8 lanes hit 32 distinct banks) with
+// the warp's 4 owned rows (broadcast float4 reads). Phase 2 (accumulation): the lanes write their 4
+// results as one float4 into a per-warp shared buffer, and then each lane accumulates its own output
+// columns over the 32 tile rows: lane l owns the kPerLane consecutive columns (l % kLanesPerRow) kPerLane..
+// (kPerLane = D_MAX / 32, or 1 for D_MAX = 16 where two lane groups split the tile rows and combine
+// with one shuffle at the end), read from the tile rows as one float4/float2/float.
+//
+// Forward, attention_fwd_kernel: block (query tile of kBlockM = 4 kWarps rows, b h); for each key tile of
+// 32 up to the query tile's causal limit:
+//   s = (scale q_i) . k_j (invisible -> -inf); per row online softmax: m' = max(m, warp_max s),
+//   l = l e^(m - m') + e^(s - m')  (lane-partial l, summed over the warp at the end),
+//   acc = acc e^(m - m') + (e^(s - m') r) V   with r the dropout factor of element (b, h, i, j)
+// then out = acc / l, lse = m + log l; a row with no visible key gets out = 0 and lse = -inf.
+// Bytes moved per (b, h): Q and O once, K and V once per query tile:
+//   (2 Lq + 2 Lk ceil(Lq / kBlockM)) D sizeof(T) + 4 Lq (lse) (+ the mask, Lk bytes per tile and warp).
+//
+// Backward (dO given; P = e^(scale q k^T - lse) recomputed, masked -> 0; r the forward's dropout factors):
+//   dV = (P r)^T dO,  dP = dO V^T,  dS = P (dP r - delta) with delta_i = dO_i . O_i,
+//   dQ = scale dS K,  dK = scale dS^T Q.
+// Three kernels, each output written by exactly one block (deterministic, no atomics):
+//   attention_bwd_delta_kernel: one warp per query row, delta (B, H, Lq) float32; reads O and dO once.
+//   attention_bwd_dkdv_kernel: block (key block of kBlock = 4 kWarps keys, b h), owned rows = keys, tiles
+//     of 32 queries from the first query that can see the block; reads K, V once and Q, dO once per key
+//     block: (2 Lk + 2 Lq ceil(Lk / kBlock)) D sizeof(T) + 8 Lq ceil(Lk / kBlock) (lse, delta); writes dK, dV.
+//   attention_bwd_dq_kernel: block (query tile of kBlock rows, b h), owned rows = queries, key tiles of
+//     32 up to the causal limit; reads Q, dO once and K, V once per query tile:
+//     (2 Lq + 2 Lk ceil(Lq / kBlock)) D sizeof(T) + 8 Lq; writes dQ.
+//
+// Shared memory (static, float tiles; kWarps from the configs below), per block:
+//   forward:  Q (kBlockM, D_MAX) + K (32, D_MAX + 4) + V (32, D_MAX) + P (kWarps, 32, 4)
+//             D_MAX 16, 32, 64 (8 warps): 10.5, 16.5, 28.5 KB; D_MAX 128 (4 warps): 42.5 KB
+//   dK/dV:    K, V (kBlock, D_MAX) + Q, dO (32, D_MAX + 4) + P r, dS (kWarps, 32, 4)
+//             D_MAX 16, 32, 64 (8 warps): 17, 25, 41 KB; D_MAX 128 (3 warps): 48 KB
+//   dQ:       Q, dO (kBlock, D_MAX) + K, V (32, D_MAX + 4) + dS (kWarps, 32, 4)
+//             D_MAX 16, 32, 64 (8 warps): 13, 21, 37 KB; D_MAX 128 (3 warps): 46.5 KB
+// Registers (ptxas, sm_60 and sm_80): at most ~140 per thread, no spills (docs/kernels.md).
+//
+// Dropout: element (b, h, i, j) of the probability matrix is kept iff the Philox draw of flat index
+// ((b H + h) Lq + i) Lk + j (csrc/philox.h) is >= p, the same stream as every other backend, regenerated
+// in the backward. Kept probabilities are scaled by 1/(1-p); l (and so lse) uses the undropped ones.
+#pragma once
+#include "common.cuh"
+
+namespace fastformer {
+namespace cuda {
+
+// Forward: pointers and sizes of one launch.
+template <typename T>
+struct AttentionFwdParams {
+  const T* q;                    // (B, H, Lq, D)
+  const T* k;                    // (B, H, Lk, D)
+  const T* v;                    // (B, H, Lk, D)
+  const bool* key_padding_mask;  // (B, Lk), True = padding; nullptr for none
+  T* out;                        // (B, H, Lq, D), output
+  float* lse;                    // (B, H, Lq), output: m + log l of the scaled visible scores (-inf: none)
+  int H, Lq, Lk, D;
+  float scale;                   // scores are scale q . k
+  bool causal;                   // bottom-right aligned: query i sees keys j <= i + Lk - Lq
+  bool vec2;                     // D even and every pointer 2-element aligned: pairs move as load2/store2
+  float dropout_p;               // probability of dropping an attention probability (0: no dropout)
+  float dropout_scale;           // 1 / (1 - dropout_p)
+  uint64_t seed;                 // Philox key of the dropout stream
+};
+
+// Backward: pointers and sizes shared by the three backward kernels of one call.
+template <typename T>
+struct AttentionBwdParams {
+  const T* q;                    // (B, H, Lq, D)
+  const T* k;                    // (B, H, Lk, D)
+  const T* v;                    // (B, H, Lk, D)
+  const T* out;                  // (B, H, Lq, D), the forward's output
+  const T* dout;                 // (B, H, Lq, D), gradient of out
+  const float* lse;              // (B, H, Lq), the forward's logsumexp
+  float* delta;                  // (B, H, Lq) workspace: written by the delta kernel, read by the others
+  const bool* key_padding_mask;  // (B, Lk), True = padding; nullptr for none
+  T* dq;                         // (B, H, Lq, D), output
+  T* dk;                         // (B, H, Lk, D), output
+  T* dv;                         // (B, H, Lk, D), output
+  int BH, H, Lq, Lk, D;          // BH = B * H
+  float scale;
+  bool causal;
+  bool vec2;
+  float dropout_p;
+  float dropout_scale;
+  uint64_t seed;
+};
+
+constexpr int kRowsPerWarp = 4;        // owned rows per warp: the 4 components of the float4 buffers
+constexpr int kTileRows = kWarpSize;   // rows per walked tile: one per lane
+constexpr int kDeltaThreads = 256;     // the delta kernel: one warp per query row
+
+// Forward block: 8 warps (32 query rows) up to D_MAX 64, 4 warps at D_MAX 128 (shared memory <= 48 KB).
+template <int D_MAX>
+struct AttentionFwdConfig {
+  static constexpr int kWarps = D_MAX == 128 ? 4 : 8;
+  static constexpr int kThreads = kWarps * kWarpSize;
+  static constexpr int kBlockM = kWarps * kRowsPerWarp;
+};
+
+// Backward blocks (dK/dV and dQ): 8 warps (32 owned rows) up to D_MAX 64, 3 warps at D_MAX 128.
+template <int D_MAX>
+struct AttentionBwdConfig {
+  static constexpr int kWarps = D_MAX == 128 ? 3 : 8;
+  static constexpr int kThreads = kWarps * kWarpSize;
+  static constexpr int kBlock = kWarps * kRowsPerWarp;
+};
+
+namespace attention_detail {
+
+FF_DEVICE int imin(int a, int b) { return a < b ? a : b; }
+FF_DEVICE int imax(int a, int b) { return a > b ? a : b; }
+
+// Component r (0..3) of a float4 (r is a constant after unrolling).
+FF_DEVICE float component(const float4& v, int r) { return r == 0 ? v.x : r == 1 ? v.y : r == 2 ? v.z : v.w; }
+FF_DEVICE uint32_t word(const Philox4& x, int r) { return r == 0 ? x.w[0] : r == 1 ? x.w[1] : r == 2 ? x.w[2] : x.w[3]; }
+
+FF_DEVICE float4 make4(float a, float b, float c, float d) {
+  float4 v;
+  v.x = a;
+  v.y = b;
+  v.z = c;
+  v.w = d;
+  return v;
+}
+
+// Which output columns a lane owns: kPerLane consecutive columns starting at (lane % kLanesPerRow) kPerLane;
+// the kGroups lane groups (2 for D_MAX = 16, else 1) split the summed tile rows between them.
+template <int D_MAX>
+struct LaneCols {
+  static constexpr int kPerLane = D_MAX >= kWarpSize ? D_MAX / kWarpSize : 1;
+  static constexpr int kLanesPerRow = D_MAX / kPerLane;
+  static constexpr int kGroups = kWarpSize / kLanesPerRow;
+};
+
+// Copies rows [0, rows) of a row-major (rows, D) slice of global memory into a float tile of kRows rows
+// with a row stride of kStride floats, times `mult`; rows >= `rows` and columns >= D become zeros. One
+// element pair per thread and step (a load2 when vec2); all kThreads threads of the block take part.
+template <int kRows, int D_MAX, int kStride, int kThreads, typename T>
+FF_DEVICE void load_tile(float* tile, const T* src, int rows, int D, bool vec2, float mult) {
+  constexpr int kPairs = D_MAX / 2;
+  constexpr int kSteps = (kRows * kPairs + kThreads - 1) / kThreads;
+#pragma unroll 4
+  for (int step = 0; step < kSteps; ++step) {
+    const int idx = step * kThreads + static_cast<int>(threadIdx.x);
+    if (idx < kRows * kPairs) {
+      const int r = idx / kPairs, c = (idx % kPairs) * 2;
+      float2 x;
+      x.x = 0.0f;
+      x.y = 0.0f;
+      if (r < rows && c < D) {
+        const T* s = src + static_cast<int64_t>(r) * D + c;
+        if (vec2) {
+          x = load2(s);
+        } else {
+          x.x = to_float(s[0]);
+          if (c + 1 < D) x.y = to_float(s[1]);
+        }
+      }
+      x.x *= mult;
+      x.y *= mult;
+      *reinterpret_cast<float2*>(tile + r * kStride + c) = x;
+    }
+  }
+}
+
+// out[r] = x . y_r for the lane's row x and 4 rows y_r = y + r y_stride (broadcast), over the first n4
+// groups of 4 columns; all rows are 16-byte aligned shared memory.
+FF_DEVICE void dot_rows4(const float* x, const float* y, int y_stride, int n4, float (&out)[kRowsPerWarp]) {
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) out[r] = 0.0f;
+#pragma unroll 2
+  for (int d4 = 0; d4 < n4; ++d4) {
+    const float4 a = x4[d4];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      const float4 b = reinterpret_cast<const float4*>(y + r * y_stride)[d4];
+      out[r] += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+    }
+  }
+}
+
+// The lane's N consecutive columns of a shared tile row (src 4N-byte aligned).
+template <int N>
+FF_DEVICE void load_cols(const float* src, float (&x)[N]) {
+  if constexpr (N == 4) {
+    const float4 v = *reinterpret_cast<const float4*>(src);
+    x[0] = v.x;
+    x[1] = v.y;
+    x[2] = v.z;
+    x[3] = v.w;
+  } else if constexpr (N == 2) {
+    const float2 v = *reinterpret_cast<const float2*>(src);
+    x[0] = v.x;
+    x[1] = v.y;
+  } else {
+    static_assert(N == 1, "a lane owns 1, 2 or 4 columns");
+    x[0] = src[0];
+  }
+}
+
+// acc[r][c] += w[r] x[c] over the tile rows t of this lane's group (t < n): the phase-2 product of a
+// per-warp weight buffer w (32 float4, one per tile row) and a shared tile (row stride kStride).
+template <int D_MAX, int kStride>
+FF_DEVICE void accumulate(float (&acc)[kRowsPerWarp][LaneCols<D_MAX>::kPerLane], const float4* w,
+                          const float* tile, int c0, int group, int n) {
+  using Cols = LaneCols<D_MAX>;
+#pragma unroll 2
+  for (int t = group; t < n; t += Cols::kGroups) {
+    const float4 wt = w[t];
+    float x[Cols::kPerLane];
+    load_cols<Cols::kPerLane>(tile + t * kStride + c0, x);
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+#pragma unroll
+      for (int c = 0; c < Cols::kPerLane; ++c) acc[r][c] += component(wt, r) * x[c];
+    }
+  }
+}
+
+// Adds the partial sums of the two lane groups of D_MAX = 16 (a no-op otherwise); all lanes call it.
+template <int D_MAX>
+FF_DEVICE void combine_groups(float (&acc)[kRowsPerWarp][LaneCols<D_MAX>::kPerLane]) {
+  if constexpr (LaneCols<D_MAX>::kGroups == 2) {
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) acc[r][0] += __shfl_xor_sync(kFullMask, acc[r][0], kWarpSize / 2);
+  }
+}
+
+// dst[c0 + c] = mult x[c] for the columns c0 + c < D of one global row (pairs as store2 when vec2).
+template <int N, typename T>
+FF_DEVICE void store_cols(T* dst, int c0, int D, bool vec2, const float (&x)[N], float mult) {
+  if constexpr (N >= 2) {
+    if (vec2) {
+#pragma unroll
+      for (int c = 0; c < N; c += 2) {
+        if (c0 + c < D) {
+          float2 y;
+          y.x = x[c] * mult;
+          y.y = x[c + 1] * mult;
+          store2(dst + c0 + c, y);
+        }
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < N; ++c) {
+    if (c0 + c < D) dst[c0 + c] = from_float<T>(x[c] * mult);
+  }
+}
+
+// Dropout factors (1/(1-p) kept, 0 dropped) of the 4 consecutive flat indices first..first+3: they span
+// at most two Philox counters, so two Philox calls instead of four.
+FF_DEVICE float4 dropout_factors4(uint64_t seed, uint64_t first, float p, float inv_keep) {
+  const Philox4 lo = philox4x32_10(seed, first >> 2);
+  const Philox4 hi = philox4x32_10(seed, (first >> 2) + 1);
+  const int w0 = static_cast<int>(first & 3);
+  float f[kRowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int w = w0 + r;
+    const uint32_t bits = w < 4 ? word(lo, w) : word(hi, w - 4);
+    f[r] = philox_uniform(bits) >= p ? inv_keep : 0.0f;
+  }
+  return make4(f[0], f[1], f[2], f[3]);
+}
+
+// Keys [0, key_end) can be visible to query rows [i0, i_end) (causal: up to the last row's diagonal).
+FF_DEVICE int causal_key_end(bool causal, int i_end, int Lq, int Lk) {
+  return causal ? imin(Lk, imax(0, i_end - 1 + Lk - Lq + 1)) : Lk;
+}
+
+}  // namespace attention_detail
+
+// Forward. Grid (ceil(Lq / kBlockM), B H), block kThreads: warp w owns query rows i0 + 4w .. i0 + 4w + 3,
+// lane j takes key j0 + j of each key tile.
+template <typename T, int D_MAX>
+FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdConfig<D_MAX>::kThreads)
+    attention_fwd_kernel(const AttentionFwdParams<T> p) {
+  using namespace attention_detail;
+  using Cfg = AttentionFwdConfig<D_MAX>;
+  using Cols = LaneCols<D_MAX>;
+  constexpr int kKStride = D_MAX + 4;
+  constexpr int kCols = Cols::kPerLane;
+  __shared__ float4 q_s4[Cfg::kBlockM * D_MAX / 4];   // scale Q, (kBlockM, D_MAX)
+  __shared__ float4 k_s4[kTileRows * kKStride / 4];   // K tile, (32, D_MAX + 4)
+  __shared__ float4 v_s4[kTileRows * D_MAX / 4];      // V tile, (32, D_MAX)
+  __shared__ float4 p_s[Cfg::kWarps * kTileRows];     // dropped probabilities, (kWarps, 32 keys, 4 rows)
+  float* q_s = reinterpret_cast<float*>(q_s4);
+  float* k_s = reinterpret_cast<float*>(k_s4);
+  float* v_s = reinterpret_cast<float*>(v_s4);
+
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int c0 = (lane % Cols::kLanesPerRow) * kCols, group = lane / Cols::kLanesPerRow;
+  const int bh = blockIdx.y, b = bh / p.H;
+  const int i0 = blockIdx.x * Cfg::kBlockM, row0 = i0 + warp * kRowsPerWarp;
+  const int n4 = (p.D + 3) / 4;
+  const bool* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.Lk : nullptr;
+  const int64_t kv_off = static_cast<int64_t>(bh) * p.Lk * p.D;
+  const float neg_inf = -ff_inf();
+
+  load_tile<Cfg::kBlockM, D_MAX, D_MAX, Cfg::kThreads>(q_s, p.q + (static_cast<int64_t>(bh) * p.Lq + i0) * p.D,
+                                                       p.Lq - i0, p.D, p.vec2, p.scale);
+  float m[kRowsPerWarp], l[kRowsPerWarp], acc[kRowsPerWarp][kCols];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    m[r] = neg_inf;
+    l[r] = 0.0f;  // this lane's share; summed over the warp at the end
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) acc[r][c] = 0.0f;
+  }
+
+  const int key_end = causal_key_end(p.causal, imin(i0 + Cfg::kBlockM, p.Lq), p.Lq, p.Lk);
+  for (int j0 = 0; j0 < key_end; j0 += kTileRows) {
+    const int nk = imin(kTileRows, key_end - j0);
+    __syncthreads();  // every warp is done with the previous K, V and P (and Q is written, first time)
+    load_tile<kTileRows, D_MAX, kKStride, Cfg::kThreads>(k_s, p.k + kv_off + static_cast<int64_t>(j0) * p.D, nk,
+                                                         p.D, p.vec2, 1.0f);
+    load_tile<kTileRows, D_MAX, D_MAX, Cfg::kThreads>(v_s, p.v + kv_off + static_cast<int64_t>(j0) * p.D, nk, p.D,
+                                                      p.vec2, 1.0f);
+    __syncthreads();
+
+    const int j = j0 + lane;
+    const bool key_ok = j < j0 + nk && !(kpm != nullptr && kpm[j]);
+    float s[kRowsPerWarp], pd[kRowsPerWarp];
+    dot_rows4(k_s + lane * kKStride, q_s + warp * kRowsPerWarp * D_MAX, D_MAX, n4, s);
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      const int i = row0 + r;
+      const bool visible = key_ok && i < p.Lq && (!p.causal || j <= i + p.Lk - p.Lq);
+      const float sr = visible ? s[r] : neg_inf;
+      const float m_new = fmaxf(m[r], warp_max(sr));
+      const float m_use = m_new == neg_inf ? 0.0f : m_new;  // a row with nothing visible yet stays at 0
+      const float corr = expf(m[r] - m_use);
+      const float pr = expf(sr - m_use);
+      l[r] = l[r] * corr + pr;
+      m[r] = m_new;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) acc[r][c] *= corr;
+      pd[r] = pr;
+      if (p.dropout_p > 0.0f) {
+        const uint64_t idx = (static_cast<uint64_t>(bh) * p.Lq + i) * p.Lk + j;
+        pd[r] *= dropout_factor(p.seed, idx, p.dropout_p, p.dropout_scale);
+      }
+    }
+    p_s[warp * kTileRows + lane] = make4(pd[0], pd[1], pd[2], pd[3]);
+    __syncwarp();
+    accumulate<D_MAX, D_MAX>(acc, p_s + warp * kTileRows, v_s, c0, group, nk);
+  }
+
+  combine_groups<D_MAX>(acc);
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int i = row0 + r;
+    const float l_row = warp_sum(l[r]);
+    if (i < p.Lq) {
+      const int64_t row = static_cast<int64_t>(bh) * p.Lq + i;
+      // l = 0: no visible key -> zeros and lse = -inf (never NaN).
+      if (group == 0) store_cols<kCols>(p.out + row * p.D, c0, p.D, p.vec2, acc[r], l_row > 0.0f ? 1.0f / l_row : 0.0f);
+      if (lane == 0) p.lse[row] = l_row > 0.0f ? m[r] + logf(l_row) : neg_inf;
+    }
+  }
+}
+
+// delta_i = dO_i . O_i for the B H Lq rows. Block 256: one warp per row, the lanes over its columns (pairs
+// when vec2); the grid's 8 gridDim.x warps stride over the rows.
+template <typename T>
+FF_GLOBAL void FF_LAUNCH_BOUNDS(kDeltaThreads) attention_bwd_delta_kernel(const AttentionBwdParams<T> p) {
+  constexpr int kWarps = kDeltaThreads / kWarpSize;
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int64_t rows = static_cast<int64_t>(p.BH) * p.Lq;
+  // The row is uniform over the warp: all lanes reach warp_sum.
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp; row < rows;
+       row += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const T* o = p.out + row * p.D;
+    const T* g = p.dout + row * p.D;
+    float sum = 0.0f;
+    if (p.vec2) {
+      for (int c = 2 * lane; c < p.D; c += 2 * kWarpSize) {
+        const float2 a = load2(o + c), d = load2(g + c);
+        sum += a.x * d.x + a.y * d.y;
+      }
+    } else {
+      for (int c = lane; c < p.D; c += kWarpSize) sum += to_float(o[c]) * to_float(g[c]);
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) p.delta[row] = sum;
+  }
+}
+
+// dK and dV. Grid (ceil(Lk / kBlock), B H), block kThreads: warp w owns keys j_blk + 4w .. j_blk + 4w + 3,
+// lane i takes query i0 + i of each query tile.
+template <typename T, int D_MAX>
+FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
+    attention_bwd_dkdv_kernel(const AttentionBwdParams<T> p) {
+  using namespace attention_detail;
+  using Cfg = AttentionBwdConfig<D_MAX>;
+  using Cols = LaneCols<D_MAX>;
+  constexpr int kQStride = D_MAX + 4;
+  constexpr int kCols = Cols::kPerLane;
+  __shared__ float4 k_s4[Cfg::kBlock * D_MAX / 4];   // scale K, (kBlock, D_MAX)
+  __shared__ float4 v_s4[Cfg::kBlock * D_MAX / 4];   // V, (kBlock, D_MAX)
+  __shared__ float4 q_s4[kTileRows * kQStride / 4];   // Q tile, (32, D_MAX + 4)
+  __shared__ float4 do_s4[kTileRows * kQStride / 4];  // dO tile, (32, D_MAX + 4)
+  __shared__ float4 p_s[Cfg::kWarps * kTileRows];     // P r, (kWarps, 32 queries, 4 keys)
+  __shared__ float4 ds_s[Cfg::kWarps * kTileRows];    // dS, (kWarps, 32 queries, 4 keys)
+  float* k_s = reinterpret_cast<float*>(k_s4);
+  float* v_s = reinterpret_cast<float*>(v_s4);
+  float* q_s = reinterpret_cast<float*>(q_s4);
+  float* do_s = reinterpret_cast<float*>(do_s4);
+
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int c0 = (lane % Cols::kLanesPerRow) * kCols, group = lane / Cols::kLanesPerRow;
+  const int bh = blockIdx.y, b = bh / p.H;
+  const int j_blk = blockIdx.x * Cfg::kBlock, jw = j_blk + warp * kRowsPerWarp;
+  const int n4 = (p.D + 3) / 4;
+  const int64_t kv_off = (static_cast<int64_t>(bh) * p.Lk + j_blk) * p.D;
+  const int64_t q_off = static_cast<int64_t>(bh) * p.Lq * p.D;
+  const float neg_inf = -ff_inf();
+  const bool* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.Lk : nullptr;
+
+  load_tile<Cfg::kBlock, D_MAX, D_MAX, Cfg::kThreads>(k_s, p.k + kv_off, p.Lk - j_blk, p.D, p.vec2, p.scale);
+  load_tile<Cfg::kBlock, D_MAX, D_MAX, Cfg::kThreads>(v_s, p.v + kv_off, p.Lk - j_blk, p.D, p.vec2, 1.0f);
+  bool key_ok[kRowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int j = jw + r;
+    key_ok[r] = j < p.Lk && !(kpm != nullptr && kpm[j]);
+  }
+  float dk[kRowsPerWarp][kCols], dv[kRowsPerWarp][kCols];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) dk[r][c] = dv[r][c] = 0.0f;
+  }
+
+  // Queries before the diagonal of the block's first key see none of its keys.
+  const int first = p.causal ? imax(0, j_blk - (p.Lk - p.Lq)) / kTileRows * kTileRows : 0;
+  for (int i0 = first; i0 < p.Lq; i0 += kTileRows) {
+    const int nq = imin(kTileRows, p.Lq - i0);
+    __syncthreads();  // every warp is done with the previous Q, dO, P r, dS (and K, V are written)
+    load_tile<kTileRows, D_MAX, kQStride, Cfg::kThreads>(q_s, p.q + q_off + static_cast<int64_t>(i0) * p.D, nq,
+                                                         p.D, p.vec2, 1.0f);
+    load_tile<kTileRows, D_MAX, kQStride, Cfg::kThreads>(do_s, p.dout + q_off + static_cast<int64_t>(i0) * p.D,
+                                                         nq, p.D, p.vec2, 1.0f);
+    __syncthreads();
+
+    const int i = i0 + lane;
+    const int64_t row = static_cast<int64_t>(bh) * p.Lq + i;
+    const float lse_i = i < p.Lq ? p.lse[row] : neg_inf;
+    const float delta_i = i < p.Lq ? p.delta[row] : 0.0f;
+    float s[kRowsPerWarp], dp[kRowsPerWarp];
+    dot_rows4(q_s + lane * kQStride, k_s + warp * kRowsPerWarp * D_MAX, D_MAX, n4, s);
+    dot_rows4(do_s + lane * kQStride, v_s + warp * kRowsPerWarp * D_MAX, D_MAX, n4, dp);
+    float4 f = make4(1.0f, 1.0f, 1.0f, 1.0f);
+    if (p.dropout_p > 0.0f) {
+      f = dropout_factors4(p.seed, static_cast<uint64_t>(row) * p.Lk + jw, p.dropout_p, p.dropout_scale);
+    }
+    float pd[kRowsPerWarp], ds[kRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      const bool visible = key_ok[r] && i < p.Lq && lse_i != neg_inf && (!p.causal || jw + r <= i + p.Lk - p.Lq);
+      const float pr = visible ? expf(s[r] - lse_i) : 0.0f;
+      const float fr = component(f, r);
+      pd[r] = pr * fr;
+      ds[r] = pr * (dp[r] * fr - delta_i);
+    }
+    p_s[warp * kTileRows + lane] = make4(pd[0], pd[1], pd[2], pd[3]);
+    ds_s[warp * kTileRows + lane] = make4(ds[0], ds[1], ds[2], ds[3]);
+    __syncwarp();
+    accumulate<D_MAX, kQStride>(dv, p_s + warp * kTileRows, do_s, c0, group, nq);
+    accumulate<D_MAX, kQStride>(dk, ds_s + warp * kTileRows, q_s, c0, group, nq);
+  }
+
+  combine_groups<D_MAX>(dk);
+  combine_groups<D_MAX>(dv);
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int j = jw + r;
+    if (j < p.Lk && group == 0) {  // keys no query sees got no tile: zeros
+      const int64_t off = (static_cast<int64_t>(bh) * p.Lk + j) * p.D;
+      store_cols<kCols>(p.dk + off, c0, p.D, p.vec2, dk[r], p.scale);
+      store_cols<kCols>(p.dv + off, c0, p.D, p.vec2, dv[r], 1.0f);
+    }
+  }
+}
+
+// dQ. Grid (ceil(Lq / kBlock), B H), block kThreads: warp w owns query rows i0 + 4w .. i0 + 4w + 3, lane j
+// takes key j0 + j of each key tile.
+template <typename T, int D_MAX>
+FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
+    attention_bwd_dq_kernel(const AttentionBwdParams<T> p) {
+  using namespace attention_detail;
+  using Cfg = AttentionBwdConfig<D_MAX>;
+  using Cols = LaneCols<D_MAX>;
+  constexpr int kKStride = D_MAX + 4;
+  constexpr int kCols = Cols::kPerLane;
+  __shared__ float4 q_s4[Cfg::kBlock * D_MAX / 4];    // scale Q, (kBlock, D_MAX)
+  __shared__ float4 do_s4[Cfg::kBlock * D_MAX / 4];   // dO, (kBlock, D_MAX)
+  __shared__ float4 k_s4[kTileRows * kKStride / 4];   // K tile, (32, D_MAX + 4)
+  __shared__ float4 v_s4[kTileRows * kKStride / 4];   // V tile, (32, D_MAX + 4)
+  __shared__ float4 ds_s[Cfg::kWarps * kTileRows];    // dS, (kWarps, 32 keys, 4 rows)
+  float* q_s = reinterpret_cast<float*>(q_s4);
+  float* do_s = reinterpret_cast<float*>(do_s4);
+  float* k_s = reinterpret_cast<float*>(k_s4);
+  float* v_s = reinterpret_cast<float*>(v_s4);
+
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int c0 = (lane % Cols::kLanesPerRow) * kCols, group = lane / Cols::kLanesPerRow;
+  const int bh = blockIdx.y, b = bh / p.H;
+  const int i0 = blockIdx.x * Cfg::kBlock, row0 = i0 + warp * kRowsPerWarp;
+  const int n4 = (p.D + 3) / 4;
+  const int64_t q_off = (static_cast<int64_t>(bh) * p.Lq + i0) * p.D;
+  const int64_t kv_off = static_cast<int64_t>(bh) * p.Lk * p.D;
+  const float neg_inf = -ff_inf();
+  const bool* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.Lk : nullptr;
+
+  load_tile<Cfg::kBlock, D_MAX, D_MAX, Cfg::kThreads>(q_s, p.q + q_off, p.Lq - i0, p.D, p.vec2, p.scale);
+  load_tile<Cfg::kBlock, D_MAX, D_MAX, Cfg::kThreads>(do_s, p.dout + q_off, p.Lq - i0, p.D, p.vec2, 1.0f);
+  float lse[kRowsPerWarp], delta[kRowsPerWarp], dq[kRowsPerWarp][kCols];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int i = row0 + r;
+    lse[r] = i < p.Lq ? p.lse[static_cast<int64_t>(bh) * p.Lq + i] : neg_inf;
+    delta[r] = i < p.Lq ? p.delta[static_cast<int64_t>(bh) * p.Lq + i] : 0.0f;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) dq[r][c] = 0.0f;
+  }
+
+  const int key_end = causal_key_end(p.causal, imin(i0 + Cfg::kBlock, p.Lq), p.Lq, p.Lk);
+  for (int j0 = 0; j0 < key_end; j0 += kTileRows) {
+    const int nk = imin(kTileRows, key_end - j0);
+    __syncthreads();  // every warp is done with the previous K, V, dS (and Q, dO are written)
+    load_tile<kTileRows, D_MAX, kKStride, Cfg::kThreads>(k_s, p.k + kv_off + static_cast<int64_t>(j0) * p.D, nk,
+                                                         p.D, p.vec2, 1.0f);
+    load_tile<kTileRows, D_MAX, kKStride, Cfg::kThreads>(v_s, p.v + kv_off + static_cast<int64_t>(j0) * p.D, nk,
+                                                         p.D, p.vec2, 1.0f);
+    __syncthreads();
+
+    const int j = j0 + lane;
+    const bool key_ok = j < j0 + nk && !(kpm != nullptr && kpm[j]);
+    float s[kRowsPerWarp], dp[kRowsPerWarp], ds[kRowsPerWarp];
+    dot_rows4(k_s + lane * kKStride, q_s + warp * kRowsPerWarp * D_MAX, D_MAX, n4, s);
+    dot_rows4(v_s + lane * kKStride, do_s + warp * kRowsPerWarp * D_MAX, D_MAX, n4, dp);
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      const int i = row0 + r;
+      const bool visible = key_ok && i < p.Lq && lse[r] != neg_inf && (!p.causal || j <= i + p.Lk - p.Lq);
+      const float pr = visible ? expf(s[r] - lse[r]) : 0.0f;
+      float fr = 1.0f;
+      if (p.dropout_p > 0.0f) {
+        const uint64_t idx = (static_cast<uint64_t>(bh) * p.Lq + i) * p.Lk + j;
+        fr = dropout_factor(p.seed, idx, p.dropout_p, p.dropout_scale);
+      }
+      ds[r] = pr * (dp[r] * fr - delta[r]);
+    }
+    ds_s[warp * kTileRows + lane] = make4(ds[0], ds[1], ds[2], ds[3]);
+    __syncwarp();
+    accumulate<D_MAX, kKStride>(dq, ds_s + warp * kTileRows, k_s, c0, group, nk);
+  }
+
+  combine_groups<D_MAX>(dq);
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int i = row0 + r;
+    if (i < p.Lq && group == 0) {  // rows with no visible key: dS = 0, so zeros
+      store_cols<kCols>(p.dq + (static_cast<int64_t>(bh) * p.Lq + i) * p.D, c0, p.D, p.vec2, dq[r], p.scale);
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace fastformer
+
+// instantiations: attention_fwd_kernel<float, 16> attention_fwd_kernel<float, 32> attention_fwd_kernel<float, 64>
+// instantiations: attention_fwd_kernel<float, 128> attention_fwd_kernel<__half, 16> attention_fwd_kernel<__half, 32>
+// instantiations: attention_fwd_kernel<__half, 64> attention_fwd_kernel<__half, 128>
+// instantiations: attention_fwd_kernel<__nv_bfloat16, 16> attention_fwd_kernel<__nv_bfloat16, 32>
+// instantiations: attention_fwd_kernel<__nv_bfloat16, 64> attention_fwd_kernel<__nv_bfloat16, 128>
+// instantiations: attention_bwd_delta_kernel<float> attention_bwd_delta_kernel<__half>
+// instantiations: attention_bwd_delta_kernel<__nv_bfloat16>
+// instantiations: attention_bwd_dkdv_kernel<float, 16> attention_bwd_dkdv_kernel<float, 32>
+// instantiations: attention_bwd_dkdv_kernel<float, 64> attention_bwd_dkdv_kernel<float, 128>
+// instantiations: attention_bwd_dkdv_kernel<__half, 16> attention_bwd_dkdv_kernel<__half, 32>
+// instantiations: attention_bwd_dkdv_kernel<__half, 64> attention_bwd_dkdv_kernel<__half, 128>
+// instantiations: attention_bwd_dkdv_kernel<__nv_bfloat16, 16> attention_bwd_dkdv_kernel<__nv_bfloat16, 32>
+// instantiations: attention_bwd_dkdv_kernel<__nv_bfloat16, 64> attention_bwd_dkdv_kernel<__nv_bfloat16, 128>
+// instantiations: attention_bwd_dq_kernel<float, 16> attention_bwd_dq_kernel<float, 32>
+// instantiations: attention_bwd_dq_kernel<float, 64> attention_bwd_dq_kernel<float, 128>
+// instantiations: attention_bwd_dq_kernel<__half, 16> attention_bwd_dq_kernel<__half, 32>
+// instantiations: attention_bwd_dq_kernel<__half, 64> attention_bwd_dq_kernel<__half, 128>
+// instantiations: attention_bwd_dq_kernel<__nv_bfloat16, 16> attention_bwd_dq_kernel<__nv_bfloat16, 32>
+// instantiations: attention_bwd_dq_kernel<__nv_bfloat16, 64> attention_bwd_dq_kernel<__nv_bfloat16, 128>

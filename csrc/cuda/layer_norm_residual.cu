@@ -1,0 +1,185 @@
+// Launchers of the layer_norm_residual kernels (csrc/cuda/layer_norm_residual.cuh): validate, allocate,
+// pick the layout (a warp per row for N <= kLnrWarpMaxN, a block of kLnrThreads per row above) and, for
+// backward, size the deterministic two-stage dweight/dbias reduction.
+// half2/float2 pairs when N is even and every row pointer is 2-element aligned.
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cuda_ops.h"
+#include "launch.h"
+#include "layer_norm_residual.cuh"
+
+namespace fastformer::cuda {
+namespace {
+
+bool aligned2(const Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % (2 * t.element_size()) == 0;
+}
+
+// A (..., N) tensor matching `like` (x or s) in shape and dtype.
+void check_rows_like(const Tensor& t, const Tensor& like, const char* name, const char* like_name) {
+  check_input(t, name);
+  TORCH_CHECK(t.sizes() == like.sizes() && t.scalar_type() == like.scalar_type(), "fastformer ", kBackend,
+              " layer_norm_residual: ", name, " (", t.sizes(), ", ", t.scalar_type(), ") must match ", like_name, " (",
+              like.sizes(), ", ", like.scalar_type(), ") in shape and dtype");
+}
+
+// weight / bias: (N,) with the rows' dtype.
+void check_vector(const Tensor& t, const Tensor& like, const char* name) {
+  check_input(t, name);
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == like.size(-1) && t.scalar_type() == like.scalar_type(), "fastformer ",
+              kBackend, " layer_norm_residual: ", name, " must have shape (", like.size(-1), ",) and dtype ",
+              like.scalar_type(), ", got ", t.sizes(), " ", t.scalar_type());
+}
+
+// mean / rstd: float32 of the rows' leading shape.
+void check_stat(const Tensor& t, at::IntArrayRef shape, const char* name) {
+  check_input(t, name);
+  TORCH_CHECK(t.sizes() == shape && t.scalar_type() == at::kFloat, "fastformer ", kBackend, " layer_norm_residual: ",
+              name, " must be float32 of shape ", shape, " (one value per row), got ", t.sizes(), " ", t.scalar_type());
+}
+
+void check_dropout(double p) {
+  TORCH_CHECK(p >= 0.0 && p < 1.0, "fastformer ", kBackend, " layer_norm_residual: dropout_p must be in [0, 1), got ",
+              p);
+}
+
+// The leading-dims shape of the per-row statistics.
+std::vector<int64_t> stat_shape(const Tensor& t) {
+  auto shape = t.sizes().vec();
+  shape.pop_back();
+  return shape;
+}
+
+void check_size(int64_t R, int64_t N) {
+  TORCH_CHECK(N <= INT_MAX, "fastformer ", kBackend, " layer_norm_residual: rows of ", N,
+              " elements exceed the kernels' limit of ", INT_MAX);
+  TORCH_CHECK(R <= INT_MAX, "fastformer ", kBackend, " layer_norm_residual: ", R, " rows exceed the kernels' limit of ",
+              INT_MAX);
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd(const Tensor& x, const Tensor& residual,
+                                                                   const Tensor& weight, const Tensor& bias,
+                                                                   double eps, double dropout_p, int64_t seed) {
+  check_input(x, "x");
+  check_dtype(x, "x");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "fastformer ", kBackend,
+              " layer_norm_residual: x must be (..., N) with N > 0, got ", x.sizes());
+  check_rows_like(residual, x, "residual", "x");
+  check_vector(weight, x, "weight");
+  check_vector(bias, x, "bias");
+  check_dropout(dropout_p);
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "fastformer ", kBackend,
+              " layer_norm_residual: eps must be finite and >= 0, got ", eps);
+  const int64_t N = x.size(-1), R = x.numel() / N;
+  const auto stats = stat_shape(x);
+  Tensor y = at::empty_like(x), s = at::empty_like(x);
+  Tensor mean = at::empty(stats, x.options().dtype(at::kFloat)), rstd = at::empty(stats, x.options().dtype(at::kFloat));
+  if (R == 0) return {y, s, mean, rstd};
+  check_size(R, N);
+  DeviceScope scope(x);
+  FF_DISPATCH_KERNEL_TYPES(x.scalar_type(), "fastformer_lnr_fwd_cuda", [&] {
+    using T = typename DeviceType<scalar_t>::type;
+    LnrFwdParams<T> p{};
+    p.x = device_ptr<scalar_t>(x);
+    p.residual = device_ptr<scalar_t>(residual);
+    p.weight = device_ptr<scalar_t>(weight);
+    p.bias = device_ptr<scalar_t>(bias);
+    p.y = device_ptr_mut<scalar_t>(y);
+    p.s = device_ptr_mut<scalar_t>(s);
+    p.mean = mean.mutable_data_ptr<float>();
+    p.rstd = rstd.mutable_data_ptr<float>();
+    p.rows = R;
+    p.cols = static_cast<int>(N);
+    p.eps = static_cast<float>(eps);
+    p.dropout_p = static_cast<float>(dropout_p);
+    p.inv_keep = 1.0f / (1.0f - p.dropout_p);
+    p.seed = static_cast<uint64_t>(seed);
+    p.vec2 = N % 2 == 0 && aligned2(x) && aligned2(residual) && aligned2(weight) && aligned2(bias) && aligned2(y) &&
+             aligned2(s);
+    if (N <= kLnrWarpMaxN) {
+      constexpr int kRowsPerBlock = kLnrThreads / kWarpSize;
+      const dim3 grid(static_cast<unsigned>((R + kRowsPerBlock - 1) / kRowsPerBlock));
+      launch(layer_norm_residual_fwd_kernel<T, kWarpSize>, grid, dim3(kLnrThreads), p);
+    } else {
+      launch(layer_norm_residual_fwd_kernel<T, kLnrThreads>, dim3(static_cast<unsigned>(R)), dim3(kLnrThreads), p);
+    }
+  });
+  return {y, s, mean, rstd};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor& dy, const c10::optional<Tensor>& ds,
+                                                                   const Tensor& s, const Tensor& weight,
+                                                                   const Tensor& mean, const Tensor& rstd,
+                                                                   double dropout_p, int64_t seed) {
+  check_input(s, "s");
+  check_dtype(s, "s");
+  TORCH_CHECK(s.dim() >= 1 && s.size(-1) > 0, "fastformer ", kBackend,
+              " layer_norm_residual: s must be (..., N) with N > 0, got ", s.sizes());
+  check_rows_like(dy, s, "dy", "s");
+  if (ds.has_value()) check_rows_like(*ds, s, "ds", "s");
+  check_vector(weight, s, "weight");
+  const auto stats = stat_shape(s);
+  check_stat(mean, stats, "mean");
+  check_stat(rstd, stats, "rstd");
+  check_dropout(dropout_p);
+  const int64_t N = s.size(-1), R = s.numel() / N;
+  Tensor dx = at::empty_like(s), dres = at::empty_like(s);
+  if (R == 0) return {dx, dres, at::zeros_like(weight), at::zeros_like(weight)};
+  check_size(R, N);
+  DeviceScope scope(s);
+  // Stage 1 layout: rows per block (one chunk per row group), at most kLnrBwdMaxBlocks blocks.
+  const bool warp_rows = N <= kLnrWarpMaxN;
+  const int64_t groups = warp_rows ? kLnrThreads / kWarpSize : 1;
+  const int64_t max_partials = kLnrBwdMaxBlocks * groups;
+  const int64_t chunk_rows = (R + max_partials - 1) / max_partials;
+  const int64_t partials = (R + chunk_rows - 1) / chunk_rows;
+  const dim3 grid(static_cast<unsigned>((partials + groups - 1) / groups));
+  const auto f32 = s.options().dtype(at::kFloat);
+  Tensor partial_dw = at::empty({partials, N}, f32), partial_db = at::empty({partials, N}, f32);
+  Tensor dweight = at::empty_like(weight), dbias = at::empty_like(weight);
+  FF_DISPATCH_KERNEL_TYPES(s.scalar_type(), "fastformer_lnr_bwd_cuda", [&] {
+    using T = typename DeviceType<scalar_t>::type;
+    LnrBwdParams<T> p{};
+    p.dy = device_ptr<scalar_t>(dy);
+    p.ds = ds.has_value() ? device_ptr<scalar_t>(*ds) : nullptr;
+    p.s = device_ptr<scalar_t>(s);
+    p.weight = device_ptr<scalar_t>(weight);
+    p.mean = mean.const_data_ptr<float>();
+    p.rstd = rstd.const_data_ptr<float>();
+    p.dx = device_ptr_mut<scalar_t>(dx);
+    p.dresidual = device_ptr_mut<scalar_t>(dres);
+    p.partial_dw = partial_dw.mutable_data_ptr<float>();
+    p.partial_db = partial_db.mutable_data_ptr<float>();
+    p.rows = R;
+    p.cols = static_cast<int>(N);
+    p.chunk_rows = chunk_rows;
+    p.partials = static_cast<int>(partials);
+    p.dropout_p = static_cast<float>(dropout_p);
+    p.inv_keep = 1.0f / (1.0f - p.dropout_p);
+    p.seed = static_cast<uint64_t>(seed);
+    p.vec2 = N % 2 == 0 && aligned2(dy) && (!ds.has_value() || aligned2(*ds)) && aligned2(s) && aligned2(weight) &&
+             aligned2(dx) && aligned2(dres);
+    if (warp_rows) {
+      launch(layer_norm_residual_bwd_kernel<T, kWarpSize>, grid, dim3(kLnrThreads), p);
+    } else {
+      launch(layer_norm_residual_bwd_kernel<T, kLnrThreads>, grid, dim3(kLnrThreads), p);
+    }
+    LnrReduceParams<T> q{};
+    q.partial_dw = p.partial_dw;
+    q.partial_db = p.partial_db;
+    q.dweight = device_ptr_mut<scalar_t>(dweight);
+    q.dbias = device_ptr_mut<scalar_t>(dbias);
+    q.partials = p.partials;
+    q.cols = p.cols;
+    launch(layer_norm_residual_bwd_reduce_kernel<T>, dim3(static_cast<unsigned>((N + kWarpSize - 1) / kWarpSize)),
+           dim3(kLnrReduceStripes * kWarpSize), q);
+  });
+  return {dx, dres, dweight, dbias};
+}
+
+}  // namespace fastformer::cuda

@@ -1,0 +1,142 @@
+// Launchers of the softmax kernels (csrc/cuda/softmax.cuh): validate, allocate, pick the layout.
+//
+// N <= kSoftmaxWarpMaxN: warp per row, kPerLane = ceil(N / 32) rounded up to a power of two (1 .. 32),
+// grid ceil(R / 4) blocks of 4 warps. N > kSoftmaxWarpMaxN: block per row, grid R blocks of 256 threads.
+// half2/float2 pairs when N is even and every row pointer is 2-element aligned.
+#include <ATen/ExpandUtils.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "cuda_ops.h"
+#include "launch.h"
+#include "softmax.cuh"
+
+namespace fastformer::cuda {
+namespace {
+
+bool aligned2(const Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % (2 * t.element_size()) == 0;
+}
+
+void check_rows(int64_t R, int64_t N) {
+  TORCH_CHECK(N <= INT_MAX, "fastformer ", kBackend, " softmax: rows of ", N, " elements exceed the kernels' limit of ",
+              INT_MAX);
+  TORCH_CHECK(R <= INT_MAX, "fastformer ", kBackend, " softmax: ", R, " rows exceed the kernels' limit of ", INT_MAX);
+}
+
+// The expanded mask's addressing: x's leading dims, size-1 dims dropped and neighbours merged where the
+// mask's strides allow (outer stride == inner stride * inner size), so the kernels unravel few dims.
+SoftmaxMask mask_layout(const Tensor& x, const Tensor& expanded) {
+  SoftmaxMask m{};
+  m.base = expanded.const_data_ptr<bool>();
+  m.col_stride = expanded.stride(-1);
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) {
+    const int64_t size = x.size(d), stride = expanded.stride(d);
+    if (size == 1) continue;
+    if (m.dims > 0 && m.strides[m.dims - 1] == stride * size) {
+      m.sizes[m.dims - 1] *= size;
+      m.strides[m.dims - 1] = stride;
+      continue;
+    }
+    TORCH_CHECK(m.dims < kSoftmaxMaxDims, "fastformer ", kBackend, " softmax: the mask varies along more than ",
+                kSoftmaxMaxDims, " separate leading dims of x ", x.sizes(),
+                "; reshape x and the mask to fewer dims or pass a contiguous mask of x's shape");
+    m.sizes[m.dims] = size;
+    m.strides[m.dims] = stride;
+    ++m.dims;
+  }
+  return m;
+}
+
+// kernel<T, kPerLane> for the smallest kPerLane in {1, 2, 4, ..., 32} with 32 kPerLane >= N.
+template <typename P, typename K1, typename K2, typename K4, typename K8, typename K16, typename K32>
+void launch_warp(const P& p, K1 k1, K2 k2, K4 k4, K8 k8, K16 k16, K32 k32) {
+  const dim3 grid(static_cast<unsigned>((p.rows + kSoftmaxWarpRows - 1) / kSoftmaxWarpRows));
+  const dim3 block(kSoftmaxWarpRows * kWarpSize);
+  const int per_lane = (p.cols + kWarpSize - 1) / kWarpSize;
+  if (per_lane <= 1) launch(k1, grid, block, p);
+  else if (per_lane <= 2) launch(k2, grid, block, p);
+  else if (per_lane <= 4) launch(k4, grid, block, p);
+  else if (per_lane <= 8) launch(k8, grid, block, p);
+  else if (per_lane <= 16) launch(k16, grid, block, p);
+  else launch(k32, grid, block, p);
+}
+
+}  // namespace
+
+Tensor softmax_fwd(const Tensor& x, const c10::optional<Tensor>& mask, double scale) {
+  check_input(x, "x");
+  check_dtype(x, "x");
+  TORCH_CHECK(x.dim() >= 1, "fastformer ", kBackend, " softmax: x must have at least one dimension");
+  SoftmaxMask layout{};
+  Tensor expanded;
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->device() == x.device(), "fastformer ", kBackend, " softmax: mask must be on x's device ",
+                x.device(), ", got ", mask->device());
+    TORCH_CHECK(mask->scalar_type() == at::kBool, "fastformer ", kBackend, " softmax: mask must be bool, got ",
+                mask->scalar_type());
+    TORCH_CHECK(at::is_expandable_to(mask->sizes(), x.sizes()), "fastformer ", kBackend, " softmax: mask of shape ",
+                mask->sizes(), " does not broadcast to x's shape ", x.sizes());
+    expanded = mask->expand(x.sizes());  // a view: stride 0 along broadcast dims
+    layout = mask_layout(x, expanded);
+  }
+  Tensor y = at::empty_like(x);
+  const int64_t N = x.size(-1), R = N == 0 ? 0 : x.numel() / N;
+  if (R == 0) return y;
+  check_rows(R, N);
+  DeviceScope scope(x);
+  FF_DISPATCH_KERNEL_TYPES(x.scalar_type(), "fastformer_softmax_fwd_cuda", [&] {
+    using T = typename DeviceType<scalar_t>::type;
+    SoftmaxFwdParams<T> p{};
+    p.x = device_ptr<scalar_t>(x);
+    p.y = device_ptr_mut<scalar_t>(y);
+    p.mask = layout;
+    p.rows = R;
+    p.cols = static_cast<int>(N);
+    p.scale = static_cast<float>(scale);
+    p.vec2 = N % 2 == 0 && aligned2(x) && aligned2(y);
+    if (N > kSoftmaxWarpMaxN) {
+      launch(softmax_fwd_block_kernel<T>, dim3(static_cast<unsigned>(R)), dim3(kSoftmaxBlockThreads), p);
+    } else {
+      launch_warp(p, softmax_fwd_warp_kernel<T, 1>, softmax_fwd_warp_kernel<T, 2>, softmax_fwd_warp_kernel<T, 4>,
+                  softmax_fwd_warp_kernel<T, 8>, softmax_fwd_warp_kernel<T, 16>, softmax_fwd_warp_kernel<T, 32>);
+    }
+  });
+  return y;
+}
+
+Tensor softmax_bwd(const Tensor& dy, const Tensor& y, double scale) {
+  check_input(dy, "dy");
+  check_input(y, "y");
+  check_dtype(y, "y");
+  TORCH_CHECK(y.dim() >= 1, "fastformer ", kBackend, " softmax: y must have at least one dimension");
+  TORCH_CHECK(dy.sizes() == y.sizes() && dy.scalar_type() == y.scalar_type(), "fastformer ", kBackend,
+              " softmax: dy (", dy.sizes(), ", ", dy.scalar_type(), ") must match y (", y.sizes(), ", ",
+              y.scalar_type(), ") in shape and dtype");
+  Tensor dx = at::empty_like(y);
+  const int64_t N = y.size(-1), R = N == 0 ? 0 : y.numel() / N;
+  if (R == 0) return dx;
+  check_rows(R, N);
+  DeviceScope scope(y);
+  FF_DISPATCH_KERNEL_TYPES(y.scalar_type(), "fastformer_softmax_bwd_cuda", [&] {
+    using T = typename DeviceType<scalar_t>::type;
+    SoftmaxBwdParams<T> p{};
+    p.dy = device_ptr<scalar_t>(dy);
+    p.y = device_ptr<scalar_t>(y);
+    p.dx = device_ptr_mut<scalar_t>(dx);
+    p.rows = R;
+    p.cols = static_cast<int>(N);
+    p.scale = static_cast<float>(scale);
+    p.vec2 = N % 2 == 0 && aligned2(dy) && aligned2(y) && aligned2(dx);
+    if (N > kSoftmaxWarpMaxN) {
+      launch(softmax_bwd_block_kernel<T>, dim3(static_cast<unsigned>(R)), dim3(kSoftmaxBlockThreads), p);
+    } else {
+      launch_warp(p, softmax_bwd_warp_kernel<T, 1>, softmax_bwd_warp_kernel<T, 2>, softmax_bwd_warp_kernel<T, 4>,
+                  softmax_bwd_warp_kernel<T, 8>, softmax_bwd_warp_kernel<T, 16>, softmax_bwd_warp_kernel<T, 32>);
+    }
+  });
+  return dx;
+}
+
+}  // namespace fastformer::cuda
