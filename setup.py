@@ -3,6 +3,11 @@
 CPU kernels (csrc/cpu/*.cpp) are always compiled. The CUDA kernels (csrc/cuda/*.cu) are compiled
 when torch is a CUDA build, nvcc is found, and either a GPU is visible or FASTFORMER_FORCE_CUDA=1;
 FASTFORMER_FORCE_CUDA=0 skips them. TORCH_CUDA_ARCH_LIST selects the architectures (torch's own rule).
+CUDA_HOME is the toolkit folder holding bin/nvcc and lib64/libcudart.so; when it is not set, the first
+such folder among nvcc's and /usr/local/cuda is used (an `nvcc` wrapper script elsewhere is not a toolkit).
+CI builds the CUDA extension with
+  FASTFORMER_FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=8.0 python setup.py egg_info -e DIR build --build-base DIR
+into DIR (never over an installed fastformer) and imports it with tools/check_cuda_build.py DIR/lib.*.
 
 FASTFORMER_CPU_CAPABILITY=avx512|avx2|default picks the SIMD level of ATen's at::vec used by the
 CPU kernels; by default the best one this machine's CPU reports.
@@ -12,12 +17,34 @@ import json
 import os
 import shutil
 
-import torch
-from setuptools import setup
-from setuptools.command.build_py import build_py
-from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension, CUDA_HOME
-
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def is_cuda_toolkit(path):
+    return bool(path) and os.path.isfile(os.path.join(path, "bin", "nvcc")) and any(
+        os.path.exists(os.path.join(path, lib, "libcudart.so")) for lib in ("lib64", "lib"))
+
+
+def find_cuda_home():
+    """CUDA_HOME/CUDA_PATH if set, else the toolkit folder of nvcc (two levels up from it) or /usr/local/cuda.
+    torch guesses the folder above the first `nvcc` on PATH, which is wrong for a wrapper script such as
+    /usr/local/bin/nvcc; so the guess is made here, before torch.utils.cpp_extension reads CUDA_HOME."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            return os.environ[var]
+    nvcc = shutil.which("nvcc")
+    candidates = [os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))] if nvcc else []
+    candidates.append("/usr/local/cuda")
+    return next((c for c in candidates if is_cuda_toolkit(c)), None)
+
+
+if os.environ.get("FASTFORMER_FORCE_CUDA") != "0" and find_cuda_home():
+    os.environ["CUDA_HOME"] = find_cuda_home()
+
+import torch  # noqa: E402  (after CUDA_HOME is settled: cpp_extension reads it at import)
+from setuptools import setup  # noqa: E402
+from setuptools.command.build_py import build_py  # noqa: E402
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension, CUDA_HOME  # noqa: E402
 
 
 def cpu_capability():
@@ -48,12 +75,12 @@ def want_cuda():
     force = os.environ.get("FASTFORMER_FORCE_CUDA")
     if force == "0":
         return False
-    have_toolkit = torch.version.cuda is not None and CUDA_HOME is not None and (
-        shutil.which("nvcc") or os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")))
+    have_toolkit = torch.version.cuda is not None and is_cuda_toolkit(CUDA_HOME)
     if force == "1":
         if not have_toolkit:
-            raise SystemExit("FASTFORMER_FORCE_CUDA=1 but torch is not a CUDA build or nvcc/CUDA_HOME "
-                             f"was not found (torch.version.cuda={torch.version.cuda}, CUDA_HOME={CUDA_HOME})")
+            raise SystemExit("FASTFORMER_FORCE_CUDA=1 but torch is not a CUDA build or CUDA_HOME is not a CUDA "
+                             f"toolkit (torch.version.cuda={torch.version.cuda}, CUDA_HOME={CUDA_HOME}); set "
+                             "CUDA_HOME to the folder holding bin/nvcc and lib64/libcudart.so")
         return True
     return bool(have_toolkit and torch.cuda.is_available())
 
@@ -69,18 +96,26 @@ def extension():
     if not with_cuda:
         return CppExtension("fastformer._C", sources, include_dirs=include_dirs,
                             extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])
-    # torch's CUDA headers include cusparse.h, which the pip wheels keep under nvidia/cu13/include.
+    # torch's CUDA headers include cusparse.h, which torch's pip wheels keep under nvidia/cu13/include.
+    # (cu<N> only: the nvidia-cuda-*-cu12 wheels of tools/kernel_report.py hold CUDA 12 headers.)
     import nvidia
     for base in nvidia.__path__:
-        include_dirs += glob.glob(os.path.join(base, "cu*", "include"))
+        include_dirs += sorted(glob.glob(os.path.join(base, "cu[0-9]*", "include")))
+    print(f"fastformer: compiling {', '.join(cuda_sources)} with {os.path.join(CUDA_HOME, 'bin', 'nvcc')} for "
+          f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '(unset: the visible GPUs)')}")
     nvcc = ["-O3", "--use_fast_math", "-lineinfo", "-DFASTFORMER_WITH_CUDA"]
     return CUDAExtension("fastformer._C", sources + cuda_sources, include_dirs=include_dirs,
                          extra_compile_args={"cxx": cxx + ["-DFASTFORMER_WITH_CUDA"], "nvcc": nvcc},
                          extra_link_args=["-fopenmp"])
 
 
+CSRC_SUFFIXES = (".h", ".cuh", ".cu", ".cpp")
+
+
 class BuildPyWithInfo(build_py):
-    """Records which torch the extension is compiled against, so a mismatch at import is explained."""
+    """Records which torch the extension is compiled against, so a mismatch at import is explained, and
+    ships the C++/CUDA sources as fastformer/_csrc/ (the tree of csrc/): the cuda_sim backend compiles
+    them on first use, also after a non-editable install. An editable install reads ../csrc instead."""
 
     def run(self):
         super().run()
@@ -89,6 +124,18 @@ class BuildPyWithInfo(build_py):
         os.makedirs(os.path.dirname(target), exist_ok=True)
         with open(target, "w") as f:
             json.dump(info, f)
+        if not getattr(self, "editable_mode", False):
+            self.copy_csrc(os.path.join(self.build_lib, "fastformer", "_csrc"))
+
+    def copy_csrc(self, target):
+        source = os.path.join(ROOT, "csrc")
+        for folder, _, files in os.walk(source):
+            for name in sorted(files):
+                if name.endswith(CSRC_SUFFIXES):
+                    src = os.path.join(folder, name)
+                    dst = os.path.join(target, os.path.relpath(src, source))
+                    self.mkpath(os.path.dirname(dst))
+                    self.copy_file(src, dst)
 
 
 setup(

@@ -5,6 +5,9 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include "cpu/cpu_ops.h"
+#ifdef FASTFORMER_WITH_CUDA
+#include "cuda/cuda_ops.h"
+#endif
 
 #ifndef FASTFORMER_TORCH_VERSION
 #define FASTFORMER_TORCH_VERSION "unknown"
@@ -27,4 +30,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("softmax_bwd_cpu", &cpu::softmax_bwd, "softmax backward (CPU)");
   m.def("layer_norm_residual_fwd_cpu", &cpu::layer_norm_residual_fwd, "layer_norm_residual forward (CPU)");
   m.def("layer_norm_residual_bwd_cpu", &cpu::layer_norm_residual_bwd, "layer_norm_residual backward (CPU)");
+#ifdef FASTFORMER_WITH_CUDA
+  namespace cuda = fastformer::cuda;
+  m.def("attention_fwd_cuda", &cuda::attention_fwd, "attention forward (CUDA)");
+  m.def("attention_bwd_cuda", &cuda::attention_bwd, "attention backward (CUDA)");
+  m.def("softmax_fwd_cuda", &cuda::softmax_fwd, "softmax forward (CUDA)");
+  m.def("softmax_bwd_cuda", &cuda::softmax_bwd, "softmax backward (CUDA)");
+  m.def("layer_norm_residual_fwd_cuda", &cuda::layer_norm_residual_fwd, "layer_norm_residual forward (CUDA)");
+  m.def("layer_norm_residual_bwd_cuda", &cuda::layer_norm_residual_bwd, "layer_norm_residual backward (CUDA)");
+#endif
 }
