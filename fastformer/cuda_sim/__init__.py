@@ -6,7 +6,8 @@ against the CPU SIMT execution model csrc/cuda_sim/simt.h, which runs every CUDA
 a fiber, treats __syncthreads, __syncwarp and warp shuffles as barriers, raises on divergent barriers
 and deadlocks, and shuffles the order of warps and lanes between barriers from a schedule seed.
 
-Each op is its own extension ``fastformer_cuda_sim_<op>`` (csrc/cuda_sim/<op>.cpp), compiled on first
+Each op is its own extension ``fastformer_cuda_sim_<op>`` (csrc/cuda_sim/binding.cpp built with
+-DFF_SIM_OP=<op>), compiled on first
 use with ``torch.utils.cpp_extension.load`` (about a minute per op on 2 cores) and cached under
 ``TORCH_EXTENSIONS_DIR``. The sources come from ``fastformer/_csrc`` (copied there by ``pip install``)
 or from ``csrc/`` beside the package (an editable install).
@@ -42,10 +43,11 @@ _modules: dict[str, object] = {}
 _seed = int(os.environ.get("FASTFORMER_CUDA_SIM_SEED", "1"))
 
 
-def build(name: str, sources: list, *, verbose: bool = False):
+def build(name: str, sources: list, *, defines: tuple = (), verbose: bool = False):
     """Compiles C++ ``sources`` (which include csrc/cuda/ kernels) and the SIMT model into extension ``name``.
 
-    The csrc/ tree is on the include path ("cuda/common.cuh", "cuda/softmax.cu", ...).
+    The csrc/ tree is on the include path ("cuda/common.cuh", "cuda/softmax.cu", ...); ``defines`` are
+    extra -D flags.
     """
     from torch.utils import cpp_extension
 
@@ -53,7 +55,7 @@ def build(name: str, sources: list, *, verbose: bool = False):
         name=name,
         sources=[str(s) for s in sources] + [str(SOURCE_ROOT / "cuda_sim" / "simt.cpp")],
         extra_include_paths=[str(SOURCE_ROOT)],
-        extra_cflags=["-O2", "-fopenmp", "-fno-strict-aliasing", "-Wno-unknown-pragmas"],
+        extra_cflags=["-O2", "-fopenmp", "-fno-strict-aliasing", "-Wno-unknown-pragmas"] + [f"-D{d}" for d in defines],
         extra_ldflags=["-fopenmp"],
         verbose=verbose,
     )
@@ -65,7 +67,8 @@ def load(op: str, *, verbose: bool = False):
         raise ValueError(f"cuda_sim: unknown op {op!r}; choose one of {OPS}")
     with _lock:
         if op not in _modules:
-            module = build(f"fastformer_cuda_sim_{op}", [SOURCE_ROOT / "cuda_sim" / f"{op}.cpp"], verbose=verbose)
+            module = build(f"fastformer_cuda_sim_{op}", [SOURCE_ROOT / "cuda_sim" / "binding.cpp"],
+                           defines=(f"FF_SIM_OP={op}",), verbose=verbose)
             module.set_schedule_seed(_seed)
             _modules[op] = module
         return _modules[op]

@@ -1,0 +1,28 @@
+// Backend cuda_sim, one op: the CUDA launcher csrc/cuda/<op>.cu and its kernels, unchanged, compiled as
+// plain C++ against the CPU SIMT execution model (simt.h) and run on CPU tensors. fastformer/cuda_sim
+// builds this file once per op, as its own extension, with -DFF_SIM_OP=<op> (so one op's build never
+// depends on another's).
+// torch first: its headers never see the model's CUDA built-in macros.
+#include <torch/extension.h>
+
+#ifndef FF_SIM_OP
+#error "build with -DFF_SIM_OP=<op> (attention, softmax or layer_norm_residual)"
+#endif
+#define FF_STRING_(x) #x
+#define FF_STRING(x) FF_STRING_(x)
+#define FF_JOIN_(a, b) a##b
+#define FF_JOIN(a, b) FF_JOIN_(a, b)
+
+#include FF_STRING(cuda/FF_SIM_OP.cu)
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fastformer " FF_STRING(FF_SIM_OP) " CUDA kernels on the CPU SIMT execution model (test equipment)";
+  m.def(FF_STRING(FF_JOIN(FF_SIM_OP, _fwd)), &fastformer::cuda::FF_JOIN(FF_SIM_OP, _fwd), "forward (cuda_sim)");
+  m.def(FF_STRING(FF_JOIN(FF_SIM_OP, _bwd)), &fastformer::cuda::FF_JOIN(FF_SIM_OP, _bwd), "backward (cuda_sim)");
+  m.def("set_schedule_seed", &fastformer::sim::set_schedule_seed,
+        "seed of the warp/lane order between barriers (0 = index order)");
+  m.def("delete_barrier", &fastformer::sim::delete_barrier,
+        "mutation testing: the __syncthreads at (file suffix, line) becomes a no-op; '' clears");
+  m.def("deleted_barrier_hits", &fastformer::sim::deleted_barrier_hits,
+        "how many times threads passed the deleted barrier");
+}
