@@ -1,0 +1,419 @@
+"""fastformer's benchmarks: pytest-benchmark tests that time every backend beside the PyTorch code it
+replaces, in one run, and put the derived figures into ``benchmark.extra_info``.
+
+Run (the default sizes took 4.5-5 minutes on the 2-core development VM, 8 while other jobs loaded it;
+an H100 takes about 1 minute, 3 with --bench-sizes paper)::
+
+    pytest benchmarks/ --benchmark-only --benchmark-json out.json
+    python benchmarks/to_markdown.py out.json              # the markdown table, also printed at the end
+
+(``pytest tests`` and a bare ``pytest`` collect only tests/. Run benchmarks/ on its own: both folders have
+a test_attention.py and neither is a package, so one pytest call cannot import both.)
+
+What runs
+  test_attention.py            ops.attention with a key padding mask, (B, 8, L, 64), B = tokens / L
+  test_softmax.py              ops.softmax over attention scores (B, 8, L, L) with the padding mask
+  test_layer_norm_residual.py  ops.layer_norm_residual on (tokens, 512), dropout 0 and 0.1
+  test_training_step.py        forward + backward + Adam step of a whole Transformer (tokens/s)
+  test_generate.py             Transformer.generate, beam 4, with and without the key/value cache (sentences/s)
+  Each op runs forward ("fwd"), backward alone ("bwd", on a graph kept from one forward) and both
+  ("fwd+bwd"), at L = 32, 64, 128, 256 and the long case 1024.
+
+Implementations, side by side in one group per (op, shape, pass)
+  every fastformer backend that runs on the benchmark device (``fastformer.backends()``): on CPU
+  tensors ``cpu`` and ``torch``; on CUDA tensors ``cuda``, ``triton`` and ``torch``. ``cuda_sim`` (test
+  equipment) and ``triton`` on CPU tensors (its interpreter) never run here. Beside them the baselines
+  each test module names in ``BASELINES``: the plain PyTorch composition the op replaces ("eager"
+  attention, "masked_fill+softmax", "add+dropout+layer_norm"), ``F.scaled_dot_product_attention``
+  ("sdpa"), ``torch.nn.Transformer`` ("nn.Transformer"); for generate, the same backend without the cache.
+
+Sizes: ``--bench-sizes default|paper|smoke`` (or ``FASTFORMER_BENCH_SIZES=...``)
+  default  translation shapes that fit a 2-core CPU in under 10 minutes: 4,096 tokens per batch
+           (d_model 512, 8 heads of 64); training step of ``TransformerConfig.small`` (vocab 8,000) on
+           128 sentence pairs of up to 32 tokens (~4,096 tokens, the training default --max-tokens);
+           generate: 8 sentences of 8-24 tokens, 12 target tokens each, beam 4. Each benchmark is timed
+           for about 0.4 s (at least 3 rounds).
+  smoke    tiny shapes and models, to check the suite itself in seconds (the figures mean nothing).
+  paper    the paper's sizes, for GPUs: about 25,000 tokens per batch (d_model 512, 8 heads of 64);
+           training step of ``TransformerConfig.base`` (vocab 37,000) on 390 sentence pairs of up to 64
+           tokens; generate: 128 sentences of 10-50 tokens, 50 target tokens each, beam 4. About 1 s per
+           benchmark, at least 10 rounds.
+Device: ``--bench-device cpu|cuda`` (default: cuda when a GPU is visible). dtype: ``--bench-dtype``
+(default float32 on CPU; on CUDA bfloat16 where supported, else float16; the training step autocasts to
+it on CUDA, as ``python -m fastformer.train`` does).
+
+Derived figures in ``extra_info`` (from the median time)
+  bytes, GB/s       the bytes the op must move: every input read once, every output written once
+                    (counts in each test module); GB/s for every op.
+  copy GB/s, fraction of copy
+                    for the memory-bound ops (softmax, layer_norm_residual): GB/s over the bandwidth of
+                    a large device copy (bytes read + written) measured once per session, here. On a GPU
+                    that copy is the device's attainable peak bandwidth.
+  flops, TFLOP/s    attention only (counts in test_attention.py).
+  tokens/s          training step: non-pad target tokens per second, as fastformer.train reports.
+  sentences/s       generate.
+  speedup           {baseline: baseline median / this median} against every baseline of the same group,
+                    computed after all benchmarks ran (pytest_benchmark_update_json writes it into the
+                    JSON; the table printed at the end shows it too).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import pytest
+import torch
+
+import fastformer
+from fastformer import _dispatch
+from fastformer.nn import TransformerConfig
+
+PASSES = ("fwd", "bwd", "fwd+bwd")
+_PASS_IDS = {"fwd": "fwd", "bwd": "bwd", "fwd+bwd": "fwdbwd"}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """One size profile (see the module docstring)."""
+    name: str
+    tokens: int  # tokens per batch of the op benchmarks: B * L
+    lengths: tuple[int, ...]  # sequence lengths; the last is the long case
+    d_model: int  # layer_norm_residual's row size; heads * head_dim for attention and softmax
+    n_heads: int
+    model: str  # TransformerConfig constructor of the training step and generate
+    vocab_size: int
+    train_sentences: int  # sentence pairs per training batch
+    train_max_len: int  # longest source / target sentence (tokens, eos included)
+    gen_sentences: int  # source sentences per generate call
+    gen_src_len: tuple[int, int]  # shortest and longest source sentence
+    gen_tgt_len: int  # target tokens generated per sentence (max_len_a = 0, max_len_b = this)
+    seconds: float  # timing budget per benchmark (rounds = budget / one call's time, within the bounds)
+    min_rounds: int
+    max_rounds: int = 1000
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+SIZES = {
+    "default": Sizes("default", tokens=4096, lengths=(32, 64, 128, 256, 1024), d_model=512, n_heads=8,
+                     model="small", vocab_size=8000, train_sentences=128, train_max_len=32, gen_sentences=8,
+                     gen_src_len=(8, 24), gen_tgt_len=12, seconds=0.4, min_rounds=3),
+    "smoke": Sizes("smoke", tokens=256, lengths=(16, 64), d_model=64, n_heads=2, model="tiny", vocab_size=64,
+                   train_sentences=8, train_max_len=16, gen_sentences=2, gen_src_len=(4, 8), gen_tgt_len=4,
+                   seconds=0.01, min_rounds=1),
+    "paper": Sizes("paper", tokens=25000, lengths=(32, 64, 128, 256, 1024), d_model=512, n_heads=8,
+                   model="base", vocab_size=37000, train_sentences=390, train_max_len=64, gen_sentences=128,
+                   gen_src_len=(10, 50), gen_tgt_len=50, seconds=1.0, min_rounds=10),
+}
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("fastformer benchmarks")
+    group.addoption("--bench-sizes", choices=sorted(SIZES), default=os.environ.get("FASTFORMER_BENCH_SIZES", "default"),
+                    help="size profile: default (a 2-core CPU, < 10 min), paper (GPUs) or smoke (checks the suite); "
+                         "also FASTFORMER_BENCH_SIZES")
+    group.addoption("--bench-device", choices=("cpu", "cuda"), default=None,
+                    help="device of the benchmarks (default: cuda when a GPU is visible, else cpu)")
+    group.addoption("--bench-dtype", choices=sorted(_DTYPES), default=None,
+                    help="dtype of the op benchmarks (default: float32 on CPU; bfloat16 on GPUs that have it, "
+                         "else float16)")
+
+
+@dataclass(frozen=True)
+class Context:
+    """The session's benchmark settings, read once from the command line."""
+    sizes: Sizes
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def randn(self, *shape: int, grad: bool = False) -> torch.Tensor:
+        return torch.randn(*shape, device=self.device, dtype=self.dtype, requires_grad=grad)
+
+    def autocast(self):
+        """The whole-model benchmarks' precision: float32 on CPU, autocast to ctx.dtype on a GPU (as
+        python -m fastformer.train does)."""
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.cuda)
+
+    def model_config(self) -> TransformerConfig:
+        return getattr(TransformerConfig, self.sizes.model)(vocab_size=self.sizes.vocab_size)
+
+    def tokens(self, n: int, min_len: int, max_len: int, pad_id: int, vocab_size: int) -> torch.Tensor:
+        """(n, max_len) int64 right-padded sentences, lengths uniform in [min_len, max_len] (the first
+        of them max_len), ids uniform over the vocabulary less the special ids 0-3."""
+        lengths = torch.randint(min_len, max_len + 1, (n,))
+        lengths[0] = max_len
+        ids = torch.randint(4, vocab_size, (n, max_len))
+        ids[torch.arange(max_len)[None, :] >= lengths[:, None]] = pad_id
+        return ids.to(self.device)
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The attention and softmax benchmarks' batch: B = tokens / L sequences of L, H heads of D, and a
+    key padding mask (B, L) (True = padding) under which each sequence keeps between 3/4 L and L keys."""
+    B: int
+    H: int
+    L: int
+    D: int
+    key_padding_mask: torch.Tensor
+
+
+def _context(config) -> Context:
+    device = config.getoption("--bench-device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError("--bench-device cuda: no CUDA device is visible")
+    dtype = config.getoption("--bench-dtype")
+    if dtype is not None:
+        dtype = _DTYPES[dtype]
+    elif device == "cuda":
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    else:
+        dtype = torch.float32
+    return Context(SIZES[config.getoption("--bench-sizes")], torch.device(device), dtype)
+
+
+def fastformer_backends(ctx: Context) -> list[str]:
+    """The fastformer backends benchmarked on ctx's device and dtype: those the dispatcher accepts there,
+    less cuda_sim (test equipment) and triton on CPU tensors (its interpreter)."""
+    names = []
+    for name, available in fastformer.backends().items():
+        if not available or name == "cuda_sim" or (name == "triton" and not ctx.cuda):
+            continue
+        try:
+            _dispatch.resolve("softmax", name, ctx.device, ctx.dtype)
+        except (ValueError, RuntimeError):
+            continue
+        names.append(name)
+    return names
+
+
+_CONTEXT = pytest.StashKey[Context]()
+_TIMED = pytest.StashKey[list]()  # the benchmark fixtures that timed something, for the summary table
+_COPY_GBPS = pytest.StashKey[float]()  # the copy_bandwidth fixture's result, for the session's info
+
+
+def pytest_configure(config):
+    config.stash[_CONTEXT] = _context(config)
+    config.stash[_TIMED] = []
+
+
+def pytest_generate_tests(metafunc):
+    """Parametrizes ``impl`` (the backends here, then the module's BASELINES), ``pass_`` and ``length``."""
+    ctx = metafunc.config.stash[_CONTEXT]
+    if "impl" in metafunc.fixturenames:
+        impls = fastformer_backends(ctx) + list(getattr(metafunc.module, "BASELINES", ()))
+        metafunc.parametrize("impl", impls)
+    if "pass_" in metafunc.fixturenames:
+        metafunc.parametrize("pass_", PASSES, ids=[_PASS_IDS[p] for p in PASSES])
+    if "length" in metafunc.fixturenames:
+        metafunc.parametrize("length", ctx.sizes.lengths, ids=[f"L{n}" for n in ctx.sizes.lengths])
+
+
+@pytest.fixture(scope="session")
+def ctx(pytestconfig) -> Context:
+    return pytestconfig.stash[_CONTEXT]
+
+
+@pytest.fixture
+def attention_shape(ctx, length) -> AttentionShape:
+    B = max(1, ctx.sizes.tokens // length)
+    keep = torch.randint(math.ceil(0.75 * length), length + 1, (B,))
+    mask = torch.arange(length)[None, :] >= keep[:, None]
+    return AttentionShape(B, ctx.sizes.n_heads, length, ctx.sizes.head_dim, mask.to(ctx.device))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    """Every benchmark draws the same inputs on every run."""
+    torch.manual_seed(0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Timing
+
+
+def _seconds(fn: Callable[[], object], ctx: Context) -> float:
+    ctx.sync()
+    start = time.perf_counter()
+    fn()
+    ctx.sync()
+    return time.perf_counter() - start
+
+
+@pytest.fixture(scope="session")
+def copy_bandwidth(ctx, pytestconfig) -> float:
+    """GB/s of a large copy on the benchmark device (bytes read + written), the median of 10 copies.
+    512 MiB on CPU (far beyond the caches), 2 GiB on a GPU."""
+    n = (2 << 30) if ctx.cuda else (512 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=ctx.device).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = sorted(_seconds(lambda: dst.copy_(src), ctx) for _ in range(10))
+    pytestconfig.stash[_COPY_GBPS] = 2 * n / times[len(times) // 2] / 1e9
+    return pytestconfig.stash[_COPY_GBPS]
+
+
+def _plan(fn: Callable[[], object], ctx: Context) -> tuple[int, int]:
+    """(rounds, iterations per round) from the time t of one call, after a warm-up call (which compiles,
+    allocates, fills caches). A warm-up longer than the budget stands for t (min_rounds follow). On a GPU
+    a round lasts at least 1 ms (several calls, one sync)."""
+    t = _seconds(fn, ctx)
+    if t < ctx.sizes.seconds:
+        t = max(_seconds(fn, ctx), 1e-7)
+    iterations = max(1, math.ceil(1e-3 / t)) if ctx.cuda else 1
+    rounds = math.ceil(ctx.sizes.seconds / (t * iterations))
+    return min(max(rounds, ctx.sizes.min_rounds), ctx.sizes.max_rounds), iterations
+
+
+def _synced(fn: Callable[[], object], ctx: Context, every: int) -> Callable[[], object]:
+    """fn, waiting for the device after every ``every``-th call: pytest-benchmark times ``every`` calls
+    per round, so each round ends with all its work done."""
+    if not ctx.cuda:
+        return fn
+    calls = [0]
+
+    def run():
+        out = fn()
+        calls[0] += 1
+        if calls[0] % every == 0:
+            ctx.sync()
+        return out
+
+    return run
+
+
+class Bench:
+    """Times a function with pytest-benchmark and fills ``extra_info``; made by the ``bench`` fixture."""
+
+    def __init__(self, benchmark, request, ctx: Context, copy_gbps: Optional[float]):
+        self.benchmark, self.request, self.ctx, self.copy_gbps = benchmark, request, ctx, copy_gbps
+
+    def __call__(self, fn: Callable[[], object], *, op: str, shape: str, pass_: str, impl: str,
+                 bytes_moved: Optional[float] = None, flops: Optional[float] = None, memory_bound: bool = False,
+                 per_second: Optional[dict[str, float]] = None, group: Optional[str] = None,
+                 baseline: Optional[bool] = None, length: Optional[int] = None):
+        """Times ``fn`` and records in extra_info: op, shape, pass, impl, whether it is a baseline (default:
+        impl is in the test module's BASELINES), and from the median time GB/s (of ``bytes_moved``),
+        TFLOP/s (of ``flops``), the fraction of the copy bandwidth (``memory_bound``) and, for each
+        ``per_second`` entry {name: count}, count / median. Benchmarks of one ``group`` (default:
+        op, shape and pass) are compared: each non-baseline gets its speedup over each baseline.
+        Returns what the last call of ``fn`` returned."""
+        ctx, benchmark = self.ctx, self.benchmark
+        if baseline is None:
+            baseline = impl in getattr(self.request.module, "BASELINES", ())
+        benchmark.group = group or f"{op} {shape} {pass_}"
+        info = benchmark.extra_info
+        info.update({"op": op, "shape": shape, "pass": pass_, "impl": impl, "baseline": baseline,
+                     "device": str(ctx.device), "dtype": str(ctx.dtype).removeprefix("torch."),
+                     "sizes": ctx.sizes.name})
+        if length is not None:
+            info["length"] = length  # orders the table's rows
+        if benchmark.disabled:
+            return benchmark.pedantic(fn)  # --benchmark-disable: one call, as a smoke test
+        rounds, iterations = _plan(fn, ctx)
+        result = benchmark.pedantic(_synced(fn, ctx, iterations), rounds=rounds, iterations=iterations)
+        median = benchmark.stats.stats.median
+        if bytes_moved is not None:
+            info["bytes"] = int(bytes_moved)
+            info["GB/s"] = bytes_moved / median / 1e9
+        if memory_bound:
+            info["copy GB/s"] = self.copy_gbps
+            info["fraction of copy"] = info["GB/s"] / self.copy_gbps
+        if flops is not None:
+            info["flops"] = int(flops)
+            info["TFLOP/s"] = flops / median / 1e12
+        for name, count in (per_second or {}).items():
+            info[name] = count / median
+        self.request.config.stash[_TIMED].append(benchmark)
+        return result
+
+    def op(self, forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor], grad: torch.Tensor, *,
+           pass_: str, bytes_moved: tuple[float, float], flops: Optional[tuple[float, float]] = None,
+           **info) -> None:
+        """Times one pass of an op. ``forward()`` runs it on ``inputs`` (which require grad) as in
+        training; "bwd" keeps one forward's graph and times backward alone on it; "fwd+bwd" times both.
+        Gradients (of ``grad``, the output's) come from torch.autograd.grad, so nothing accumulates in
+        .grad. ``bytes_moved`` and ``flops`` are the (forward, backward) counts; fwd+bwd is their sum."""
+        if pass_ == "fwd":
+            fn = forward
+        elif pass_ == "bwd":
+            out = forward()
+            fn = lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True)  # noqa: E731
+        else:
+            fn = lambda: torch.autograd.grad(forward(), inputs, grad)  # noqa: E731
+        pick = {"fwd": lambda c: c[0], "bwd": lambda c: c[1], "fwd+bwd": sum}[pass_]
+        self(fn, pass_=pass_, bytes_moved=pick(bytes_moved), flops=None if flops is None else pick(flops), **info)
+
+
+@pytest.fixture
+def bench(benchmark, request, ctx) -> Bench:
+    """Times a function and fills benchmark.extra_info (see Bench.__call__). The copy bandwidth is
+    measured (once per session) only when a benchmark is really timed."""
+    copy_gbps = None if benchmark.disabled else request.getfixturevalue("copy_bandwidth")
+    return Bench(benchmark, request, ctx, copy_gbps)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Speedups over the baselines, once every benchmark has run
+
+
+def add_speedups(benchmarks: list[dict]) -> None:
+    """Sets extra_info["speedup"] = {baseline impl: baseline median / own median} on every non-baseline
+    of a group that holds baselines. ``benchmarks``: pytest-benchmark's JSON entries (group,
+    extra_info, stats.median)."""
+    baselines: dict[str, list[dict]] = {}
+    for b in benchmarks:
+        if b["extra_info"].get("baseline"):
+            baselines.setdefault(b["group"], []).append(b)
+    for b in benchmarks:
+        if b["extra_info"].get("baseline") or b["group"] not in baselines:
+            continue
+        b["extra_info"]["speedup"] = {base["extra_info"]["impl"]: base["stats"]["median"] / b["stats"]["median"]
+                                      for base in baselines[b["group"]]}
+
+
+def _session_info(config) -> dict:
+    ctx = config.stash[_CONTEXT]
+    info = {"sizes": ctx.sizes.name, "device": str(ctx.device), "dtype": str(ctx.dtype).removeprefix("torch."),
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "backends": fastformer_backends(ctx)}
+    if ctx.cuda:
+        info["gpu"] = torch.cuda.get_device_name(ctx.device)
+    if _COPY_GBPS in config.stash:
+        info["copy GB/s"] = config.stash[_COPY_GBPS]
+    return info
+
+
+def pytest_benchmark_update_json(config, benchmarks, output_json):
+    """Writes the speedups into the JSON's extra_info, and the session's settings as "fastformer"."""
+    add_speedups(output_json["benchmarks"])
+    output_json["fastformer"] = _session_info(config)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, config):
+    """Prints the benchmarks as benchmarks/to_markdown.py renders them: times, figures, speedups."""
+    timed = config.stash[_TIMED]
+    if not timed:
+        return
+    from to_markdown import render  # benchmarks/ is on sys.path: pytest inserts a conftest's folder
+
+    entries = [b.stats.as_dict(include_data=False) for b in timed]
+    add_speedups(entries)
+    terminalreporter.write_sep("-", "fastformer benchmarks (python benchmarks/to_markdown.py renders a --benchmark-json)")
+    terminalreporter.write_line(render(entries, _session_info(config)))

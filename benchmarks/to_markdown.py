@@ -1,0 +1,123 @@
+"""Turns the JSON of fastformer's benchmarks (pytest-benchmark's --benchmark-json) into a markdown table.
+
+    pytest benchmarks/ --benchmark-only --benchmark-json out.json
+    python benchmarks/to_markdown.py out.json > table.md
+
+One row per benchmark: op, shape, pass, backend (a fastformer backend or a PyTorch baseline), the
+median time, the derived figure (TFLOP/s for attention; GB/s and the fraction of the copy bandwidth
+measured in the same run for softmax and layer_norm_residual; tokens/s for the training step;
+sentences/s for generate) and the speedup over each baseline of the same op, shape and pass (for
+generate: over the same backend without the cache), measured in the same run. A line above the table
+gives the machine and the settings of the run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+OPS = ("attention", "softmax", "layer_norm_residual", "training_step", "generate")
+PASSES = ("fwd", "bwd", "fwd+bwd", "fwd+bwd+adam", "cache", "no cache")
+BACKENDS = ("cpu", "cuda", "triton", "torch")  # fastformer's, listed before the baselines
+
+
+def _sig(value: float, digits: int = 3) -> str:
+    """value with ``digits`` significant digits, never in exponent form."""
+    if value == 0 or not math.isfinite(value):
+        return f"{value:g}"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(value))))
+    return f"{value:,.{decimals}f}"
+
+
+def seconds(s: float) -> str:
+    if s >= 1:
+        return f"{_sig(s)} s"
+    if s >= 1e-3:
+        return f"{_sig(s * 1e3)} ms"
+    return f"{_sig(s * 1e6)} µs"
+
+
+def figure(info: dict) -> str:
+    """The derived figure of a benchmark's extra_info."""
+    if "tokens/s" in info and info.get("op") == "training_step":
+        return f"{info['tokens/s']:,.0f} tokens/s"
+    if "sentences/s" in info:
+        return f"{_sig(info['sentences/s'])} sentences/s"
+    if "TFLOP/s" in info:  # GFLOP/s below 1 TFLOP/s (a CPU)
+        tflops = info["TFLOP/s"]
+        return f"{_sig(tflops)} TFLOP/s" if tflops >= 1 else f"{_sig(tflops * 1e3)} GFLOP/s"
+    if "GB/s" in info:
+        text = f"{_sig(info['GB/s'])} GB/s"
+        if "fraction of copy" in info:
+            text += f" ({info['fraction of copy']:.0%} of copy)"
+        return text
+    return ""
+
+
+def speedup(info: dict) -> str:
+    if info.get("baseline"):
+        return "baseline"
+    return ", ".join(f"{x:.2f}x {name}" for name, x in sorted(info.get("speedup", {}).items()))
+
+
+def _order(bench: dict) -> tuple:
+    info = bench["extra_info"]
+    op, impl = info.get("op", ""), info.get("impl", "")
+    impl_rank = (BACKENDS.index(impl), "") if impl in BACKENDS else (len(BACKENDS), impl)
+    return (OPS.index(op) if op in OPS else len(OPS), op, info.get("length", 0), info.get("shape", ""),
+            impl_rank if op == "generate" else (), PASSES.index(info["pass"]) if info.get("pass") in PASSES else 0,
+            impl_rank)
+
+
+def header(session: dict, machine: dict | None = None) -> str:
+    parts = []
+    if machine:
+        parts.append(machine.get("cpu", {}).get("brand_raw") or machine.get("processor") or "")
+    if session.get("gpu"):
+        parts.append(session["gpu"])
+    for key, label in (("device", "device"), ("dtype", "dtype"), ("sizes", "sizes"), ("threads", "threads"),
+                       ("torch", "torch")):
+        if key in session:
+            parts.append(f"{label} {session[key]}")
+    if "copy GB/s" in session:
+        parts.append(f"copy bandwidth {_sig(session['copy GB/s'])} GB/s (read + write)")
+    return ", ".join(p for p in parts if p)
+
+
+def render(benchmarks: list[dict], session: dict | None = None, machine: dict | None = None) -> str:
+    """The markdown table of pytest-benchmark JSON entries (group, extra_info, stats.median)."""
+    lines = []
+    if session or machine:
+        lines += [header(session or {}, machine), ""]
+    lines += ["| op | shape | pass | backend | median | figure | speedup |", "|---|---|---|---|---:|---:|---|"]
+    for bench in sorted(benchmarks, key=_order):
+        info = bench["extra_info"]
+        lines.append(f"| {info.get('op', bench['name'])} | {info.get('shape', '')} | {info.get('pass', '')} | "
+                     f"{info.get('impl', '')} | {seconds(bench['stats']['median'])} | {figure(info)} | "
+                     f"{speedup(info)} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python benchmarks/to_markdown.py",
+        description="Render the JSON that `pytest benchmarks/ --benchmark-only --benchmark-json FILE` writes as a "
+                    "markdown table: op x shape x pass x backend, median time, derived figure (TFLOP/s, GB/s and "
+                    "fraction of the copy bandwidth, tokens/s, sentences/s) and speedup over the PyTorch "
+                    "baselines of the same run.")
+    parser.add_argument("json", help="the --benchmark-json file of a run of benchmarks/")
+    parser.add_argument("-o", "--output", help="write the table to this file (default: standard output)")
+    args = parser.parse_args(argv)
+    with open(args.json) as f:
+        data = json.load(f)
+    table = render(data["benchmarks"], data.get("fastformer", {}), data.get("machine_info"))
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(table + "\n")
+    else:
+        sys.stdout.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
