@@ -3,6 +3,10 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
 #include "philox.h"
 
 namespace fastformer::cpu {
@@ -56,6 +60,75 @@ inline int32_t keep_threshold(float p) {
   return static_cast<int32_t>(std::min<int64_t>(lo, INT32_MAX));
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// Philox4x32-10 and the keep test for 16 consecutive counters (64 elements) in AVX-512 registers, then
+// the transpose into element order (element 4 l + w = word w of counter l): about 0.6 ns an element on
+// the development VM's Zen 4, against 1.6 for the compiler's vectorization of philox_lanes. Each
+// counter's words sit in the low halves of 64-bit lanes (two registers of 8 counters per word), so one
+// vpmuludq gives a full 32 x 32 -> 64-bit product: its low half is the product's lo word and a shift
+// gives the hi word. The high halves of the lanes carry garbage that vpmuludq and the final pack ignore.
+struct PhiloxKeysAvx512 {
+  __m512i k0[10], k1[10];  // the round keys, broadcast
+  explicit PhiloxKeysAvx512(uint64_t seed) {
+    uint32_t a = static_cast<uint32_t>(seed), b = static_cast<uint32_t>(seed >> 32);
+    for (int round = 0; round < 10; ++round, a += 0x9E3779B9u, b += 0xBB67AE85u) {
+      k0[round] = _mm512_set1_epi32(static_cast<int32_t>(a));
+      k1[round] = _mm512_set1_epi32(static_cast<int32_t>(b));
+    }
+  }
+};
+
+inline void philox_factors_avx512(const PhiloxKeysAvx512& keys, uint64_t first, __m512i threshold, __m512 inv_keep,
+                                  float* out) {
+  const __m512i m0 = _mm512_set1_epi64(0xD2511F53), m2 = _mm512_set1_epi64(0xCD9E8D57);
+  const __m512i iota = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+  __m512i c[2][4];  // [half: counters first + 8 h + (0..7)][word]
+  for (int h = 0; h < 2; ++h) {
+    const __m512i counter = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(first + 8 * h)), iota);
+    c[h][0] = counter;
+    c[h][1] = _mm512_srli_epi64(counter, 32);
+    c[h][2] = c[h][3] = _mm512_setzero_si512();
+  }
+  for (int round = 0; round < 10; ++round) {
+    for (int h = 0; h < 2; ++h) {
+      const __m512i p0 = _mm512_mul_epu32(c[h][0], m0), p2 = _mm512_mul_epu32(c[h][2], m2);
+      c[h][0] = _mm512_ternarylogic_epi32(_mm512_srli_epi64(p2, 32), c[h][1], keys.k0[round], 0x96);  // a ^ b ^ c
+      c[h][2] = _mm512_ternarylogic_epi32(_mm512_srli_epi64(p0, 32), c[h][3], keys.k1[round], 0x96);
+      c[h][1] = p2;
+      c[h][3] = p0;
+    }
+  }
+  // Word w of the 16 counters (the low halves of both halves' lanes), then kept iff
+  // (x ^ (x >> 31)) >= threshold, x the word as int32 (see dropout_factors).
+  const __m512i pack = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  __m512 f[4];
+  for (int w = 0; w < 4; ++w) {
+    const __m512i x = _mm512_permutex2var_epi32(c[0][w], pack, c[1][w]);
+    f[w] = _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(_mm512_xor_si512(x, _mm512_srai_epi32(x, 31)), threshold),
+                               inv_keep);
+  }
+  // 4 x 4 transposes inside each 128-bit chunk j: u[k]'s chunk j = the four words of counter 4 j + k ...
+  auto lo64 = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  auto hi64 = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  const __m512 t0 = _mm512_unpacklo_ps(f[0], f[1]), t1 = _mm512_unpackhi_ps(f[0], f[1]);
+  const __m512 t2 = _mm512_unpacklo_ps(f[2], f[3]), t3 = _mm512_unpackhi_ps(f[2], f[3]);
+  const __m512 u0 = lo64(t0, t2), u1 = hi64(t0, t2), u2 = lo64(t1, t3), u3 = hi64(t1, t3);
+  // ... then a 4 x 4 transpose of the chunks: output vector k = chunk k of u0, u1, u2, u3.
+  const __m512 a = _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0));
+  const __m512 b = _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1));
+  const __m512 c2 = _mm512_shuffle_f32x4(u2, u3, _MM_SHUFFLE(2, 0, 2, 0));
+  const __m512 d = _mm512_shuffle_f32x4(u2, u3, _MM_SHUFFLE(3, 1, 3, 1));
+  _mm512_storeu_ps(out, _mm512_shuffle_f32x4(a, c2, _MM_SHUFFLE(2, 0, 2, 0)));
+  _mm512_storeu_ps(out + 16, _mm512_shuffle_f32x4(b, d, _MM_SHUFFLE(2, 0, 2, 0)));
+  _mm512_storeu_ps(out + 32, _mm512_shuffle_f32x4(a, c2, _MM_SHUFFLE(3, 1, 3, 1)));
+  _mm512_storeu_ps(out + 48, _mm512_shuffle_f32x4(b, d, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
 // factor[t] = (1/(1-p) if element start+t is kept else 0), t in [0, n): one Philox call per four
 // elements, kPhiloxLanes calls (4 * kPhiloxLanes elements) at a time where the run is aligned.
 template <typename acc_t>
@@ -69,6 +142,18 @@ inline void dropout_factors(uint64_t seed, uint64_t start, int64_t n, double p, 
   for (; t < n && ((start + t) & 3) != 0; ++t) {  // unaligned head, one element at a time
     factor[t] = philox_uniform(philox4x32_10(seed, (start + t) >> 2).w[(start + t) & 3]) >= p32 ? inv_keep : acc_t(0);
   }
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    if (t + kBlock <= n) {
+      const PhiloxKeysAvx512 keys(seed);
+      const __m512i vthreshold = _mm512_set1_epi32(threshold);
+      const __m512 vinv_keep = _mm512_set1_ps(inv_keep);
+      for (; t + kBlock <= n; t += kBlock) {
+        philox_factors_avx512(keys, (start + t) >> 2, vthreshold, vinv_keep, factor + t);
+      }
+    }
+  }
+#endif
   for (; t + kBlock <= n; t += kBlock) {
     philox_lanes(seed, (start + t) >> 2, words);
     acc_t* out = factor + t;

@@ -1,19 +1,25 @@
 // Masked, scaled softmax over the last dim on the CPU, forward and backward.
 //
-// x is viewed as R rows of N; rows are spread over threads with at::parallel_for. Per row:
-//   a = scale * x (masked -> -inf) into a thread-local float row buffer,
-//   m = max a; a = e^(a - m) with the sum l accumulated; y = a / l.
-// Only the first sweep reads x and only the last writes y; the others run over the buffer while it sits
-// in L1/L2 (N floats), so DRAM sees 2 N sizeof(T) (+ N mask bytes) per row. A row whose entries are all
-// masked has m = -inf and returns zeros.
+// x is viewed as R rows of N; rows are spread over threads with at::parallel_for. Forward, per row, in a
+// thread-local acc_t row buffer a (N entries, in L1/L2):
+//   sweep 1 (reads x): a = scale * x, masked entries -> -inf (a vector blend with the row's mask bits),
+//                      m = max a accumulated on the way;
+//   sweep 2 (cache):   a = e^(a - m) (at::vec's exp_u20 polynomial, well inside float32's tolerance), l = sum a;
+//   sweep 3 (writes y): y = a / l.
+// DRAM sees 2 N sizeof(T) (+ N mask bytes) per row. A row whose entries are all masked has m = -inf and
+// returns zeros.
 // Backward: dx = scale * y * (dy - sum(dy * y)); reads y, dy and writes dx once.
-// The mask is expanded to x's shape as a view (stride 0 on broadcast dims, any strides), so the row's
-// mask pointer is found by unravelling the row index over x's leading dims.
+// The mask is expanded to x's shape as a view (stride 0 on broadcast dims, any strides). A cursor walks
+// the rows' mask offsets (one division per thread, not per row), and the row's mask is turned into
+// all-ones / all-zeros bit patterns of acc_t width only when the mask row changes: a key padding mask
+// (B, 1, 1, L) is converted once per H * L rows.
 #include <ATen/ExpandUtils.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/cpu_ops.h"
@@ -21,55 +27,93 @@
 namespace fastformer::cpu {
 namespace {
 
-// Offsets of each row's mask within an expanded (strided) bool mask of x's shape.
+// Layout of a bool mask expanded to x's shape: the leading dims of x and the mask's strides there.
 struct MaskRows {
   const bool* base = nullptr;
-  std::vector<int64_t> sizes, strides;  // leading dims of x, and the mask's strides there
+  std::vector<int64_t> sizes, strides;
   int64_t col_stride = 1;
-  const bool* row(int64_t r) const {
-    int64_t offset = 0;
-    for (int64_t d = static_cast<int64_t>(sizes.size()) - 1; d >= 0; --d) {
-      offset += (r % sizes[d]) * strides[d];
-      r /= sizes[d];
+};
+
+// Walks the mask offsets of consecutive rows r, r + 1, ... (an odometer over the leading dims).
+class MaskCursor {
+ public:
+  MaskCursor(const MaskRows& m, int64_t r) : m_(m), index_(m.sizes.size()) {
+    for (int64_t d = static_cast<int64_t>(m.sizes.size()) - 1; d >= 0; --d) {
+      index_[d] = r % m.sizes[d];
+      offset_ += index_[d] * m.strides[d];
+      r /= m.sizes[d];
     }
-    return base + offset;
   }
+  const bool* row() const { return m_.base + offset_; }
+  void next() {
+    for (int64_t d = static_cast<int64_t>(index_.size()) - 1; d >= 0; --d) {
+      offset_ += m_.strides[d];
+      if (++index_[d] < m_.sizes[d]) return;
+      offset_ -= m_.sizes[d] * m_.strides[d];
+      index_[d] = 0;
+    }
+  }
+
+ private:
+  const MaskRows& m_;
+  std::vector<int64_t> index_;
+  int64_t offset_ = 0;
 };
 
 template <typename scalar_t>
 void softmax_fwd_kernel(const scalar_t* x, const MaskRows& mask, scalar_t* y, int64_t R, int64_t N, double scale) {
   using acc_t = at::opmath_type<scalar_t>;
   using Vec = at::vec::Vectorized<acc_t>;
+  using bits_t = std::conditional_t<sizeof(acc_t) == 4, int32_t, int64_t>;  // acc_t's width, for blendv
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1));
   at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> a(N), in_buf, out_buf;
-    const Vec vscale(static_cast<acc_t>(scale));
+    std::vector<bits_t> bits(mask.base != nullptr ? N : 0);  // -1 (all ones) where masked, else 0
+    const acc_t* vbits = reinterpret_cast<const acc_t*>(bits.data());
+    const bool* bits_of = nullptr;  // the mask row `bits` holds
+    bool any_masked = false;
+    MaskCursor cursor(mask, mask.base != nullptr ? begin : 0);
+    const Vec vscale(static_cast<acc_t>(scale)), vneg_inf(neg_inf);
     for (int64_t r = begin; r < end; ++r) {
-      // Sweep 1 (reads x): a = scale * x, masked -> -inf.
-      const acc_t* xr = as_acc(x + r * N, N, in_buf);
-      int64_t j = 0;
-      for (; j + Vec::size() <= N; j += Vec::size()) (Vec::loadu(xr + j) * vscale).store(a.data() + j);
-      for (; j < N; ++j) a[j] = static_cast<acc_t>(scale) * xr[j];
       if (mask.base != nullptr) {
-        const bool* mr = mask.row(r);
-        if (mask.col_stride == 1) {
-          for (j = 0; j < N; ++j) a[j] = mr[j] ? neg_inf : a[j];
-        } else {
-          for (j = 0; j < N; ++j) a[j] = mr[j * mask.col_stride] ? neg_inf : a[j];
+        const bool* mr = cursor.row();
+        cursor.next();
+        if (mr != bits_of) {
+          bits_of = mr;
+          bits_t any = 0;
+          for (int64_t j = 0; j < N; ++j) {
+            bits[j] = -static_cast<bits_t>(mr[j * mask.col_stride]);
+            any |= bits[j];
+          }
+          any_masked = any != 0;
         }
       }
-      // Sweep 2 (cache): m = max a.  Sweep 3 (cache): a = e^(a - m), l = sum a.  Sweep 4 (writes y): a / l.
-      const acc_t m = vec_max(a.data(), N);
+      // Sweep 1 (reads x): a = scale * x, masked -> -inf; m = max a.
+      const acc_t* xr = as_acc(x + r * N, N, in_buf);
+      Vec vmax(neg_inf);
+      int64_t j = 0;
+      for (; j + Vec::size() <= N; j += Vec::size()) {
+        Vec v = Vec::loadu(xr + j) * vscale;
+        if (any_masked) v = Vec::blendv(v, vneg_inf, Vec::loadu(vbits + j));
+        v.store(a.data() + j);
+        vmax = at::vec::maximum(vmax, v);
+      }
+      acc_t m = at::vec::vec_reduce_all<acc_t>([](Vec p, Vec q) { return at::vec::maximum(p, q); }, vmax);
+      for (; j < N; ++j) {
+        a[j] = any_masked && bits[j] != 0 ? neg_inf : static_cast<acc_t>(scale) * xr[j];
+        m = std::max(m, a[j]);
+      }
       scalar_t* yr = y + r * N;
       if (m == neg_inf) {  // fully masked row
         std::fill(yr, yr + N, scalar_t(0));
         continue;
       }
+      // Sweep 2 (cache): a = e^(a - m), l = sum a.
       const Vec vm(m);
       Vec vsum(acc_t(0));
       for (j = 0; j + Vec::size() <= N; j += Vec::size()) {
-        const Vec e = (Vec::loadu(a.data() + j) - vm).exp();
+        const Vec e = (Vec::loadu(a.data() + j) - vm).exp_u20();
         e.store(a.data() + j);
         vsum = vsum + e;
       }
@@ -78,6 +122,7 @@ void softmax_fwd_kernel(const scalar_t* x, const MaskRows& mask, scalar_t* y, in
         a[j] = std::exp(a[j] - m);
         sum += a[j];
       }
+      // Sweep 3 (writes y): y = a / l.
       acc_t* out = output_row(yr, N, out_buf);
       const Vec vinv(acc_t(1) / sum);
       for (j = 0; j + Vec::size() <= N; j += Vec::size()) (Vec::loadu(a.data() + j) * vinv).store(out + j);
