@@ -7,9 +7,8 @@ a fiber, treats __syncthreads, __syncwarp and warp shuffles as barriers, raises 
 and deadlocks, and shuffles the order of warps and lanes between barriers from a schedule seed.
 
 Each op is its own extension ``fastformer_cuda_sim_<op>`` (csrc/cuda_sim/binding.cpp built with
--DFF_SIM_OP=<op>), compiled on first
-use with ``torch.utils.cpp_extension.load`` (about a minute per op on 2 cores) and cached under
-``TORCH_EXTENSIONS_DIR``. The sources come from ``fastformer/_csrc`` (copied there by ``pip install``)
+-DFF_SIM_OP=<op>), compiled on first use with ``torch.utils.cpp_extension.load`` (about a minute per
+op on 2 cores) and cached under ``TORCH_EXTENSIONS_DIR``. The sources come from ``fastformer/_csrc`` (copied there by ``pip install``)
 or from ``csrc/`` beside the package (an editable install).
 
 The schedule seed defaults to ``FASTFORMER_CUDA_SIM_SEED`` (1 if unset; 0 runs warps and lanes in
