@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fastformer import checkpoint as ckpt
-from fastformer.train import learning_rate, main
+from fastformer.runtime import native_bf16_cpu
+from fastformer.train import autocast_dtype, learning_rate, main
 from train_helpers import tiny_run_args
 
 
@@ -29,10 +30,20 @@ def test_learning_rate_is_the_papers_schedule():
     assert learning_rate(warmup - 1, d, warmup, 1.0) < peak and learning_rate(warmup + 1, d, warmup, 1.0) < peak
 
 
-def test_loss_falls_and_run_folder_is_complete(tmp_path):
+def test_precision_flag_picks_the_autocast_dtype():
+    cpu = torch.device("cpu")
+    assert autocast_dtype("auto", cpu) == (torch.bfloat16 if native_bf16_cpu() else None)
+    assert autocast_dtype("fp32", cpu) is None and autocast_dtype("bf16", cpu) == torch.bfloat16
+    with pytest.raises(SystemExit, match="fp16 needs a CUDA device"):
+        autocast_dtype("fp16", cpu)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_loss_falls_and_run_folder_is_complete(tmp_path, precision):
     out = tmp_path / "run"
-    result = main(tiny_run_args(out, "--max-steps", "40", "--eval-every", "20", "--eval-sentences", "8"))
-    assert result["steps"] == 40
+    result = main(tiny_run_args(out, "--max-steps", "40", "--eval-every", "20", "--eval-sentences", "8",
+                                "--precision", precision))
+    assert result["steps"] == 40 and result["precision"] == {"fp32": "float32", "bf16": "bfloat16"}[precision]
     log = read_log(out)
     train = [r["loss"] for r in log if r["kind"] == "train"]
     assert len(train) == 40
