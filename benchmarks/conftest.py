@@ -40,7 +40,11 @@ Sizes: ``--bench-sizes default|paper|smoke`` (or ``FASTFORMER_BENCH_SIZES=...``)
            benchmark, at least 10 rounds.
 Device: ``--bench-device cpu|cuda`` (default: cuda when a GPU is visible). dtype: ``--bench-dtype``
 (default float32 on CPU; on CUDA bfloat16 where supported, else float16; the training step autocasts to
-it on CUDA, as ``python -m fastformer.train`` does).
+it on CUDA, and runs on CPU both in float32 and, where the CPU has bfloat16 dot products, in bfloat16
+autocast, as ``python -m fastformer.train --precision auto`` picks).
+malloc: ``--bench-malloc keep|default`` (default keep, as ``python -m fastformer.train``): with keep, glibc
+keeps freed memory for reuse, so a fresh output does not page-fault each call (fastformer.runtime). It
+applies to every implementation in the run alike; ``default`` shows what glibc's own policy costs.
 
 Derived figures in ``extra_info`` (from the median time)
   bytes, GB/s       the bytes the op must move: every input read once, every output written once
@@ -70,6 +74,7 @@ import torch
 import fastformer
 from fastformer import _dispatch
 from fastformer.nn import TransformerConfig
+from fastformer.runtime import keep_freed_memory, native_bf16_cpu
 
 PASSES = ("fwd", "bwd", "fwd+bwd")
 _PASS_IDS = {"fwd": "fwd", "bwd": "bwd", "fwd+bwd": "fwdbwd"}
@@ -124,6 +129,11 @@ def pytest_addoption(parser):
     group.addoption("--bench-dtype", choices=sorted(_DTYPES), default=None,
                     help="dtype of the op benchmarks (default: float32 on CPU; bfloat16 on GPUs that have it, "
                          "else float16)")
+    group.addoption("--bench-malloc", choices=("keep", "default"),
+                    default=os.environ.get("FASTFORMER_BENCH_MALLOC", "keep"),
+                    help="glibc malloc policy of the benchmark process: keep (freed memory is kept for reuse, "
+                         "as python -m fastformer.train --malloc keep does) or default (glibc's own: large "
+                         "blocks are unmapped on free and fault in again); also FASTFORMER_BENCH_MALLOC")
 
 
 @dataclass(frozen=True)
@@ -144,10 +154,20 @@ class Context:
     def randn(self, *shape: int, grad: bool = False) -> torch.Tensor:
         return torch.randn(*shape, device=self.device, dtype=self.dtype, requires_grad=grad)
 
-    def autocast(self):
-        """The whole-model benchmarks' precision: float32 on CPU, autocast to ctx.dtype on a GPU (as
-        python -m fastformer.train does)."""
-        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.cuda)
+    def autocast(self, dtype: Optional[torch.dtype] = None):
+        """Autocast of the whole-model benchmarks to ``dtype`` (float32: none). By default float32 on CPU,
+        ctx.dtype on a GPU."""
+        dtype = dtype or (self.dtype if self.cuda else torch.float32)
+        return torch.autocast(self.device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+    @property
+    def train_precisions(self) -> tuple[torch.dtype, ...]:
+        """The training step's precisions, as python -m fastformer.train --precision picks them: autocast
+        to ctx.dtype on a GPU; on CPU float32 and, where the CPU has bfloat16 dot products, also bfloat16
+        autocast."""
+        if self.cuda:
+            return (self.dtype,)
+        return (torch.float32, torch.bfloat16) if native_bf16_cpu() else (torch.float32,)
 
     def model_config(self) -> TransformerConfig:
         return getattr(TransformerConfig, self.sizes.model)(vocab_size=self.sizes.vocab_size)
@@ -208,6 +228,8 @@ _COPY_GBPS = pytest.StashKey[float]()  # the copy_bandwidth fixture's result, fo
 
 
 def pytest_configure(config):
+    if config.getoption("--bench-malloc") == "keep":
+        keep_freed_memory()  # before the benchmarks allocate anything large
     config.stash[_CONTEXT] = _context(config)
     config.stash[_TIMED] = []
 
@@ -220,6 +242,9 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("impl", impls)
     if "pass_" in metafunc.fixturenames:
         metafunc.parametrize("pass_", PASSES, ids=[_PASS_IDS[p] for p in PASSES])
+    if "precision" in metafunc.fixturenames:
+        precisions = ctx.train_precisions
+        metafunc.parametrize("precision", precisions, ids=[str(p).removeprefix("torch.") for p in precisions])
     if "length" in metafunc.fixturenames:
         metafunc.parametrize("length", ctx.sizes.lengths, ids=[f"L{n}" for n in ctx.sizes.lengths])
 
@@ -391,6 +416,7 @@ def _session_info(config) -> dict:
     ctx = config.stash[_CONTEXT]
     info = {"sizes": ctx.sizes.name, "device": str(ctx.device), "dtype": str(ctx.dtype).removeprefix("torch."),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "malloc": config.getoption("--bench-malloc"),
             "backends": fastformer_backends(ctx)}
     if ctx.cuda:
         info["gpu"] = torch.cuda.get_device_name(ctx.device)

@@ -7,6 +7,10 @@ side, as ``python -m fastformer.train --max-tokens 4096`` batches). Both models 
 fastformer.train does (``loss_sums``: label-smoothed cross-entropy over the non-pad target positions, only
 those projected to the vocabulary), take its mean over the target tokens, back-propagate it and take one
 Adam step. tokens/s counts the non-pad target tokens, as fastformer.train's log does.
+
+Precisions (``precision``, see conftest's Context.train_precisions): on CPU float32 and, where the CPU has
+bfloat16 dot products, bfloat16 autocast (fastformer.train's --precision auto there); on a GPU autocast
+to the benchmark dtype. Both models run in the same precision; speedups compare within one.
 """
 import math
 
@@ -53,7 +57,7 @@ class TorchTransformer(nn.Module):
         return F.linear(h if positions is None else h[positions], self.embed.weight)
 
 
-def test_training_step(bench, ctx, impl):
+def test_training_step(bench, ctx, impl, precision):
     config, n, length = ctx.model_config(), ctx.sizes.train_sentences, ctx.sizes.train_max_len
     src = ctx.tokens(n, length // 2, length, config.pad_id, config.vocab_size)
     tgt_in = ctx.tokens(n, length // 2, length, config.pad_id, config.vocab_size)
@@ -64,11 +68,12 @@ def test_training_step(bench, ctx, impl):
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        with ctx.autocast():
+        with ctx.autocast(precision):
             loss, _, tokens = loss_sums(model, src, tgt_in, tgt_out, config.pad_id, config.label_smoothing)
             (loss / tokens).backward()
         optimizer.step()
 
     tokens = int(tgt_out.ne(config.pad_id).sum())
     bench(step, op="training_step", shape=f"{ctx.sizes.model}, {n} pairs <= {length} tokens ({tokens} target)",
-          pass_="fwd+bwd+adam", impl=impl, per_second={"tokens/s": tokens})
+          pass_=f"fwd+bwd+adam, {str(precision).removeprefix('torch.')}", impl=impl,
+          per_second={"tokens/s": tokens})
