@@ -77,7 +77,7 @@ def header(session: dict, machine: dict | None = None) -> str:
     if session.get("gpu"):
         parts.append(session["gpu"])
     for key, label in (("device", "device"), ("dtype", "dtype"), ("sizes", "sizes"), ("threads", "threads"),
-                       ("torch", "torch")):
+                       ("torch", "torch"), ("malloc", "malloc")):
         if key in session:
             parts.append(f"{label} {session[key]}")
     if "copy GB/s" in session:
