@@ -2,6 +2,8 @@
 
 With no flags: TransformerConfig.small on the Bible, German to English, for 30 minutes on the best
 available device, then BLEU on the test split (beam 4, length penalty 0.6) and a few sample translations.
+Forward and backward autocast to bfloat16 where the device has fast bfloat16 (--precision), and on CPU
+glibc's malloc keeps freed memory for the next step (--malloc).
 Under ``torchrun --nproc_per_node=N`` it trains with DistributedDataParallel, each rank on its own shard
 of the batches (gloo on CPU, nccl on GPUs).
 
