@@ -8,22 +8,27 @@ import pytest
 
 from fastformer.runtime import native_bf16_cpu
 
-# A child process runs six "steps", each allocating, writing and freeing the same five large tensors
-# (304 MiB), and counts the minor page faults of the last step. Under glibc's default policy every block
-# is unmapped on free and all its pages fault anew each step; after keep_freed_memory() the freed blocks
-# coalesce in the heap within a few steps and the last step reuses them.
+# A child process runs ten "steps", each allocating, writing and freeing the same five large tensors
+# (304 MiB), and counts the minor page faults of the last seven steps together. Under glibc's default
+# policy every block is unmapped on free and all its pages fault anew each step; after
+# keep_freed_memory() the freed blocks coalesce in the heap within a few steps and later steps reuse
+# them. (Not every later step is free of faults: how the freed blocks coalesce depends on the small
+# allocations between them, and an occasional step still grows the heap by one block; measured over
+# 36 runs: 0-16,384 faults in the last seven steps, against about 545,000 under the default policy.)
 _STEPS = """
 import resource, sys, torch
 from fastformer.runtime import keep_freed_memory
 applied = keep_freed_memory() if sys.argv[1] == "keep" else False
 sizes = [25 << 20, 8 << 20, 25 << 20, 2 << 20, 16 << 20]  # floats
-for step in range(6):
+faults = []
+for step in range(10):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     tensors = [torch.ones(n) for n in sizes]
     del tensors
-print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(applied, sum(faults[3:]))
 """
-PAGES = (76 << 20) * 4 // 4096
+PAGES = 7 * (76 << 20) * 4 // 4096  # pages allocated in the last seven steps
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
@@ -37,7 +42,7 @@ def test_keep_freed_memory_stops_refaulting():
     default_applied, default_refaults = run("default")
     assert applied and not default_applied
     assert default_refaults > PAGES // 2, "the default policy was expected to fault the pages in again"
-    assert refaults < PAGES // 20, f"{refaults} page faults in the sixth step ({PAGES} pages allocated)"
+    assert refaults < PAGES // 10, f"{refaults} page faults in the last seven steps ({PAGES} pages allocated)"
 
 
 def test_native_bf16_cpu_reads_the_flags():
