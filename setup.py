@@ -90,7 +90,7 @@ def extension():
     with_cuda = want_cuda() and bool(cuda_sources)
     if want_cuda() and not cuda_sources:
         print("fastformer: CUDA requested but csrc/cuda/ holds no .cu sources yet; building the CPU kernels only")
-    sources = ["csrc/fastformer.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    sources = ["csrc/fastformer.cpp"] + sorted(glob.glob("csrc/autograd/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
     cxx = ["-O3", "-fopenmp", f'-DFASTFORMER_TORCH_VERSION="{torch.__version__}"'] + cpu_capability()
     include_dirs = [os.path.join(ROOT, "csrc")]
     if not with_cuda:

@@ -9,6 +9,10 @@ measured in the same run for softmax and layer_norm_residual; tokens/s for the t
 sentences/s for generate) and the speedup over each baseline of the same op, shape and pass (for
 generate: over the same backend without the cache), measured in the same run. A line above the table
 gives the machine and the settings of the run.
+
+The call-overhead benchmarks (test_overhead.py, op "overhead") get a table of their own below it: per
+case, pass and device the median microseconds per call of fastformer's default backend and of the PyTorch
+calls it replaces, timed in alternation in the same run, their ratio fastformer / PyTorch and its target.
 """
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ import math
 import sys
 
 OPS = ("attention", "softmax", "layer_norm_residual", "training_step", "generate")
-PASSES = ("fwd", "bwd", "fwd+bwd", "fwd+bwd+adam", "cache", "no cache")
+PASSES = ("no-grad fwd", "fwd", "bwd", "fwd+bwd", "fwd+bwd+adam", "cache", "no cache", "latency")
+OVERHEAD_CASES = ("attention", "attention+mask", "softmax+mask", "layer_norm_residual")  # test_overhead.py
 BACKENDS = ("cpu", "cuda", "triton", "torch")  # fastformer's, listed before the baselines
 
 
@@ -85,17 +90,48 @@ def header(session: dict, machine: dict | None = None) -> str:
     return ", ".join(p for p in parts if p)
 
 
+def _overhead_order(bench: dict) -> tuple:
+    info = bench["extra_info"]
+    case = info.get("case", "")
+    return (info.get("device", ""), OVERHEAD_CASES.index(case) if case in OVERHEAD_CASES else len(OVERHEAD_CASES),
+            case, PASSES.index(info["pass"]) if info.get("pass") in PASSES else 0)
+
+
+def overhead_table(benchmarks: list[dict]) -> list[str]:
+    """The lines of the call-overhead table: one row per case, pass and device."""
+    threads = sorted({str(b["extra_info"].get("threads", "?")) for b in benchmarks})
+    lines = ["Call overhead on tiny tensors: median per call, fastformer's default backend and the PyTorch calls "
+             f"it replaces, alternating in one run, {'/'.join(threads)} thread(s); ratio = fastformer / PyTorch.", "",
+             "| case | inputs | pass | device | backend | fastformer | PyTorch | ratio | target |",
+             "|---|---|---|---|---|---:|---:|---:|---|"]
+    for bench in sorted(benchmarks, key=_overhead_order):
+        info = bench["extra_info"]
+        if "ratio" not in info:  # not timed (--benchmark-disable)
+            continue
+        verdict = "met" if info["ratio"] <= info["target"] else "missed"
+        lines.append(f"| {info['case']} | {info['shape']} | {info['pass']} | {info['device']} | {info['impl']} | "
+                     f"{_sig(info['fastformer us'])} µs | {_sig(info['pytorch us'])} µs ({info['pytorch']}) | "
+                     f"{info['ratio']:.2f}x | <= {info['target']:g}x, {verdict} |")
+    return lines
+
+
 def render(benchmarks: list[dict], session: dict | None = None, machine: dict | None = None) -> str:
-    """The markdown table of pytest-benchmark JSON entries (group, extra_info, stats.median)."""
+    """The markdown table of pytest-benchmark JSON entries (group, extra_info, stats.median), and below it
+    the call-overhead table of the "overhead" entries."""
+    overhead = [b for b in benchmarks if b["extra_info"].get("op") == "overhead"]
+    others = [b for b in benchmarks if b["extra_info"].get("op") != "overhead"]
     lines = []
     if session or machine:
         lines += [header(session or {}, machine), ""]
-    lines += ["| op | shape | pass | backend | median | figure | speedup |", "|---|---|---|---|---:|---:|---|"]
-    for bench in sorted(benchmarks, key=_order):
+    if others:
+        lines += ["| op | shape | pass | backend | median | figure | speedup |", "|---|---|---|---|---:|---:|---|"]
+    for bench in sorted(others, key=_order):
         info = bench["extra_info"]
         lines.append(f"| {info.get('op', bench['name'])} | {info.get('shape', '')} | {info.get('pass', '')} | "
                      f"{info.get('impl', '')} | {seconds(bench['stats']['median'])} | {figure(info)} | "
                      f"{speedup(info)} |")
+    if overhead:
+        lines += ([""] if others else []) + overhead_table(overhead)
     return "\n".join(lines)
 
 

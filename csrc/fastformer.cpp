@@ -1,21 +1,47 @@
-// The one pybind11 binding file of fastformer._C. Entry points are named <op>_<fwd|bwd>_<backend>;
-// fastformer/_dispatch.py finds them by that name.
+// fastformer._C: the operator library (schemas of csrc/ops.h, registered with the dispatcher) and the
+// pybind11 module. Kernels register for their dispatch keys in their own files: csrc/cpu/<op>.cpp (CPU),
+// csrc/cuda/<op>.cu (CUDA), csrc/autograd/<op>.cpp (Autograd); the *_py ops get their implementations and
+// every op its fake kernel from Python (fastformer/ops/<op>.py).
 #include <torch/extension.h>
+#include <torch/library.h>
 
 #include <ATen/cpu/vec/vec.h>
 
-#include "cpu/cpu_ops.h"
-#ifdef FASTFORMER_WITH_CUDA
-#include "cuda/cuda_ops.h"
-#endif
+#include <string>
+#include <vector>
+
+#include "ops.h"
 
 #ifndef FASTFORMER_TORCH_VERSION
 #define FASTFORMER_TORCH_VERSION "unknown"
 #endif
 
+TORCH_LIBRARY(fastformer, m) {
+#define FASTFORMER_DEFINE(op, fwd_args, fwd_returns, bwd_args, bwd_returns)                    \
+  m.def(#op "_fwd(" fwd_args ") -> " fwd_returns);                                            \
+  m.def(#op "_bwd(" bwd_args ") -> " bwd_returns);                                            \
+  m.def(#op "_fwd_py(" fwd_args ", str backend) -> " fwd_returns);                            \
+  m.def(#op "_bwd_py(" bwd_args ", str backend) -> " bwd_returns);
+  FASTFORMER_OPS(FASTFORMER_DEFINE)
+#undef FASTFORMER_DEFINE
+}
+
+namespace {
+
+std::vector<std::string> op_names() {
+  std::vector<std::string> names;
+#define FASTFORMER_NAME(op, ...) names.emplace_back(#op);
+  FASTFORMER_OPS(FASTFORMER_NAME)
+#undef FASTFORMER_NAME
+  return names;
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fastformer fused kernels: attention, softmax, layer_norm_residual (C++ CPU and CUDA)";
   m.attr("TORCH_VERSION") = FASTFORMER_TORCH_VERSION;
+  m.attr("OPS") = py::tuple(py::cast(op_names()));
   // SIMD width the CPU kernels were compiled for (floats per at::vec::Vectorized<float>).
   m.attr("CPU_VECTOR_FLOATS") = static_cast<int>(at::vec::Vectorized<float>::size());
 #ifdef FASTFORMER_WITH_CUDA
@@ -23,20 +49,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("WITH_CUDA") = false;
 #endif
-  namespace cpu = fastformer::cpu;
-  m.def("attention_fwd_cpu", &cpu::attention_fwd, "attention forward (CPU)");
-  m.def("attention_bwd_cpu", &cpu::attention_bwd, "attention backward (CPU)");
-  m.def("softmax_fwd_cpu", &cpu::softmax_fwd, "softmax forward (CPU)");
-  m.def("softmax_bwd_cpu", &cpu::softmax_bwd, "softmax backward (CPU)");
-  m.def("layer_norm_residual_fwd_cpu", &cpu::layer_norm_residual_fwd, "layer_norm_residual forward (CPU)");
-  m.def("layer_norm_residual_bwd_cpu", &cpu::layer_norm_residual_bwd, "layer_norm_residual backward (CPU)");
-#ifdef FASTFORMER_WITH_CUDA
-  namespace cuda = fastformer::cuda;
-  m.def("attention_fwd_cuda", &cuda::attention_fwd, "attention forward (CUDA)");
-  m.def("attention_bwd_cuda", &cuda::attention_bwd, "attention backward (CUDA)");
-  m.def("softmax_fwd_cuda", &cuda::softmax_fwd, "softmax forward (CUDA)");
-  m.def("softmax_bwd_cuda", &cuda::softmax_bwd, "softmax backward (CUDA)");
-  m.def("layer_norm_residual_fwd_cuda", &cuda::layer_norm_residual_fwd, "layer_norm_residual forward (CUDA)");
-  m.def("layer_norm_residual_bwd_cuda", &cuda::layer_norm_residual_bwd, "layer_norm_residual backward (CUDA)");
-#endif
+  // The argument checks of csrc/ops.h, for the ops implemented in Python (ValueError on bad input).
+  m.def("check_attention",
+        [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
+           double dropout_p, std::optional<double> scale) {
+          fastformer::check_attention(q, k, v, mask, dropout_p);
+          return fastformer::attention_scale(scale, q);
+        },
+        "checks ops.attention's arguments; returns the scale (1/sqrt(D) when None)");
+  m.def("check_softmax", &fastformer::check_softmax, "checks ops.softmax's arguments");
+  m.def("check_layer_norm_residual", &fastformer::check_layer_norm_residual,
+        "checks ops.layer_norm_residual's arguments");
 }

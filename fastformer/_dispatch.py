@@ -7,9 +7,14 @@ Backends and what they run:
   triton    Triton kernels, CUDA tensors (or CPU tensors under TRITON_INTERPRET=1)
   cuda_sim  the CUDA kernels run by the CPU SIMT execution model: test equipment, CPU tensors
 
-Implementations are found by name: ``<op>_<fwd|bwd>`` in reference.py for torch,
-``_C.<op>_<fwd|bwd>_<backend>`` for cpu and cuda, ``fastformer.triton.<op>.<op>_<fwd|bwd>`` for
-triton, ``fastformer.cuda_sim.<op>_<fwd|bwd>`` for cuda_sim.
+cpu and cuda are the registered ops ``torch.ops.fastformer.<op>_<fwd|bwd>`` (C++ kernels for the CPU and
+CUDA dispatch keys, C++ autograd); torch, triton and cuda_sim run through the twin ops
+``torch.ops.fastformer.<op>_<fwd|bwd>_py(..., backend)``, whose Python implementation calls
+``<op>_<fwd|bwd>`` of reference.py (torch), ``fastformer.triton.<op>`` (triton) or ``fastformer.cuda_sim``.
+
+``forward(op, backend, x)`` gives the forward op that runs a call, cached per (op, requested backend,
+device, dtype): the per-call cost is one dict lookup. The automatic choice on a GPU also checks the
+backend's limits (head dim, row length) per call, so ``backend=None`` never picks one that refuses.
 
 Precedence: the call's ``backend=`` argument, then ``set_backend()``, then the FASTFORMER_BACKEND
 environment variable (read at import), then the automatic choice by device.
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from typing import Callable
 
 import torch
 
@@ -146,13 +152,74 @@ def resolve(op: str, backend: str | None, device: torch.device, dtype: torch.dty
     return name
 
 
+def _fits(op: str, name: str, x: torch.Tensor) -> bool:
+    """Whether GPU backend ``name`` takes ``op`` on inputs whose first tensor is ``x`` (its documented limits)."""
+    if op == "attention":
+        return x.dim() == 4 and x.shape[-1] <= 128  # cuda and triton: head dims up to 128
+    if op == "layer_norm_residual" and name == "triton":
+        from fastformer.triton.layer_norm_residual import MAX_N
+        return x.dim() >= 1 and x.shape[-1] <= MAX_N
+    return True
+
+
+def kernel(op: str, phase: str, backend: str, *, eager: bool = False) -> Callable:
+    """The registered op that runs ``op``'s ``phase`` on ``backend``, taking the schema's arguments without
+    ``backend``: ``torch.ops.fastformer.<op>_<phase>`` for cpu and cuda, the ``_py`` twin bound to the name
+    for the others. ``eager=True`` gives the op's C++ entry (``OpOverload._op``), which skips a Python frame
+    per call; torch.compile traces the OpOverload itself."""
+    packet = getattr(torch.ops.fastformer, f"{op}_{phase}" + ("" if backend in ("cpu", "cuda") else "_py"))
+    overload = packet.default._op if eager else packet.default
+    if backend in ("cpu", "cuda"):
+        return overload
+    return lambda *args: overload(*args, backend)
+
+
+def _gpu_automatic(op: str, device: torch.device, eager: bool) -> Callable:
+    """Forward of ``op`` on a CUDA device: the preferred GPU backend whose limits hold for the call, else torch."""
+    major, _ = torch.cuda.get_device_capability(device)
+    order = [n for n in (("triton", "cuda") if major >= 8 else ("cuda", "triton")) if status(n)[0]]
+    candidates = [(n, kernel(op, "fwd", n, eager=eager)) for n in order]
+    fallback = kernel(op, "fwd", "torch", eager=eager)
+
+    def run(*args):
+        for name, fn in candidates:
+            if _fits(op, name, args[0]):
+                return fn(*args)
+        return fallback(*args)
+
+    return run
+
+
+_forward_cache: dict[tuple, tuple[Callable, Callable]] = {}  # key -> (eager entry, traceable entry)
+_compiling = torch.compiler.is_compiling
+
+
+def forward(op: str, backend: str | None, x) -> Callable:
+    """The forward op that runs ``op`` for a call whose first tensor is ``x`` (cached; see the module doc)."""
+    requested = backend if backend is not None else _default
+    try:
+        key = (op, requested, x.device, x.dtype)
+    except AttributeError:
+        raise ValueError(f"fastformer {op}: expected a torch.Tensor, got {type(x).__name__}") from None
+    entry = _forward_cache.get(key)
+    if entry is None:
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"fastformer {op}: expected a torch.Tensor, got {type(x).__name__}")
+        explicit = requested if requested is not None else _env
+        if explicit is None and x.device.type == "cuda":
+            entry = (_gpu_automatic(op, x.device, True), _gpu_automatic(op, x.device, False))
+        else:
+            name = resolve(op, explicit, x.device, x.dtype)
+            entry = (kernel(op, "fwd", name, eager=True), kernel(op, "fwd", name))
+        _forward_cache[key] = entry
+    return entry[1] if _compiling() else entry[0]
+
+
 def implementation(op: str, phase: str, backend: str):
-    """The function computing ``op``'s ``phase`` ("fwd" or "bwd") on ``backend``."""
+    """The Python function computing ``op``'s ``phase`` ("fwd" or "bwd") on backend torch, triton or cuda_sim."""
     if backend == "torch":
         from fastformer.ops import reference
         return getattr(reference, f"{op}_{phase}")
-    if backend in ("cpu", "cuda"):
-        return getattr(_ext.extension(), f"{op}_{phase}_{backend}")
     if backend == "triton":
         return getattr(importlib.import_module(f"fastformer.triton.{op}"), f"{op}_{phase}")
     if backend == "cuda_sim":

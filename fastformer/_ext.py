@@ -1,8 +1,9 @@
-"""Loads the compiled extension ``fastformer._C`` and explains, in words, why it cannot be used.
+"""Loads the compiled extension ``fastformer._C``, which registers the ``fastformer::`` ops.
 
-The extension is compiled against one torch release's C++ ABI. Imported beside another release it
-fails with an undefined-symbol error; this module turns that into a message that says which torch
-built it, which torch is running, and how to rebuild.
+fastformer does not work without it (every op, the reference backend's too, is registered there), so
+``import fastformer`` fails when it cannot be loaded, with a message that says why: the extension is
+compiled against one torch release's C++ ABI, and imported beside another release it fails with an
+undefined-symbol error; the message names the torch that built it, the torch that runs, and the fix.
 """
 from __future__ import annotations
 
@@ -48,9 +49,9 @@ def _load():
 
 
 def extension():
-    """The loaded ``fastformer._C`` module; raises RuntimeError with the reason if it is unusable."""
+    """The loaded ``fastformer._C`` module; raises ImportError with the reason if it is unusable."""
     if _C is None:
-        raise RuntimeError(_error)
+        raise ImportError(_error)
     return _C
 
 
@@ -63,3 +64,4 @@ def error() -> str | None:
 
 
 _load()
+C = extension()  # raises ImportError (so `import fastformer` fails) with the reason when _C is unusable

@@ -123,8 +123,17 @@ def visible_keys(B, Lq, Lk, key_padding_mask, causal):
     return visible
 
 
+def kernel_op(op, phase, backend):
+    """(OpOverload, trailing arguments) that run ``op``'s ``phase`` on ``backend``: the C++ kernel op
+    ``fastformer::<op>_<phase>`` for cpu and cuda, else its ``_py`` twin with the backend's name last."""
+    if backend in ("cpu", "cuda"):
+        return getattr(torch.ops.fastformer, f"{op}_{phase}").default, ()
+    return getattr(torch.ops.fastformer, f"{op}_{phase}_py").default, (backend,)
+
+
 class RecordBackends(TorchDispatchMode):
-    """Records (op name, backend argument) of every fastformer custom op called while active."""
+    """Records (op name, backend) of every fastformer op called while active: the ``backend`` argument of
+    a ``_py`` op, the device type ("cpu", "cuda") of a C++ kernel op; names without the ``_py`` suffix."""
 
     def __init__(self):
         super().__init__()
@@ -136,5 +145,9 @@ class RecordBackends(TorchDispatchMode):
         if name.startswith("fastformer::"):
             bound = dict(zip((a.name for a in func._schema.arguments), args))
             bound.update(kwargs)
-            self.calls.append((name.split("::")[1], bound["backend"]))
+            op = name.split("::")[1]
+            if op.endswith("_py"):
+                self.calls.append((op[: -len("_py")], bound["backend"]))
+            else:
+                self.calls.append((op, args[0].device.type))
         return func(*args, **kwargs)

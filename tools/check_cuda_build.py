@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Checks a CUDA build of fastformer._C: it imports, says WITH_CUDA, and binds the six CUDA entry points.
+"""Checks a CUDA build of fastformer._C: it imports, says WITH_CUDA, and registers a CUDA and a CPU kernel for
+every op of its op list (fastformer._C.OPS, from csrc/ops.h).
 
 CI builds the extension with nvcc for one architecture into a folder of its own (never over an installed
 fastformer), then runs this script on that folder:
@@ -10,8 +11,8 @@ fastformer), then runs this script on that folder:
 
 The folder is the build's lib folder: the whole package, fastformer/__init__.py and the compiled
 fastformer/_C*.so, as a wheel would unpack it. It is put first on sys.path, so `import fastformer._C`
-loads the build under test, not an installed fastformer. No GPU is needed: the entry points are found,
-not called. With cuobjdump (on PATH, in CUDA_HOME/bin, or from the nvidia-cuda-cuobjdump wheel) it also
+loads the build under test, not an installed fastformer. No GPU is needed: the kernels are looked up in
+the dispatcher, not called. With cuobjdump (on PATH, in CUDA_HOME/bin, or from the nvidia-cuda-cuobjdump wheel) it also
 lists the machine code (SASS) architectures in the library and, with --expect-arch, requires them.
 """
 from __future__ import annotations
@@ -24,8 +25,7 @@ import shutil
 import subprocess
 import sys
 
-ENTRY_POINTS = [f"{op}_{phase}_{backend}" for backend in ("cuda", "cpu")
-                for op in ("attention", "softmax", "layer_norm_residual") for phase in ("fwd", "bwd")]
+DISPATCH_KEYS = ("CUDA", "CPU")
 
 
 def find_cuobjdump() -> str | None:
@@ -94,7 +94,7 @@ def check_listed(mangled: list[str]) -> list[str]:
 
 
 def check_module(C, lib: str, torch) -> list[str]:
-    """WITH_CUDA, the torch it was built against, and every entry point; returns the failures."""
+    """WITH_CUDA, the torch it was built against, and every op's CUDA and CPU kernels; returns the failures."""
     failures = []
     print(f"  imported {C.__file__}")
     if os.path.dirname(os.path.abspath(C.__file__)) != os.path.join(lib, "fastformer"):
@@ -105,12 +105,18 @@ def check_module(C, lib: str, torch) -> list[str]:
         failures.append("WITH_CUDA is not True: the CUDA kernels were not compiled in")
     if C.TORCH_VERSION != torch.__version__:
         failures.append(f"built against torch {C.TORCH_VERSION}, running {torch.__version__}")
-    for name in ENTRY_POINTS:
-        ok = callable(getattr(C, name, None))
-        print(f"  {name:30s} {'ok' if ok else 'MISSING'}")
-        if not ok:
-            failures.append(f"entry point {name} missing")
+    for key in DISPATCH_KEYS:
+        for name in kernel_ops(C):
+            ok = torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
+            print(f"  {name:40s} {key:5s} {'ok' if ok else 'MISSING'}")
+            if not ok:
+                failures.append(f"no {key} kernel registered for {name}")
     return failures
+
+
+def kernel_ops(C) -> list[str]:
+    """The ops with C++ kernels: fastformer::<op>_fwd and _bwd for every op of C.OPS."""
+    return [f"fastformer::{op}_{phase}" for op in C.OPS for phase in ("fwd", "bwd")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, lib)
     try:
         import fastformer._C as C
-    except ImportError as exc:  # e.g. an entry point of cuda_ops.h that no launcher defines
+    except ImportError as exc:  # e.g. an entry point of op_entry_points.h that no launcher defines
         failures.append(f"{so} does not import: {exc}")
     else:
         failures += check_module(C, lib, torch)
@@ -146,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         for f in failures:
             print("  - " + f, file=sys.stderr)
         return 1
-    print(f"check_cuda_build: OK, fastformer._C was built with CUDA and binds its {len(ENTRY_POINTS) // 2} "
-          "CUDA entry points")
+    print(f"check_cuda_build: OK, fastformer._C was built with CUDA and registers CUDA and CPU kernels for its "
+          f"{len(kernel_ops(C))} kernel ops")
     return 0
 
 

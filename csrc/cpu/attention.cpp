@@ -27,8 +27,11 @@
 #include <limits>
 #include <vector>
 
+#include <torch/library.h>
+
 #include "cpu/cpu_ops.h"
 #include "cpu/dropout.h"
+#include "ops.h"
 
 namespace fastformer::cpu {
 namespace {
@@ -127,14 +130,15 @@ void attention_fwd_kernel(const scalar_t* q, const scalar_t* k, const scalar_t* 
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t D = s.D;
   const int64_t tiles = (s.Lq + kBlockQ - 1) / kBlockQ;
+  const int64_t bq = std::min(kBlockQ, s.Lq), ldk = std::min(kBlockK, s.Lk);  // buffer rows, score row stride
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   at::parallel_for(0, s.B * s.H * tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> sc(kBlockQ * kBlockK), o(kBlockQ * D), m(kBlockQ), l(kBlockQ), pad_bias(kBlockK),
-        drop(kBlockK), q_buf, k_buf, v_buf;
+    std::vector<acc_t> sc(bq * ldk), o(bq * D), m(bq), l(bq), pad_bias(ldk),
+        drop(ldk), q_buf, k_buf, v_buf;
     if constexpr (!std::is_same_v<scalar_t, acc_t>) {
-      q_buf.resize(kBlockQ * D);
-      k_buf.resize(kBlockK * D);
-      v_buf.resize(kBlockK * D);
+      q_buf.resize(bq * D);
+      k_buf.resize(ldk * D);
+      v_buf.resize(ldk * D);
     }
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bh = item / tiles, i0 = (item % tiles) * kBlockQ, b = bh / s.H;
@@ -153,10 +157,10 @@ void attention_fwd_kernel(const scalar_t* q, const scalar_t* k, const scalar_t* 
           for (int64_t t = 0; t < nk; ++t) pad_bias[t] = pad[j0 + t] ? neg_inf : acc_t(0);
         }
         // S (nq x nk) = scale Q_t K_b^T
-        gemm_rm<acc_t>(nq, nk, D, static_cast<acc_t>(scale), qt, D, kb, D, true, acc_t(0), sc.data(), kBlockK);
+        gemm_rm<acc_t>(nq, nk, D, static_cast<acc_t>(scale), qt, D, kb, D, true, acc_t(0), sc.data(), ldk);
         for (int64_t r = 0; r < nq; ++r) {
           const int64_t i = i0 + r;
-          acc_t* p = sc.data() + r * kBlockK;
+          acc_t* p = sc.data() + r * ldk;
           acc_t* o_r = o.data() + r * D;
           mask_row(p, nk, pad ? pad_bias.data() : nullptr, s.key_end(i) - j0, neg_inf);
           const acc_t block_max = vec_max(p, nk);
@@ -175,7 +179,7 @@ void attention_fwd_kernel(const scalar_t* q, const scalar_t* k, const scalar_t* 
           }
         }
         // O (nq x D) += P (nq x nk) V_b (nk x D)
-        gemm_rm<acc_t>(nq, D, nk, acc_t(1), sc.data(), kBlockK, vb, D, false, acc_t(1), o.data(), D);
+        gemm_rm<acc_t>(nq, D, nk, acc_t(1), sc.data(), ldk, vb, D, false, acc_t(1), o.data(), D);
       }
       for (int64_t r = 0; r < nq; ++r) {
         const int64_t i = i0 + r;
@@ -203,15 +207,16 @@ void attention_bwd_kernel(const scalar_t* dout, const scalar_t* q, const scalar_
   const int64_t D = s.D, Lq = s.Lq, Lk = s.Lk;
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   const acc_t scale_acc = static_cast<acc_t>(scale);
+  const int64_t bq = std::min(kBlockQ, Lq), ldk = std::min(kBlockK, Lk);  // buffer rows, score row stride
   at::parallel_for(0, s.B * s.H, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> dq_acc(Lq * D), delta(Lq), o_row(D), do_row(D);
-    std::vector<acc_t> p(kBlockQ * kBlockK), dp(kBlockQ * kBlockK), dk_acc(kBlockK * D), dv_acc(kBlockK * D);
-    std::vector<acc_t> pad_bias(kBlockK), drop(kBlockK), q_buf, do_buf, k_buf, v_buf;
+    std::vector<acc_t> p(bq * ldk), dp(bq * ldk), dk_acc(ldk * D), dv_acc(ldk * D);
+    std::vector<acc_t> pad_bias(ldk), drop(ldk), q_buf, do_buf, k_buf, v_buf;
     if constexpr (!std::is_same_v<scalar_t, acc_t>) {
       q_buf.resize(Lq * D);
       do_buf.resize(Lq * D);
-      k_buf.resize(kBlockK * D);
-      v_buf.resize(kBlockK * D);
+      k_buf.resize(ldk * D);
+      v_buf.resize(ldk * D);
     }
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / s.H;
@@ -239,12 +244,12 @@ void attention_bwd_kernel(const scalar_t* dout, const scalar_t* q, const scalar_
           const int64_t nq = std::min(kBlockQ, Lq - i0);
           const acc_t* qt = qa + i0 * D;
           const acc_t* dot = doa + i0 * D;
-          gemm_rm<acc_t>(nq, nk, D, scale_acc, qt, D, kb, D, true, acc_t(0), p.data(), kBlockK);   // S
-          gemm_rm<acc_t>(nq, nk, D, acc_t(1), dot, D, vb, D, true, acc_t(0), dp.data(), kBlockK);  // dO V^T
+          gemm_rm<acc_t>(nq, nk, D, scale_acc, qt, D, kb, D, true, acc_t(0), p.data(), ldk);   // S
+          gemm_rm<acc_t>(nq, nk, D, acc_t(1), dot, D, vb, D, true, acc_t(0), dp.data(), ldk);  // dO V^T
           for (int64_t r = 0; r < nq; ++r) {
             const int64_t i = i0 + r;
-            acc_t* p_r = p.data() + r * kBlockK;
-            acc_t* dp_r = dp.data() + r * kBlockK;
+            acc_t* p_r = p.data() + r * ldk;
+            acc_t* dp_r = dp.data() + r * ldk;
             if (lse_bh[i] == neg_inf) {  // row saw nothing in the forward: no gradient
               std::fill(p_r, p_r + nk, acc_t(0));
               std::fill(dp_r, dp_r + nk, acc_t(0));
@@ -268,9 +273,9 @@ void attention_bwd_kernel(const scalar_t* dout, const scalar_t* q, const scalar_
           }
           // dV_b (nk x D) += (P r)^T dO_t ; dK_b += scale dS^T Q_t ; dQ_t += scale dS K_b
           // (column-major: dV_b^T (D x nk) += dO_t^T (D x nq) (P r) (nq x nk), likewise dK_b^T)
-          blas_gemm(false, true, D, nk, nq, acc_t(1), dot, D, p.data(), kBlockK, acc_t(1), dv_acc.data(), D);
-          blas_gemm(false, true, D, nk, nq, scale_acc, qt, D, dp.data(), kBlockK, acc_t(1), dk_acc.data(), D);
-          gemm_rm<acc_t>(nq, D, nk, scale_acc, dp.data(), kBlockK, kb, D, false, acc_t(1), dq_acc.data() + i0 * D, D);
+          blas_gemm(false, true, D, nk, nq, acc_t(1), dot, D, p.data(), ldk, acc_t(1), dv_acc.data(), D);
+          blas_gemm(false, true, D, nk, nq, scale_acc, qt, D, dp.data(), ldk, acc_t(1), dk_acc.data(), D);
+          gemm_rm<acc_t>(nq, D, nk, scale_acc, dp.data(), ldk, kb, D, false, acc_t(1), dq_acc.data() + i0 * D, D);
         }
         convert_row(dk_acc.data(), dk + (bh * Lk + j0) * D, nk * D);
         convert_row(dv_acc.data(), dv + (bh * Lk + j0) * D, nk * D);
@@ -283,25 +288,8 @@ void attention_bwd_kernel(const scalar_t* dout, const scalar_t* q, const scalar_
   });
 }
 
-AttnDims check_attention(const Tensor& q, const Tensor& k, const Tensor& v,
-                         const c10::optional<Tensor>& key_padding_mask, bool causal, double dropout_p) {
-  check_cpu_contiguous(q, "q");
-  check_cpu_contiguous(k, "k");
-  check_cpu_contiguous(v, "v");
-  check_float_dtype(q, "q");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "fastformer attention: q, k, v must be 4-D (B, H, L, D)");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-              "fastformer attention: q, k, v must share a dtype");
-  TORCH_CHECK(k.sizes() == v.sizes(), "fastformer attention: k and v must have the same shape");
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
-              "fastformer attention: q (B, H, Lq, D) and k (B, H, Lk, D) disagree");
-  check_dropout(dropout_p);
-  if (key_padding_mask.has_value()) {
-    const Tensor& m = *key_padding_mask;
-    check_cpu_contiguous(m, "key_padding_mask");
-    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 2 && m.size(0) == q.size(0) && m.size(1) == k.size(2),
-                "fastformer attention: key_padding_mask must be bool (B, Lk)");
-  }
+// The shape of a call; the arguments were checked by csrc/ops.h (the caller's errors) and are contiguous.
+AttnDims dims(const Tensor& q, const Tensor& k, bool causal) {
   return AttnDims{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), causal};
 }
 
@@ -310,7 +298,7 @@ AttnDims check_attention(const Tensor& q, const Tensor& k, const Tensor& v,
 std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
                                          const c10::optional<Tensor>& key_padding_mask, bool causal,
                                          double dropout_p, double scale, int64_t seed) {
-  const AttnDims s = check_attention(q, k, v, key_padding_mask, causal, dropout_p);
+  const AttnDims s = dims(q, k, causal);
   Tensor out = at::empty_like(q);
   Tensor lse = at::empty({s.B, s.H, s.Lq}, q.options().dtype(at::toOpMathType(q.scalar_type())));
   if (q.numel() == 0 || s.Lk == 0) {
@@ -329,10 +317,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
                                                  const Tensor& v, const Tensor& out, const Tensor& lse,
                                                  const c10::optional<Tensor>& key_padding_mask, bool causal,
                                                  double dropout_p, double scale, int64_t seed) {
-  const AttnDims s = check_attention(q, k, v, key_padding_mask, causal, dropout_p);
-  check_cpu_contiguous(dout, "dout");
-  check_cpu_contiguous(out, "out");
-  check_cpu_contiguous(lse, "lse");
+  const AttnDims s = dims(q, k, causal);
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "fastformer attention: dout/out must match q");
   TORCH_CHECK(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
               "fastformer attention: dout/out must have q's dtype");
@@ -353,3 +338,5 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
 }
 
 }  // namespace fastformer::cpu
+
+TORCH_LIBRARY_IMPL(fastformer, CPU, m) { FASTFORMER_IMPL_OP(m, fastformer::cpu, attention); }

@@ -19,8 +19,11 @@
 #include <cmath>
 #include <vector>
 
+#include <torch/library.h>
+
 #include "cpu/cpu_ops.h"
 #include "cpu/dropout.h"
+#include "ops.h"
 
 namespace fastformer::cpu {
 namespace {
@@ -183,14 +186,6 @@ void check_vector(const Tensor& t, const Tensor& x, const char* name) {
 std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd(const Tensor& x, const Tensor& residual,
                                                                    const Tensor& weight, const Tensor& bias,
                                                                    double eps, double dropout_p, int64_t seed) {
-  check_cpu_contiguous(x, "x");
-  check_float_dtype(x, "x");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "fastformer layer_norm_residual: x must be (..., N) with N > 0");
-  check_rows(residual, x, "residual");
-  check_vector(weight, x, "weight");
-  check_vector(bias, x, "bias");
-  check_dropout(dropout_p);
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "fastformer layer_norm_residual: eps must be finite and >= 0");
   const int64_t N = x.size(-1), R = x.numel() / N;
   auto stat_shape = x.sizes().vec();
   stat_shape.pop_back();
@@ -212,17 +207,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor&
                                                                    const Tensor& s, const Tensor& weight,
                                                                    const Tensor& mean, const Tensor& rstd,
                                                                    double dropout_p, int64_t seed) {
-  check_cpu_contiguous(s, "s");
-  check_float_dtype(s, "s");
   TORCH_CHECK(s.dim() >= 1 && s.size(-1) > 0, "fastformer layer_norm_residual: s must be (..., N) with N > 0");
   check_rows(dy, s, "dy");
   if (ds.has_value()) check_rows(*ds, s, "ds");
   check_vector(weight, s, "weight");
-  check_dropout(dropout_p);
   const int64_t N = s.size(-1), R = s.numel() / N;
   const auto acc_type = at::toOpMathType(s.scalar_type());
-  check_cpu_contiguous(mean, "mean");
-  check_cpu_contiguous(rstd, "rstd");
   TORCH_CHECK(mean.numel() == R && rstd.numel() == R && mean.scalar_type() == acc_type && rstd.scalar_type() == acc_type,
               "fastformer layer_norm_residual: mean/rstd must hold one accumulation-dtype value per row");
   Tensor dx = at::empty_like(s), dres = at::empty_like(s);
@@ -245,3 +235,5 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor&
 }
 
 }  // namespace fastformer::cpu
+
+TORCH_LIBRARY_IMPL(fastformer, CPU, m) { FASTFORMER_IMPL_OP(m, fastformer::cpu, layer_norm_residual); }

@@ -22,7 +22,10 @@
 #include <type_traits>
 #include <vector>
 
+#include <torch/library.h>
+
 #include "cpu/cpu_ops.h"
+#include "ops.h"
 
 namespace fastformer::cpu {
 namespace {
@@ -158,17 +161,10 @@ void softmax_bwd_kernel(const scalar_t* dy, const scalar_t* y, scalar_t* dx, int
 }  // namespace
 
 Tensor softmax_fwd(const Tensor& x, const c10::optional<Tensor>& mask, double scale) {
-  check_cpu_contiguous(x, "x");
-  check_float_dtype(x, "x");
-  TORCH_CHECK(x.dim() >= 1, "fastformer softmax: x must have at least one dimension");
   const int64_t N = x.size(-1), R = N == 0 ? 0 : x.numel() / N;
   MaskRows rows;
   Tensor m;
   if (mask.has_value()) {
-    TORCH_CHECK(mask->device().is_cpu() && mask->scalar_type() == at::kBool,
-                "fastformer softmax: mask must be a bool CPU tensor");
-    TORCH_CHECK(at::infer_size(mask->sizes(), x.sizes()) == x.sizes(),
-                "fastformer softmax: mask of shape ", mask->sizes(), " does not broadcast to x's shape ", x.sizes());
     m = mask->expand(x.sizes());  // a view: stride 0 along broadcast dims
     rows.base = m.data_ptr<bool>();
     for (int64_t d = 0; d + 1 < x.dim(); ++d) {
@@ -186,9 +182,6 @@ Tensor softmax_fwd(const Tensor& x, const c10::optional<Tensor>& mask, double sc
 }
 
 Tensor softmax_bwd(const Tensor& dy, const Tensor& y, double scale) {
-  check_cpu_contiguous(dy, "dy");
-  check_cpu_contiguous(y, "y");
-  check_float_dtype(y, "y");
   TORCH_CHECK(dy.sizes() == y.sizes() && dy.scalar_type() == y.scalar_type(),
               "fastformer softmax: dy and y must have the same shape and dtype");
   const int64_t N = y.dim() == 0 ? 1 : y.size(-1), R = N == 0 ? 0 : y.numel() / N;
@@ -201,3 +194,5 @@ Tensor softmax_bwd(const Tensor& dy, const Tensor& y, double scale) {
 }
 
 }  // namespace fastformer::cpu
+
+TORCH_LIBRARY_IMPL(fastformer, CPU, m) { FASTFORMER_IMPL_OP(m, fastformer::cpu, softmax); }

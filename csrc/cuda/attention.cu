@@ -15,6 +15,7 @@
 #include "attention.cuh"
 #include "cuda_ops.h"
 #include "launch.h"
+#include "ops.h"
 
 namespace fastformer::cuda {
 namespace {
@@ -193,3 +194,9 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
 }
 
 }  // namespace fastformer::cuda
+
+#if defined(__CUDACC__)
+#include <torch/library.h>
+
+TORCH_LIBRARY_IMPL(fastformer, CUDA, m) { FASTFORMER_IMPL_OP(m, fastformer::cuda, attention); }
+#endif

@@ -9,6 +9,7 @@
 
 #include "cuda_ops.h"
 #include "launch.h"
+#include "ops.h"
 #include "layer_norm_residual.cuh"
 
 namespace fastformer::cuda {
@@ -183,3 +184,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor&
 }
 
 }  // namespace fastformer::cuda
+
+#if defined(__CUDACC__)
+#include <torch/library.h>
+
+TORCH_LIBRARY_IMPL(fastformer, CUDA, m) { FASTFORMER_IMPL_OP(m, fastformer::cuda, layer_norm_residual); }
+#endif

@@ -10,6 +10,7 @@
 
 #include "cuda_ops.h"
 #include "launch.h"
+#include "ops.h"
 #include "softmax.cuh"
 
 namespace fastformer::cuda {
@@ -140,3 +141,9 @@ Tensor softmax_bwd(const Tensor& dy, const Tensor& y, double scale) {
 }
 
 }  // namespace fastformer::cuda
+
+#if defined(__CUDACC__)
+#include <torch/library.h>
+
+TORCH_LIBRARY_IMPL(fastformer, CUDA, m) { FASTFORMER_IMPL_OP(m, fastformer::cuda, softmax); }
+#endif

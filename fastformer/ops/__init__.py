@@ -1,10 +1,13 @@
 """fastformer's fused ops: ``attention``, ``softmax``, ``layer_norm_residual``.
 
-Each is a torch.library custom op (fake + autograd registered) dispatching to the backend chosen by
-``fastformer._dispatch`` (torch, cpu, cuda, triton, cuda_sim).
+Each is declared once in C++ (csrc/ops.h): ``fastformer::<op>_fwd``/``_bwd`` with C++ kernels for the CPU
+and CUDA dispatch keys, and ``_py`` twins for the backends written in Python (torch, triton, cuda_sim),
+autograd in C++; fake kernels and the twins' implementations are registered by the op modules here.
+``fastformer._dispatch`` picks the op for a call. ``OPS`` is the op list, from C++.
 """
+from fastformer.ops._registry import OPS
 from fastformer.ops.attention import attention
 from fastformer.ops.layer_norm_residual import layer_norm_residual
 from fastformer.ops.softmax import softmax
 
-__all__ = ["attention", "softmax", "layer_norm_residual"]
+__all__ = ["OPS", "attention", "softmax", "layer_norm_residual"]

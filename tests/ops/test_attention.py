@@ -18,6 +18,7 @@ from helpers import (
     SLOW_LIMITS,
     backend_dtype_cases,
     forward_backward,
+    kernel_op,
     padding_mask,
     randn,
     upcast,
@@ -177,13 +178,14 @@ LSE_CASES = [Case(2, 2, 33, 17, 40, "both"), Case(2, 2, 7, 33, 64, "padding", sc
 
 @pytest.mark.parametrize("backend,dtype,case", backend_dtype_cases(ALL_BACKENDS, LSE_CASES, small, [torch.float32]))
 def test_attention_fwd_logsumexp(backend, dtype, case):
-    # The custom op's second output is the log-sum-exp of each row's visible scaled scores, (B, H, Lq),
+    # The forward op's second output is the log-sum-exp of each row's visible scaled scores, (B, H, Lq),
     # which the backward uses to rebuild the probabilities.
     q, k, v, _, _ = make_inputs(case, dtype)
     mask = padding_mask(case.B, case.Lk)
     scale = 1.0 / math.sqrt(case.D) if case.scale is None else case.scale
     seed = torch.tensor(0, dtype=torch.int64)
-    out, lse = torch.ops.fastformer.attention_fwd(q, k, v, mask, case.causal, 0.0, scale, seed, backend)
+    fwd, tail = kernel_op("attention", "fwd", backend)
+    out, lse = fwd(q, k, v, mask, case.causal, 0.0, scale, seed, *tail)
     visible = visible_keys(case.B, case.Lq, case.Lk, mask, case.causal)
     scores = (q.double() @ k.double().transpose(-1, -2)) * scale
     expected = torch.logsumexp(scores.masked_fill(~visible, float("-inf")), dim=-1)  # (B, H, Lq)

@@ -1,15 +1,16 @@
-"""torch.library.opcheck on every fastformer custom op and backend.
+"""torch.library.opcheck on every fastformer op and backend.
 
 opcheck runs the op's schema, fake (meta) kernel, autograd registration and AOT-dispatch checks: what
-torch.compile and export rely on. The *_fwd ops are checked with inputs that require grad (exercising
-their registered autograd), the *_bwd ops on the outputs of the matching *_fwd call.
+torch.compile and export rely on. Per backend the op is the C++ kernel op (cpu) or its ``_py`` twin
+(helpers.kernel_op). The *_fwd ops are checked with inputs that require grad (exercising their C++
+autograd), the *_bwd ops on the outputs of the matching *_fwd call.
 """
 import math
 
 import pytest
 import torch
 
-from helpers import ALL_BACKENDS, randn
+from helpers import ALL_BACKENDS, kernel_op, randn
 
 F32 = torch.float32
 B, H, LQ, LK, D = 2, 2, 5, 7, 16
@@ -33,14 +34,16 @@ def test_attention_ops(backend, masked, dropout_p):
     v = randn(B, H, LK, D, dtype=F32)
     mask = (torch.rand(B, LK) < 0.3) if masked else None
     scale = 1.0 / math.sqrt(D)
-    fwd_args = (q, k, v, mask, masked, dropout_p, scale, seed(), backend)
-    torch.library.opcheck(torch.ops.fastformer.attention_fwd.default, (leaf(q), leaf(k), leaf(v)) + fwd_args[3:])
+    fwd, tail = kernel_op("attention", "fwd", backend)
+    bwd, _ = kernel_op("attention", "bwd", backend)
+    fwd_args = (q, k, v, mask, masked, dropout_p, scale, seed()) + tail
+    torch.library.opcheck(fwd, (leaf(q), leaf(k), leaf(v)) + fwd_args[3:])
 
     with torch.no_grad():
-        out, lse = torch.ops.fastformer.attention_fwd(*fwd_args)
+        out, lse = fwd(*fwd_args)
     dout = randn(B, H, LQ, D, dtype=F32)
-    bwd_args = (dout, q.detach(), k.detach(), v.detach(), out, lse, mask, masked, dropout_p, scale, seed(), backend)
-    torch.library.opcheck(torch.ops.fastformer.attention_bwd.default, bwd_args)
+    bwd_args = (dout, q.detach(), k.detach(), v.detach(), out, lse, mask, masked, dropout_p, scale, seed()) + tail
+    torch.library.opcheck(bwd, bwd_args)
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
@@ -49,12 +52,14 @@ def test_softmax_ops(backend, masked):
     x = randn(B, H, LQ, N, dtype=F32)
     # The op takes the mask already expanded to x's shape (ops.softmax passes a broadcast view).
     mask = (torch.rand(B, 1, 1, N) < 0.3).expand(x.shape) if masked else None
-    torch.library.opcheck(torch.ops.fastformer.softmax_fwd.default, (leaf(x), mask, 0.5, backend))
+    fwd, tail = kernel_op("softmax", "fwd", backend)
+    bwd, _ = kernel_op("softmax", "bwd", backend)
+    torch.library.opcheck(fwd, (leaf(x), mask, 0.5) + tail)
 
     with torch.no_grad():
-        y = torch.ops.fastformer.softmax_fwd(x, mask, 0.5, backend)
+        y = fwd(x, mask, 0.5, *tail)
     dy = randn(B, H, LQ, N, dtype=F32)
-    torch.library.opcheck(torch.ops.fastformer.softmax_bwd.default, (dy, y, 0.5, backend))
+    torch.library.opcheck(bwd, (dy, y, 0.5) + tail)
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])
@@ -65,15 +70,14 @@ def test_layer_norm_residual_ops(backend, with_ds, dropout_p):
     residual = randn(2, ROWS, N, dtype=F32)
     weight = randn(N, dtype=F32)
     bias = randn(N, dtype=F32)
-    fwd_args = (x, residual, weight, bias, 1e-5, dropout_p, seed(), backend)
-    torch.library.opcheck(
-        torch.ops.fastformer.layer_norm_residual_fwd.default,
-        (leaf(x), leaf(residual), leaf(weight), leaf(bias)) + fwd_args[4:],
-    )
+    fwd, tail = kernel_op("layer_norm_residual", "fwd", backend)
+    bwd, _ = kernel_op("layer_norm_residual", "bwd", backend)
+    fwd_args = (x, residual, weight, bias, 1e-5, dropout_p, seed()) + tail
+    torch.library.opcheck(fwd, (leaf(x), leaf(residual), leaf(weight), leaf(bias)) + fwd_args[4:])
 
     with torch.no_grad():
-        y, s, mean, rstd = torch.ops.fastformer.layer_norm_residual_fwd(*fwd_args)
+        y, s, mean, rstd = fwd(*fwd_args)
     dy = randn(2, ROWS, N, dtype=F32)
     ds = randn(2, ROWS, N, dtype=F32) if with_ds else None
-    bwd_args = (dy, ds, s, weight.detach(), mean, rstd, dropout_p, seed(), backend)
-    torch.library.opcheck(torch.ops.fastformer.layer_norm_residual_bwd.default, bwd_args)
+    bwd_args = (dy, ds, s, weight.detach(), mean, rstd, dropout_p, seed()) + tail
+    torch.library.opcheck(bwd, bwd_args)

@@ -1,0 +1,205 @@
+// The fastformer operator library, declared once: the op table, the argument checks every backend
+// shares, and the adapters that turn a registered op's arguments into a backend's entry points.
+//
+// Each op of FASTFORMER_OPS is registered twice from one schema (csrc/fastformer.cpp):
+//   fastformer::<op>_<phase>     kernels in C++: csrc/cpu/<op>.cpp (CPU key), csrc/cuda/<op>.cu (CUDA key)
+//   fastformer::<op>_<phase>_py  the same arguments + `str backend`: torch, triton and cuda_sim, implemented
+//                                in Python (fastformer/ops/<op>.py)
+// Autograd for both (csrc/autograd/<op>.cpp) and the fake kernels (Python) sit on top.
+//
+// Caller errors raise c10::ValueError (Python ValueError) through TORCH_CHECK_VALUE, from these checks
+// alone; the entry points keep TORCH_CHECKs only for their own limits (e.g. the CUDA head-dim bound).
+#pragma once
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <optional>
+#include <tuple>
+
+// X(op, forward arguments, forward returns, backward arguments, backward returns): the one list of ops.
+// Adding an op: its row here, its kernel files, its Python module (fastformer/ops/<op>.py).
+#define FASTFORMER_OPS(X)                                                                                      \
+  X(attention,                                                                                                 \
+    "Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, bool causal, float dropout_p, float? scale, "     \
+    "Tensor? seed",                                                                                            \
+    "(Tensor, Tensor)",                                                                                        \
+    "Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? key_padding_mask, "            \
+    "bool causal, float dropout_p, float? scale, Tensor? seed",                                                \
+    "(Tensor, Tensor, Tensor)")                                                                                \
+  X(softmax, "Tensor x, Tensor? mask, float scale", "Tensor", "Tensor dy, Tensor y, float scale", "Tensor")    \
+  X(layer_norm_residual,                                                                                       \
+    "Tensor x, Tensor residual, Tensor weight, Tensor bias, float eps, float dropout_p, Tensor? seed",         \
+    "(Tensor, Tensor, Tensor, Tensor)",                                                                        \
+    "Tensor dy, Tensor? ds, Tensor s, Tensor weight, Tensor mean, Tensor rstd, float dropout_p, Tensor? seed", \
+    "(Tensor, Tensor, Tensor, Tensor)")
+
+namespace fastformer {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+// ---- argument checks (every backend) ----
+
+inline void check_floating(const Tensor& t, const char* op, const char* name) {
+  const auto d = t.scalar_type();
+  TORCH_CHECK_VALUE(d == at::kFloat || d == at::kDouble || d == at::kHalf || d == at::kBFloat16, "fastformer ", op,
+                    ": ", name, " must be float16, bfloat16, float32 or float64, got ", d);
+}
+
+// t has ref's dtype and device.
+inline void check_like(const Tensor& t, const char* name, const Tensor& ref, const char* ref_name, const char* op) {
+  TORCH_CHECK_VALUE(t.scalar_type() == ref.scalar_type(), "fastformer ", op, ": ", name, " has dtype ",
+                    t.scalar_type(), " but ", ref_name, " has ", ref.scalar_type(), "; cast them to one dtype");
+  TORCH_CHECK_VALUE(t.device() == ref.device(), "fastformer ", op, ": ", name, " is on ", t.device(), " but ",
+                    ref_name, " is on ", ref.device());
+}
+
+inline void check_bool_mask(const Tensor& m, const char* name, const Tensor& ref, const char* op) {
+  TORCH_CHECK_VALUE(m.scalar_type() == at::kBool, "fastformer ", op, ": ", name,
+                    " must be a bool tensor (True = masked), got ", m.scalar_type());
+  TORCH_CHECK_VALUE(m.device() == ref.device(), "fastformer ", op, ": ", name, " is on ", m.device(),
+                    " but the inputs are on ", ref.device());
+}
+
+inline void check_dropout(double p, const char* op) {
+  TORCH_CHECK_VALUE(p >= 0.0 && p < 1.0, "fastformer ", op, ": dropout_p must be a number in [0, 1), got ", p);
+}
+
+// q (B, H, Lq, D); k, v (B, H, Lk, D); key_padding_mask (B, Lk) bool.
+inline void check_attention(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& key_padding_mask,
+                            double dropout_p) {
+  constexpr const char* op = "attention";
+  TORCH_CHECK_VALUE(q.dim() == 4, "fastformer attention: q must be 4-D (B, H, L, D), got shape ", q.sizes());
+  TORCH_CHECK_VALUE(k.dim() == 4, "fastformer attention: k must be 4-D (B, H, L, D), got shape ", k.sizes());
+  TORCH_CHECK_VALUE(v.dim() == 4, "fastformer attention: v must be 4-D (B, H, L, D), got shape ", v.sizes());
+  check_floating(q, op, "q");
+  check_like(k, "k", q, "q", op);
+  check_like(v, "v", q, "q", op);
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "fastformer attention: k ", k.sizes(), " and v ", v.sizes(),
+                    " must have the same shape");
+  TORCH_CHECK_VALUE(k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3),
+                    "fastformer attention: q ", q.sizes(), " and k ", k.sizes(),
+                    " must agree in batch, heads and head dim");
+  if (key_padding_mask.has_value()) {
+    check_bool_mask(*key_padding_mask, "key_padding_mask", q, op);
+    TORCH_CHECK_VALUE(key_padding_mask->dim() == 2 && key_padding_mask->size(0) == q.size(0) &&
+                          key_padding_mask->size(1) == k.size(2),
+                      "fastformer attention: key_padding_mask must have shape (B, Lk) = (", q.size(0), ", ",
+                      k.size(2), "), got ", key_padding_mask->sizes());
+  }
+  check_dropout(dropout_p, op);
+}
+
+// The attention scale: the caller's (finite), else 1/sqrt(D) (1 for D = 0, where nothing is scaled).
+inline double attention_scale(std::optional<double> scale, const Tensor& q) {
+  if (scale.has_value()) {
+    TORCH_CHECK_VALUE(std::isfinite(*scale), "fastformer attention: scale must be a finite number, got ", *scale);
+    return *scale;
+  }
+  const int64_t D = q.size(-1);
+  return D > 0 ? 1.0 / std::sqrt(static_cast<double>(D)) : 1.0;
+}
+
+// x (..., N); mask bool, broadcastable to x.
+inline void check_softmax(const Tensor& x, const OptTensor& mask, double scale) {
+  constexpr const char* op = "softmax";
+  TORCH_CHECK_VALUE(x.dim() >= 1, "fastformer softmax: x must have at least one dimension");
+  check_floating(x, op, "x");
+  if (mask.has_value()) {
+    check_bool_mask(*mask, "mask", x, op);
+    TORCH_CHECK_VALUE(at::is_expandable_to(mask->sizes(), x.sizes()), "fastformer softmax: mask of shape ",
+                      mask->sizes(), " does not broadcast to x's shape ", x.sizes());
+  }
+  TORCH_CHECK_VALUE(std::isfinite(scale), "fastformer softmax: scale must be a finite number, got ", scale);
+}
+
+// x, residual (..., N); weight, bias (N,).
+inline void check_layer_norm_residual(const Tensor& x, const Tensor& residual, const Tensor& weight,
+                                      const Tensor& bias, double eps, double dropout_p) {
+  constexpr const char* op = "layer_norm_residual";
+  check_floating(x, op, "x");
+  check_like(residual, "residual", x, "x", op);
+  check_like(weight, "weight", x, "x", op);
+  check_like(bias, "bias", x, "x", op);
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) > 0,
+                    "fastformer layer_norm_residual: x must be (..., N) with N > 0, got ", x.sizes());
+  TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "fastformer layer_norm_residual: residual ", residual.sizes(),
+                    " must have x's shape ", x.sizes());
+  const int64_t N = x.size(-1);
+  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == N, "fastformer layer_norm_residual: weight must have shape (",
+                    N, ",), got ", weight.sizes());
+  TORCH_CHECK_VALUE(bias.dim() == 1 && bias.size(0) == N, "fastformer layer_norm_residual: bias must have shape (", N,
+                    ",), got ", bias.sizes());
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0, "fastformer layer_norm_residual: eps must be a finite number >= 0, got ",
+                    eps);
+  check_dropout(dropout_p, op);
+}
+
+// The dropout seed a caller drew (a 0-dim int64 tensor), or 0 when there is none (no dropout).
+inline int64_t seed_value(const OptTensor& seed) { return seed.has_value() ? seed->item<int64_t>() : 0; }
+
+inline OptTensor contiguous(const OptTensor& t) {
+  return t.has_value() ? OptTensor(t->contiguous()) : std::nullopt;
+}
+
+// ---- adapters: registered op -> entry points of a backend (csrc/op_entry_points.h) ----
+// Each checks the caller's arguments, makes the tensors contiguous (a no-op when they are), resolves the
+// defaults (scale, seed) and calls the backend's function Impl.
+
+template <auto Impl>
+std::tuple<Tensor, Tensor> attention_fwd_op(const Tensor& q, const Tensor& k, const Tensor& v,
+                                            const OptTensor& key_padding_mask, bool causal, double dropout_p,
+                                            std::optional<double> scale, const OptTensor& seed) {
+  check_attention(q, k, v, key_padding_mask, dropout_p);
+  return Impl(q.contiguous(), k.contiguous(), v.contiguous(), contiguous(key_padding_mask), causal, dropout_p,
+              attention_scale(scale, q), seed_value(seed));
+}
+
+template <auto Impl>
+std::tuple<Tensor, Tensor, Tensor> attention_bwd_op(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                                    const Tensor& v, const Tensor& out, const Tensor& lse,
+                                                    const OptTensor& key_padding_mask, bool causal, double dropout_p,
+                                                    std::optional<double> scale, const OptTensor& seed) {
+  check_attention(q, k, v, key_padding_mask, dropout_p);
+  return Impl(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
+              contiguous(key_padding_mask), causal, dropout_p, attention_scale(scale, q), seed_value(seed));
+}
+
+template <auto Impl>
+Tensor softmax_fwd_op(const Tensor& x, const OptTensor& mask, double scale) {
+  check_softmax(x, mask, scale);
+  return Impl(x.contiguous(), mask, scale);
+}
+
+template <auto Impl>
+Tensor softmax_bwd_op(const Tensor& dy, const Tensor& y, double scale) {
+  return Impl(dy.contiguous(), y.contiguous(), scale);
+}
+
+template <auto Impl>
+std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd_op(const Tensor& x, const Tensor& residual,
+                                                                      const Tensor& weight, const Tensor& bias,
+                                                                      double eps, double dropout_p,
+                                                                      const OptTensor& seed) {
+  check_layer_norm_residual(x, residual, weight, bias, eps, dropout_p);
+  return Impl(x.contiguous(), residual.contiguous(), weight.contiguous(), bias.contiguous(), eps, dropout_p,
+              seed_value(seed));
+}
+
+template <auto Impl>
+std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd_op(const Tensor& dy, const OptTensor& ds,
+                                                                      const Tensor& s, const Tensor& weight,
+                                                                      const Tensor& mean, const Tensor& rstd,
+                                                                      double dropout_p, const OptTensor& seed) {
+  return Impl(dy.contiguous(), contiguous(ds), s.contiguous(), weight.contiguous(), mean.contiguous(),
+              rstd.contiguous(), dropout_p, seed_value(seed));
+}
+
+}  // namespace fastformer
+
+// Registers a backend's entry points (namespace NS holding <op>_fwd / <op>_bwd) for one op under the
+// dispatch key of the enclosing TORCH_LIBRARY_IMPL block.
+#define FASTFORMER_IMPL_OP(m, NS, op)                              \
+  m.impl(#op "_fwd", &::fastformer::op##_fwd_op<&NS::op##_fwd>); \
+  m.impl(#op "_bwd", &::fastformer::op##_bwd_op<&NS::op##_bwd>)

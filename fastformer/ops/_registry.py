@@ -1,0 +1,49 @@
+"""What every op module registers on top of the ops declared in C++ (csrc/ops.h, csrc/fastformer.cpp).
+
+For an op ``<op>`` with phases fwd and bwd, the dispatcher holds ``fastformer::<op>_<phase>`` (C++ kernels
+for CPU and CUDA, C++ autograd) and ``fastformer::<op>_<phase>_py`` (the same arguments and ``backend``,
+C++ autograd). ``register`` adds, from Python: the fake (meta) kernel of all four, which torch.compile and
+export trace with, and the implementation of the ``_py`` twins for the torch, triton and cuda_sim backends.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from fastformer._ext import C
+
+OPS: tuple[str, ...] = tuple(C.OPS)  # the op list of csrc/ops.h (FASTFORMER_OPS), in its order
+
+
+def same_device(op: str, first: str, x: torch.Tensor, **others) -> None:
+    """Device checks of a fake kernel: a tensor on another device (e.g. "meta" beside CPU tensors) would
+    otherwise reach the fake kernel instead of raising, since the dispatcher picks one device's kernel."""
+    for name, t in others.items():
+        if t is not None and t.device != x.device:
+            raise ValueError(f"fastformer {op}: {name} is on {t.device} but {first} is on {x.device}")
+
+
+def register(op: str, *, fake_fwd: Callable, fake_bwd: Callable, py_fwd: Callable, py_bwd: Callable) -> None:
+    """Fake kernels of ``<op>_fwd``/``<op>_bwd`` and their ``_py`` twins, and the twins' implementation.
+
+    ``py_fwd``/``py_bwd`` take the schema's arguments, ``backend`` last, and run on any device.
+    """
+    for phase, fake, impl in (("fwd", fake_fwd, py_fwd), ("bwd", fake_bwd, py_bwd)):
+        name = f"fastformer::{op}_{phase}"
+        torch.library.register_fake(name)(fake)
+        torch.library.register_fake(f"{name}_py")(lambda *args, fake=fake: fake(*args[:-1]))
+        torch.library.impl(f"{name}_py", "CompositeExplicitAutograd")(impl)
+
+
+def dropout_seed(p) -> torch.Tensor | None:
+    """The call's dropout seed: one draw from torch's default generator when dropout is on (so
+    torch.manual_seed makes dropout reproducible on every backend); None without dropout."""
+    if isinstance(p, (int, float)) and p > 0:
+        return torch.randint(0, 2**62, (), dtype=torch.int64)
+    return None
+
+
+def seed_int(seed: torch.Tensor | None) -> int:
+    """The seed as the Python backends take it (0 when there is no dropout)."""
+    return 0 if seed is None else int(seed)
