@@ -2,7 +2,7 @@
 Transformer.generate for one short sentence.
 
 On tensors this small the arithmetic is nothing: what is timed is the cost of a call (argument checks,
-dispatch, the custom op and autograd machinery, allocations; on a GPU the kernel launches and one
+dispatch, the op registration and autograd machinery, allocations; on a GPU the kernel launches and one
 synchronization). The targets are ratios of per-call time, fastformer / PyTorch: no-grad forward
 <= 1.5x, forward + backward <= 1.3x.
 

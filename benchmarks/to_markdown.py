@@ -21,7 +21,9 @@ import json
 import math
 import sys
 
-OPS = ("attention", "softmax", "layer_norm_residual", "training_step", "generate")
+from fastformer.ops import OPS as KERNEL_OPS  # the op list of csrc/ops.h
+
+OPS = KERNEL_OPS + ("training_step", "generate")  # the order of the table's rows
 PASSES = ("no-grad fwd", "fwd", "bwd", "fwd+bwd", "fwd+bwd+adam", "cache", "no cache", "latency")
 OVERHEAD_CASES = ("attention", "attention+mask", "softmax+mask", "layer_norm_residual")  # test_overhead.py
 BACKENDS = ("cpu", "cuda", "triton", "torch")  # fastformer's, listed before the baselines

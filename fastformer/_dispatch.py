@@ -21,6 +21,7 @@ environment variable (read at import), then the automatic choice by device.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from typing import Callable
@@ -215,6 +216,7 @@ def forward(op: str, backend: str | None, x) -> Callable:
     return entry[1] if _compiling() else entry[0]
 
 
+@functools.cache
 def implementation(op: str, phase: str, backend: str):
     """The Python function computing ``op``'s ``phase`` ("fwd" or "bwd") on backend torch, triton or cuda_sim."""
     if backend == "torch":
@@ -223,5 +225,5 @@ def implementation(op: str, phase: str, backend: str):
     if backend == "triton":
         return getattr(importlib.import_module(f"fastformer.triton.{op}"), f"{op}_{phase}")
     if backend == "cuda_sim":
-        return getattr(importlib.import_module("fastformer.cuda_sim"), f"{op}_{phase}")
+        return importlib.import_module("fastformer.cuda_sim").entry(op, phase)
     raise ValueError(f"unknown fastformer backend {backend!r}")

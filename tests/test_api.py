@@ -1,6 +1,7 @@
 """The package-level API: fastformer.backends(), set_backend, FASTFORMER_BACKEND and backend= precedence.
 
-Which backend ran is observed through the custom ops' `backend` argument (helpers.RecordBackends).
+Which backend ran is observed through the ops' calls (helpers.RecordBackends: the `_py` twins' `backend`
+argument, the C++ kernel ops' device).
 Everything that changes the process default runs in a fresh interpreter, so it cannot leak into other tests.
 """
 import os
@@ -16,7 +17,7 @@ TESTS = Path(__file__).resolve().parent  # the subprocess imports helpers.py fro
 
 # Runs the three ops forward and backward on CPU tensors after each step of STEPS (a list of
 # (label, statement before the calls, extra keyword arguments)), printing "<label> <op> <backend>"
-# for every custom op call.
+# for every fastformer op call.
 SCRIPT = """
 import torch, fastformer
 from fastformer import ops
@@ -63,7 +64,7 @@ def backends_used(steps, env_backend=None):
         calls.setdefault(label, []).append((op, backend))
     used = {}
     for label, _, _ in steps:
-        assert {op for op, _ in calls.get(label, [])} == ALL_OPS, f"{label}: expected every custom op, got {calls}"
+        assert {op for op, _ in calls.get(label, [])} == ALL_OPS, f"{label}: expected every op, got {calls}"
         backends = {backend for _, backend in calls[label]}
         assert len(backends) == 1, f"{label}: ops ran on different backends: {calls[label]}"
         used[label] = backends.pop()
@@ -94,3 +95,27 @@ def test_environment_variable_and_backend_argument():
 def test_set_backend_rejects_unknown_names():
     with pytest.raises(ValueError, match="nope"):
         fastformer.set_backend("nope")
+
+
+def test_automatic_gpu_choice_respects_each_backends_limits(monkeypatch):
+    # backend=None on a GPU prefers triton (compute capability 8.0+) or cuda (before 8.0), but never one
+    # whose limits the call exceeds: head dims over 128 go to torch, rows over triton's MAX_N to cuda.
+    # Simulated on CPU tensors: the capability, the availability and the ops are stand-ins.
+    import torch
+
+    from fastformer import _dispatch
+
+    MAX_N = pytest.importorskip("fastformer.triton.layer_norm_residual").MAX_N  # triton is installed in CI
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(_dispatch, "status", lambda name: (name in ("triton", "cuda", "torch"), ""))
+    monkeypatch.setattr(_dispatch, "kernel", lambda op, phase, name, eager=False: lambda *args: name)
+
+    attention = _dispatch._gpu_automatic("attention", torch.device("cuda"), True)
+    assert attention(torch.empty(1, 1, 4, 64)) == "triton"
+    assert attention(torch.empty(1, 1, 4, 160)) == "torch"
+    lnr = _dispatch._gpu_automatic("layer_norm_residual", torch.device("cuda"), True)
+    assert lnr(torch.empty(2, 512)) == "triton"
+    assert lnr(torch.empty(2, MAX_N + 1)) == "cuda"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (6, 0))
+    assert _dispatch._gpu_automatic("softmax", torch.device("cuda"), True)(torch.empty(2, 8)) == "cuda"

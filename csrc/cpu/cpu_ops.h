@@ -1,6 +1,7 @@
-// Entry points of the C++ CPU kernels, bound in csrc/fastformer.cpp as <op>_<fwd|bwd>_cpu.
-// Callers (fastformer/ops/*.py) validate shapes, dtypes and devices with friendly messages and pass
-// contiguous tensors; the TORCH_CHECKs here are a second line of defense so nothing reads out of bounds.
+// Entry points of the C++ CPU kernels, registered for the CPU dispatch key of fastformer::<op>_<fwd|bwd>
+// by each kernel file through the adapters of csrc/ops.h, which check the caller's arguments (ValueError)
+// and pass contiguous tensors; the TORCH_CHECKs left here guard what only a direct caller of the
+// backward could get wrong, so nothing reads out of bounds.
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
@@ -21,14 +22,6 @@ using at::Tensor;
 inline void check_cpu_contiguous(const Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), "fastformer cpu backend: ", name, " must be a CPU tensor, got ", t.device());
   TORCH_CHECK(t.is_contiguous(), "fastformer cpu backend: ", name, " must be contiguous");
-}
-inline void check_float_dtype(const Tensor& t, const char* name) {
-  const auto d = t.scalar_type();
-  TORCH_CHECK(d == at::kFloat || d == at::kDouble || d == at::kHalf || d == at::kBFloat16,
-              "fastformer cpu backend: ", name, " must be float32, float64, float16 or bfloat16, got ", d);
-}
-inline void check_dropout(double p) {
-  TORCH_CHECK(p >= 0.0 && p < 1.0, "fastformer: dropout_p must be in [0, 1), got ", p);
 }
 
 // Vectorized helpers over a float/double buffer of length n (ATen's at::vec, tail handled by count).

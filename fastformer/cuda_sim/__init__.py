@@ -22,7 +22,9 @@ import shutil
 import threading
 from pathlib import Path
 
-OPS = ("attention", "softmax", "layer_norm_residual")
+from fastformer._ext import C
+
+OPS = tuple(C.OPS)  # the op list of csrc/ops.h
 
 
 def _find_sources() -> Path:
@@ -101,20 +103,13 @@ def barrier_deleted(op: str, file: str, line: int):
         module.delete_barrier("", 0)
 
 
-def _entry(op: str, phase: str):
+def entry(op: str, phase: str):
+    """``op``'s ``phase`` ("fwd" or "bwd") on the CUDA kernels executed by the CPU SIMT model: the launcher
+    of csrc/cuda/<op>.cu, with the signature of csrc/op_entry_points.h (built on first use)."""
     fn_name = f"{op}_{phase}"
 
     def run(*args):
         return getattr(load(op), fn_name)(*args)
 
     run.__name__ = fn_name
-    run.__doc__ = f"{op} {phase} on the CUDA kernels executed by the CPU SIMT model (built on first use)."
     return run
-
-
-attention_fwd = _entry("attention", "fwd")
-attention_bwd = _entry("attention", "bwd")
-softmax_fwd = _entry("softmax", "fwd")
-softmax_bwd = _entry("softmax", "bwd")
-layer_norm_residual_fwd = _entry("layer_norm_residual", "fwd")
-layer_norm_residual_bwd = _entry("layer_norm_residual", "bwd")
