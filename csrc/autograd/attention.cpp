@@ -44,6 +44,7 @@ struct Attention : public torch::autograd::Function<Attention> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order("attention");
     static const auto bwd = op_handle<BwdSig>("fastformer::attention_bwd");
     static const auto bwd_py = op_handle<BwdPySig>("fastformer::attention_bwd_py");
     const auto saved = ctx->get_saved_variables();

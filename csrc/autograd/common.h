@@ -38,6 +38,14 @@ bool records_graph(const Tensors&... inputs) {
   return at::GradMode::is_enabled() && (inputs.requires_grad() || ...);
 }
 
+// Backward runs with grad mode on only for a double backward (create_graph=True), which the kernel ops
+// cannot give: their backward is not differentiable, and letting it run would yield zero second-order
+// gradients with a mere warning. Called first in every backward.
+inline void check_first_order(const char* op) {
+  TORCH_CHECK(!at::GradMode::is_enabled(), "fastformer ", op,
+              ": double backward (create_graph=True) is not supported: the backward kernels are not differentiable");
+}
+
 inline c10::IValue backend_value(const Backend& b) { return b.has_value() ? c10::IValue(*b) : c10::IValue(); }
 
 }  // namespace fastformer::autograd

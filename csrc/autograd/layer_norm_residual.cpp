@@ -41,6 +41,7 @@ struct LayerNormResidual : public torch::autograd::Function<LayerNormResidual> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order("layer_norm_residual");
     static const auto bwd = op_handle<BwdSig>("fastformer::layer_norm_residual_bwd");
     static const auto bwd_py = op_handle<BwdPySig>("fastformer::layer_norm_residual_bwd_py");
     const auto saved = ctx->get_saved_variables();

@@ -30,6 +30,7 @@ struct Softmax : public torch::autograd::Function<Softmax> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    check_first_order("softmax");
     static const auto bwd = op_handle<BwdSig>("fastformer::softmax_bwd");
     static const auto bwd_py = op_handle<BwdPySig>("fastformer::softmax_bwd_py");
     const Tensor y = ctx->get_saved_variables()[0];

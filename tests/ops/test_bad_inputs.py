@@ -235,3 +235,20 @@ def test_layer_norm_residual_noncontiguous(backend, dtype):
         return lambda x, r, w, b: ops.layer_norm_residual(x, r, w, b, prenorm=True, backend=backend)
 
     assert_same_as_contiguous(fn, [x, residual, weight, bias], [dy, ds], backend, dtype)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_double_backward_raises(backend):
+    # The backward kernels are not differentiable: create_graph=True must raise, not return zero
+    # second-order gradients.
+    q, k, v = (randn(1, 2, 5, 8, dtype=F32).requires_grad_() for _ in range(3))
+    x = randn(3, 8, dtype=F32).requires_grad_()
+    weight, bias = randn(8, dtype=F32), randn(8, dtype=F32)
+    outputs = {
+        "attention": ops.attention(q, k, v, causal=True, backend=backend),
+        "softmax": ops.softmax(x, backend=backend),
+        "layer_norm_residual": ops.layer_norm_residual(x, x, weight, bias, backend=backend),
+    }
+    for op, out in outputs.items():
+        with pytest.raises(RuntimeError, match=f"fastformer {op}: double backward"):
+            torch.autograd.grad(out.sum(), [q] if op == "attention" else [x], create_graph=True)
