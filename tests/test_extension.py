@@ -64,3 +64,23 @@ def test_import_fails_with_the_reason_when_the_extension_is_unusable():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode != 0
     assert "ImportError" in result.stderr and "built against torch 0.0.1" in result.stderr
+
+
+def test_checkout_without_a_build_uses_the_installed_extension(tmp_path):
+    # `pip install .` puts _C in site-packages, not in the checkout; `python -m fastformer.train` run from
+    # the checkout's root imports the checkout's package, which must then load the installed _C (not fail,
+    # and not fall back to slower code). Simulated: a copy of the package without _C as the working folder.
+    import os
+    import shutil
+    from pathlib import Path
+
+    package = Path(fastformer.__file__).parent
+    shutil.copytree(package, tmp_path / "fastformer",
+                    ignore=shutil.ignore_patterns("_C*.so", "_csrc", "__pycache__", "_build_info.json"))
+    code = "import fastformer, fastformer._C as C; print(fastformer.__file__); print(C.__file__); print(fastformer.backends()['cpu'])"
+    env = dict(os.environ, PYTHONPATH=str(package.parent))
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    checkout_init, extension, cpu = result.stdout.split()
+    assert Path(checkout_init).parent == tmp_path / "fastformer"
+    assert Path(extension).parent == package and cpu == "True"
