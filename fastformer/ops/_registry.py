@@ -36,12 +36,13 @@ def register(op: str, *, fake_fwd: Callable, fake_bwd: Callable, py_fwd: Callabl
         torch.library.impl(f"{name}_py", "CompositeExplicitAutograd")(impl)
 
 
-def dropout_seed(p) -> torch.Tensor | None:
+def dropout_seed(p, op: str) -> torch.Tensor | None:
     """The call's dropout seed: one draw from torch's default generator when dropout is on (so
-    torch.manual_seed makes dropout reproducible on every backend); None without dropout."""
-    if isinstance(p, (int, float)) and p > 0:
-        return torch.randint(0, 2**62, (), dtype=torch.int64)
-    return None
+    torch.manual_seed makes dropout reproducible on every backend); None without dropout. A dropout_p that
+    is no number (a bool, a string, a tensor) raises ValueError here; its range is checked in C++."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise ValueError(f"fastformer {op}: dropout_p must be a number in [0, 1), got {p!r}")
+    return torch.randint(0, 2**62, (), dtype=torch.int64) if p > 0 else None
 
 
 def seed_int(seed: torch.Tensor | None) -> int:

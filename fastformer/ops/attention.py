@@ -59,4 +59,4 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Optional[Ten
     grads). backend: "torch", "cpu", "cuda", "triton", "cuda_sim" or None (the default).
     """
     fwd = _dispatch.forward("attention", backend, q)
-    return fwd(q, k, v, key_padding_mask, bool(causal), dropout_p, scale, dropout_seed(dropout_p))[0]
+    return fwd(q, k, v, key_padding_mask, bool(causal), dropout_p, scale, dropout_seed(dropout_p, "attention"))[0]

@@ -54,5 +54,5 @@ def layer_norm_residual(x: Tensor, residual: Tensor, weight: Tensor, bias: Tenso
     prenorm=True returns (y, residual + dropout(x)), the pre-norm residual stream.
     """
     fwd = _dispatch.forward("layer_norm_residual", backend, x)
-    y, s, _, _ = fwd(x, residual, weight, bias, eps, dropout_p, dropout_seed(dropout_p))
+    y, s, _, _ = fwd(x, residual, weight, bias, eps, dropout_p, dropout_seed(dropout_p, "layer_norm_residual"))
     return (y, s) if prenorm else y

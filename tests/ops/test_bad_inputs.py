@@ -99,6 +99,8 @@ BAD = {
     "attention-dropout_one": (attention(dropout_p=1.0), VALUE),
     "attention-dropout_above_one": (attention(dropout_p=1.5), VALUE),
     "attention-dropout_nan": (attention(dropout_p=float("nan")), VALUE),
+    "attention-dropout_str": (attention(dropout_p="0.1"), VALUE),
+    "attention-dropout_bool": (attention(dropout_p=True), VALUE),
     # softmax: x (..., N), mask broadcastable to x
     "softmax-x_rank0": (softmax(x=torch.tensor(1.0), mask=None), VALUE),
     "softmax-mask_last_dim": (softmax(mask=torch.zeros(N + 1, dtype=torch.bool)), VALUE),
@@ -125,6 +127,8 @@ BAD = {
     "lnr-dropout_one": (lnr(dropout_p=1.0), VALUE),
     "lnr-dropout_above_one": (lnr(dropout_p=1.5), VALUE),
     "lnr-dropout_nan": (lnr(dropout_p=float("nan")), VALUE),
+    "lnr-dropout_str": (lnr(dropout_p="0.1"), VALUE),
+    "lnr-dropout_tensor": (lnr(dropout_p=torch.tensor(0.1)), VALUE),
     "lnr-int": (lnr(**{n: (lambda a, n=n: a[n].long()) for n in ("x", "residual", "weight", "bias")}), ANY),
 }
 
