@@ -121,13 +121,16 @@ def _device_ok(name: str, device: torch.device) -> tuple[bool, str]:
                                  f"{os.environ.get('TRITON_INTERPRET', '0')}), got {device.type} tensors")
 
 
+def _gpu_order(device: torch.device) -> list[str]:
+    """The available GPU backends for ``device`` in order of preference: triton first on compute
+    capability 8.0 and newer, cuda first before."""
+    major, _ = torch.cuda.get_device_capability(device)
+    return [n for n in (("triton", "cuda") if major >= 8 else ("cuda", "triton")) if status(n)[0]]
+
+
 def _automatic(device: torch.device) -> str:
     if device.type == "cuda":
-        major, _ = torch.cuda.get_device_capability(device)
-        order = ("triton", "cuda") if major >= 8 else ("cuda", "triton")
-        for name in order + ("torch",):
-            if status(name)[0]:
-                return name
+        return (_gpu_order(device) + ["torch"])[0]
     if device.type == "cpu" and status("cpu")[0]:
         return "cpu"
     return "torch"
@@ -177,9 +180,7 @@ def kernel(op: str, phase: str, backend: str, *, eager: bool = False) -> Callabl
 
 def _gpu_automatic(op: str, device: torch.device, eager: bool) -> Callable:
     """Forward of ``op`` on a CUDA device: the preferred GPU backend whose limits hold for the call, else torch."""
-    major, _ = torch.cuda.get_device_capability(device)
-    order = [n for n in (("triton", "cuda") if major >= 8 else ("cuda", "triton")) if status(n)[0]]
-    candidates = [(n, kernel(op, "fwd", n, eager=eager)) for n in order]
+    candidates = [(n, kernel(op, "fwd", n, eager=eager)) for n in _gpu_order(device)]
     fallback = kernel(op, "fwd", "torch", eager=eager)
 
     def run(*args):
