@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fastformer.nn.attention import reorder_cache
+from fastformer.nn import decoding
 from fastformer.nn.config import TransformerConfig
 from fastformer.nn.layers import Decoder, Encoder
 
@@ -111,75 +111,9 @@ class Transformer(nn.Module):
         was_training = self.training
         self.eval()
         try:
-            return self._beam_search(src, beam_size, length_penalty, max_len_a, max_len_b, use_cache)
+            return decoding.beam_search(self, src, beam_size, length_penalty, max_len_a, max_len_b, use_cache)
         finally:
             self.train(was_training)
-
-    def _beam_search(self, src, K, alpha, a, b, use_cache):
-        cfg = self.config
-        B, device, neg_inf = src.shape[0], src.device, float("-inf")
-        memory, src_padding = self.encode(src)
-        max_len = ((~src_padding).sum(1).double() * a + b).floor().long().clamp(min=0).tolist()
-        # Row i * K + k of every per-row tensor is beam k of the i-th still active sentence.
-        active = list(range(B))
-        rows = torch.arange(B, device=device).repeat_interleave(K)
-        memory, src_padding = memory[rows], src_padding[rows]
-        cache = self.decoder.new_cache() if use_cache else None
-        tokens = torch.full((B * K, 1), cfg.bos_id, dtype=torch.long, device=device)
-        scores = torch.zeros(B, K, dtype=torch.float64, device=device)
-        scores[:, 1:] = neg_inf  # at step 0 every beam holds the same prefix: expand only the first
-        finished: list[list[tuple[list[int], float]]] = [[] for _ in range(B)]
-        for step in range(max(max_len) + 1):
-            if use_cache:
-                logits = self.decode(tokens[:, -1:], memory, src_padding, cache, offset=step)[:, -1]
-            else:
-                logits = self.decode(tokens, memory, src_padding)[:, -1]
-            lprobs = F.log_softmax(logits.double(), dim=-1)  # (n K, V)
-            lprobs[:, cfg.pad_id] = neg_inf
-            lprobs[:, cfg.bos_id] = neg_inf
-            at_limit = torch.tensor([step >= max_len[s] for s in active], device=device).repeat_interleave(K)
-            if bool(at_limit.any()):  # the last allowed position of a sentence: only eos
-                eos = lprobs[:, cfg.eos_id].clone()
-                lprobs[at_limit] = neg_inf
-                lprobs[:, cfg.eos_id] = eos
-            n, V = len(active), lprobs.shape[1]
-            candidates = (scores.view(n * K, 1) + lprobs).view(n, K * V)
-            top_scores, top_index = candidates.topk(min(2 * K, K * V), dim=1)
-            top_scores, top_index = top_scores.tolist(), top_index.tolist()
-            penalty = ((5.0 + step + 1) / 6.0) ** alpha
-            still, next_rows, next_tokens, next_scores = [], [], [], []
-            for i, s in enumerate(active):
-                beams = []
-                for rank, (score, index) in enumerate(zip(top_scores[i], top_index[i])):
-                    if len(beams) == K or score == neg_inf:
-                        break
-                    beam, token = divmod(index, V)
-                    row = i * K + beam
-                    if token == cfg.eos_id:
-                        if rank < K:  # an eos among the best K candidates ends a hypothesis
-                            finished[s].append((tokens[row, 1:].tolist(), score / penalty))
-                        continue
-                    beams.append((row, token, score))
-                if len(finished[s]) >= K or step >= max_len[s] or not beams:
-                    continue  # the sentence is done: its rows leave the batch
-                beams += [(beams[0][0], cfg.eos_id, neg_inf)] * (K - len(beams))  # idle beams
-                still.append(s)
-                for row, token, score in beams:
-                    next_rows.append(row)
-                    next_tokens.append(token)
-                    next_scores.append(score)
-            active = still
-            if not active:
-                break
-            order = torch.tensor(next_rows, dtype=torch.long, device=device)
-            tokens = torch.cat([tokens[order], torch.tensor(next_tokens, device=device)[:, None]], dim=1)
-            scores = torch.tensor(next_scores, dtype=torch.float64, device=device).view(len(active), K)
-            memory, src_padding = memory[order], src_padding[order]
-            if use_cache:
-                for layer_cache in cache:
-                    reorder_cache(layer_cache["self"], order)
-                    reorder_cache(layer_cache["cross"], order)
-        return [sorted(hyps, key=lambda h: -h[1])[:K] for hyps in finished]
 
     def generate(self, src: Tensor, beam_size: int = 4, length_penalty: float = 0.6, max_len_a: float = 1.0,
                  max_len_b: int = 50, use_cache: bool = True) -> list[list[int]]:

@@ -1,0 +1,148 @@
+"""python -m fastformer.export --ctranslate2 CHECKPOINT OUT: a CTranslate2 model of a fastformer checkpoint.
+
+CTranslate2 (``pip install "fastformer[ctranslate2]"``) is the engine Transformer translation models are
+deployed with. The converted model decodes to the same tokens as ``Transformer.generate`` on the same
+input (``tests/test_export.py`` checks it), given the same search settings:
+
+- weights: the shared embedding serves the encoder's and decoder's embeddings and the output projection
+  (CTranslate2 stores it once); the fused q|k|v projection of self-attention and the fused k|v projection
+  of cross-attention are CTranslate2's own layouts, copied as they are; post-norm or pre-norm as trained.
+- positions: fastformer's sinusoid table (sin and cos interleaved, position 0 first) is stored in the
+  model, so CTranslate2 does not use its own table ([sin | cos] halves, from position 1).
+- tokens: CTranslate2 reads sentencepiece pieces; ``ctranslate2_translate`` below turns fastformer's ids
+  into pieces and back, with the source's eos appended as fastformer's ``collate`` does and bos as the
+  decoder's start token.
+- search: CTranslate2 4.x normalizes a finished hypothesis by len ** alpha; fastformer by GNMT's
+  ((5 + len) / 6) ** alpha. With ``length_penalty=0`` both rank by the raw sum of log-probabilities and
+  agree exactly; with alpha > 0 they can pick different hypotheses. CTranslate2's ``max_decoding_length``
+  is one limit for the whole batch (eos included), where fastformer gives each sentence floor(a n + b)
+  tokens before its eos: ``ctranslate2_translate`` passes each sentence's own limit by translating
+  sentences with different limits in separate calls.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+from fastformer import checkpoint as ckpt
+from fastformer.nn.transformer import sinusoid_table
+
+
+def _ctranslate2():
+    try:
+        import ctranslate2
+    except ImportError as exc:
+        raise SystemExit("error: the CTranslate2 export needs the ctranslate2 package: "
+                         "pip install 'fastformer[ctranslate2]' (or pip install ctranslate2)") from exc
+    return ctranslate2
+
+
+def ctranslate2_spec(model, tokenizer):
+    """The ``ctranslate2.specs.TransformerSpec`` of a fastformer Transformer (float32 weights)."""
+    from ctranslate2.specs import common_spec, transformer_spec
+
+    cfg = model.config
+    spec = transformer_spec.TransformerSpec.from_config((cfg.n_encoder_layers, cfg.n_decoder_layers), cfg.n_heads,
+                                                        pre_norm=cfg.norm_first,
+                                                        activation=common_spec.Activation.RELU)
+    spec.config.layer_norm_epsilon = cfg.layer_norm_eps
+    numpy = {name: p.detach().float().cpu().numpy() for name, p in model.state_dict().items()}
+
+    def linear(target, prefix):
+        target.weight, target.bias = numpy[prefix + ".weight"], numpy[prefix + ".bias"]
+
+    def norm(target, prefix):
+        target.gamma, target.beta = numpy[prefix + ".weight"], numpy[prefix + ".bias"]
+
+    positions = sinusoid_table(cfg.max_positions, cfg.d_model).float().numpy()
+    embed = numpy["embed.weight"]
+    for side, stack in (("encoder", spec.encoder), ("decoder", spec.decoder)):
+        (stack.embeddings[0] if isinstance(stack.embeddings, list) else stack.embeddings).weight = embed
+        stack.scale_embeddings = True  # x sqrt(d_model)
+        stack.position_encodings.encodings = positions
+        if cfg.norm_first:
+            norm(stack.layer_norm, f"{side}.final_norm")
+        for i, layer in enumerate(stack.layer):
+            p = f"{side}.layers.{i}"
+            linear(layer.self_attention.linear[0], p + ".self_attn.qkv_proj")  # q | k | v
+            linear(layer.self_attention.linear[1], p + ".self_attn.out_proj")
+            norm(layer.self_attention.layer_norm, p + ".self_attn_norm")
+            if side == "decoder":
+                linear(layer.attention.linear[0], p + ".cross_attn.q_proj")
+                linear(layer.attention.linear[1], p + ".cross_attn.kv_proj")  # k | v
+                linear(layer.attention.linear[2], p + ".cross_attn.out_proj")
+                norm(layer.attention.layer_norm, p + ".cross_attn_norm")
+            linear(layer.ffn.linear_0, p + ".ffn.fc1")
+            linear(layer.ffn.linear_1, p + ".ffn.fc2")
+            norm(layer.ffn.layer_norm, p + ".ffn_norm")
+    spec.decoder.projection.weight = embed
+    pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
+    spec.register_source_vocabulary(pieces)
+    spec.register_target_vocabulary(pieces)
+    sp = tokenizer.sp
+    spec.config.unk_token, spec.config.bos_token, spec.config.eos_token = (
+        sp.id_to_piece(sp.unk_id()), sp.id_to_piece(sp.bos_id()), sp.id_to_piece(sp.eos_id()))
+    spec.config.decoder_start_token = spec.config.bos_token
+    spec.config.add_source_eos = True
+    return spec
+
+
+def export_ctranslate2(checkpoint: str, out_dir: str, force: bool = False) -> str:
+    """Writes the CTranslate2 model of ``checkpoint`` (file or run folder) into ``out_dir``."""
+    ctranslate2 = _ctranslate2()
+    model, tokenizer, _ = ckpt.load_model(checkpoint)
+
+    class _Converter(ctranslate2.converters.Converter):
+        def _load(self):
+            return ctranslate2_spec(model, tokenizer)
+
+    return _Converter().convert(out_dir, force=force)
+
+
+def ctranslate2_translate(translator, tokenizer, ids: list[list[int]], *, beam_size: int = 4,
+                          length_penalty: float = 0.0, max_len_a: float = 1.2, max_len_b: int = 10,
+                          **options) -> list[list[int]]:
+    """Best translations (ids, no bos/eos) of source id lists ``ids`` (no eos) by a CTranslate2
+    ``Translator`` of an exported model, each sentence limited to floor(a n + b) tokens before its eos
+    (n counting the source's eos, as in ``Transformer.generate``). Sentences that share a limit go in
+    one ``translate_batch`` call."""
+    sp = tokenizer.sp
+    limits = [max(0, math.floor(max_len_a * (len(s) + 1) + max_len_b)) for s in ids]
+    out: list[list[int]] = [[] for _ in ids]
+    for limit in sorted(set(limits)):
+        group = [i for i, n in enumerate(limits) if n == limit]
+        results = translator.translate_batch([[sp.id_to_piece(t) for t in ids[i]] for i in group],
+                                             beam_size=beam_size, length_penalty=length_penalty,
+                                             max_decoding_length=limit, **options)
+        for i, result in zip(group, results):
+            out[i] = [sp.piece_to_id(piece) for piece in result.hypotheses[0]]
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fastformer.export",
+                                description="Export a fastformer checkpoint to another inference engine.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--ctranslate2", action="store_true", required=True,
+                   help="write a CTranslate2 model folder (needs: pip install ctranslate2)")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint file, or run folder (its latest)")
+    p.add_argument("out", metavar="OUT", help="output folder")
+    p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if os.path.exists(args.out) and not args.force:
+        raise SystemExit(f"error: {args.out} exists (use --force to overwrite it)")
+    try:
+        out = export_ctranslate2(args.checkpoint, args.out, force=args.force)
+    except ckpt.CheckpointError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+    print(f"wrote the CTranslate2 model to {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""Beam search and the incremental decoder it runs on (``Transformer.beam_search`` and ``generate``).
+
+One search loop (``beam_search``) serves greedy (beam 1) and beam decoding; it asks a *stepper* for the
+next-token logits of every live row and tells it which rows survive. Two steppers:
+
+- ``IncrementalDecoder`` (``use_cache=True``, the default), built for decoding the way CTranslate2's
+  decoder is:
+  * projection weights prepared once per set of weights, transposed to (in, out), the layout the GEMM
+    reads fastest at a few rows (``PreparedWeights``, cached on the model until a parameter changes);
+  * cross-attention K/V computed once per sentence and shared by its beams: the K beams of a sentence
+    are the K query rows of one attention call against that sentence's keys, never copied per beam and
+    never reordered (only narrowed when sentences finish);
+  * self-attention K/V in two preallocated buffers per layer that take turns: step t writes the cache
+    of the rows that survived (gathered by their parents, one pass) plus this step's key into the other
+    buffer, whose first N H (t + 1) Dh elements are then a contiguous (N, H, t + 1, Dh) tensor: the
+    beam reorder is one gather of the self-attention caches per step, with no allocation and no cat;
+  * about 12 PyTorch calls per layer a step, through the same fused ops as training.
+- ``FullRecompute`` (``use_cache=False``) recomputes the whole prefix with ``Transformer.decode`` at
+  every step: the slow, obviously right path that tests and benchmarks compare against.
+
+The search works on the live rows only (rows of finished sentences leave the batch) and in the model's
+dtype: per row, the top 2K logits are taken first (log-softmax is monotonic in each row), then only those
+become log-probabilities, lp = logit - logsumexp(row), with the logsumexp's sum of exponentials and the
+hypothesis scores accumulated in float64: the same scores as a float64 log-softmax over the whole
+vocabulary, without converting (N, V) logits to float64.
+
+Rules (pinned by tests/nn/test_model_decoding.py): a sentence of n source tokens may produce at most
+floor(a n + b) tokens before its eos, which is forced at the position after them; pad and bos are never
+produced; score = sum of log-probabilities (eos included) / ((5 + len) / 6) ** alpha with len counting
+the eos (GNMT's length penalty); an eos among the best K of the 2K candidates of a sentence ends a
+hypothesis; a sentence stops when K hypotheses have finished or at its length limit.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from fastformer import ops
+from fastformer.nn.layers import run_sublayers
+
+Hypotheses = list[tuple[list[int], float]]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Weights in the layout the decoder step wants
+
+
+@dataclass
+class Projection:
+    """y = x W^T + b with W^T stored (in, out) contiguous: ``addmm`` then reads the weight row by row,
+    which at the few rows of a decoding step is up to 2x faster than nn.Linear's (out, in) layout."""
+    weight_t: Tensor  # (in, out)
+    bias: Tensor  # (out,)
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> "Projection":
+        return cls(linear.weight.detach().t().contiguous(), linear.bias.detach())
+
+    def __call__(self, x: Tensor) -> Tensor:  # (N, in) -> (N, out)
+        return torch.addmm(self.bias, x, self.weight_t)
+
+
+@dataclass
+class PreparedLayer:
+    qkv: Projection  # self-attention q, k, v: d -> 3d
+    self_out: Projection
+    cross_q: Projection
+    cross_kv: Projection  # memory -> cross-attention k, v: d -> 2d (once per sentence)
+    cross_out: Projection
+    fc1: Projection
+    fc2: Projection
+    norms: tuple[nn.LayerNorm, nn.LayerNorm, nn.LayerNorm]  # self-attention, cross-attention, feed-forward
+
+
+@dataclass
+class PreparedWeights:
+    layers: list[PreparedLayer]
+    output_t: Tensor  # (d, V): the shared embedding, transposed, for the output projection
+    key: tuple
+
+
+def _weights_key(model) -> tuple:
+    """Identifies the decoder's current weights: storage, version counter (bumped by every in-place
+    update, optimizer steps included), dtype and device of each parameter."""
+    params = [model.embed.weight, *model.decoder.parameters()]
+    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+
+
+def prepared_weights(model) -> PreparedWeights:
+    """The decoder's projections in GEMM layout, made once and reused until a parameter changes (kept in
+    ``model.__dict__``, outside the state dict; it costs one more copy of the decoder's weights and of the
+    embedding matrix)."""
+    key = _weights_key(model)
+    prepared = model.__dict__.get("_prepared_decoder")
+    if prepared is not None and prepared.key == key:
+        return prepared
+    with torch.no_grad():
+        layers = [PreparedLayer(Projection.of(layer.self_attn.qkv_proj), Projection.of(layer.self_attn.out_proj),
+                                Projection.of(layer.cross_attn.q_proj), Projection.of(layer.cross_attn.kv_proj),
+                                Projection.of(layer.cross_attn.out_proj), Projection.of(layer.ffn.fc1),
+                                Projection.of(layer.ffn.fc2),
+                                (layer.self_attn_norm, layer.cross_attn_norm, layer.ffn_norm))
+                  for layer in model.decoder.layers]
+        prepared = PreparedWeights(layers, model.embed.weight.detach().t().contiguous(), key)
+    model.__dict__["_prepared_decoder"] = prepared
+    return prepared
+
+
+# ----------------------------------------------------------------------------------------------------
+# Steppers: next-token logits of the live rows
+
+
+class IncrementalDecoder:
+    """Decodes one position per call for N = n K live rows (row i K + k is beam k of the i-th live
+    sentence); see the module docstring for the layout of its caches.
+
+    memory (B, S, d) and src_padding (B, S) are the encoder's; ``steps`` bounds the positions decoded.
+    """
+
+    def __init__(self, model, memory: Tensor, src_padding: Tensor, beam_size: int, steps: int):
+        cfg = model.config
+        self.model, self.K, self.backend = model, beam_size, model.backend
+        self.H, self.Dh, self.d = cfg.n_heads, cfg.head_dim, cfg.d_model
+        self.weights = prepared_weights(model)
+        B, S, d = memory.shape
+        # Cross-attention keys/values, once per sentence: (B, S, 2d) -> k, v (B, H, S, Dh).
+        self.cross = []
+        for layer in self.weights.layers:
+            kv = layer.cross_kv(memory.reshape(B * S, d)).view(B, S, 2, self.H, self.Dh).permute(2, 0, 3, 1, 4)
+            self.cross.append((kv[0].contiguous(), kv[1].contiguous()))
+        self.src_padding = src_padding if bool(src_padding.any()) else None
+        # Self-attention caches: per layer, two flat buffers for keys and two for values (B K H steps Dh
+        # elements each), allocated at the first step in the dtype of the projections (autocast's).
+        self.cache_size = B * beam_size * self.H * steps * self.Dh
+        self.buffers: list[list[Tensor]] = [[] for _ in self.weights.layers]
+        self.caches: list[Optional[tuple[Tensor, Tensor]]] = [None] * len(self.weights.layers)
+        self.turn, self.step_index = 0, 0
+        self.parents: Optional[Tensor] = None  # rows of the last step that the live rows continue
+        self.positions = model.positions(steps, memory.dtype, memory.device)
+        self.embed_scale = math.sqrt(d)
+
+    def select(self, parents: Tensor, sentences: Optional[Tensor]) -> None:
+        """The next step's live rows continue rows ``parents`` (N',) of this step; ``sentences`` (n',)
+        are the indices, among this step's live sentences, of those still decoding (None: all)."""
+        self.parents = parents
+        if sentences is not None:
+            self.cross = [(k.index_select(0, sentences), v.index_select(0, sentences)) for k, v in self.cross]
+            if self.src_padding is not None:
+                self.src_padding = self.src_padding.index_select(0, sentences)
+
+    def _append(self, index: int, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
+        """Layer ``index``'s self-attention cache for this step: the parents' t keys/values gathered and
+        this step's appended, written into the buffer not read (N, H, t + 1, Dh), contiguous."""
+        N, t = k_new.shape[0], self.step_index
+        if not self.buffers[index]:
+            self.buffers[index] = [k_new.new_empty(self.cache_size) for _ in range(4)]  # k, k, v, v
+        out = []
+        for j, (new, old) in enumerate(zip((k_new, v_new), self.caches[index] or (None, None))):
+            cache = self.buffers[index][2 * j + self.turn][: N * self.H * (t + 1) * self.Dh]
+            cache = cache.view(N, self.H, t + 1, self.Dh)
+            if t:
+                torch.index_select(old, 0, self.parents, out=cache[:, :, :t])
+            cache[:, :, t] = new
+            out.append(cache)
+        self.caches[index] = (out[0], out[1])
+        return out[0], out[1]
+
+    def logits(self, tokens: Tensor) -> Tensor:
+        """tokens (N, t + 1), bos first -> next-token logits (N, V) for position t."""
+        N, t, H, Dh, d = tokens.shape[0], self.step_index, self.H, self.Dh, self.d
+        n = N // self.K
+        x = torch.embedding(self.model.embed.weight, tokens[:, -1]).mul_(self.embed_scale).add_(self.positions[t])
+
+        def self_attention(index, layer):
+            def run(h):  # (N, d) -> (N, d)
+                qkv = layer.qkv(h).view(N, 3, H, Dh)
+                k, v = self._append(index, qkv[:, 1], qkv[:, 2])
+                # one query per row against its own t + 1 keys: nothing to mask
+                a = ops.attention(qkv[:, 0, :, None], k, v, backend=self.backend)  # (N, H, 1, Dh)
+                return layer.self_out(a.reshape(N, d))
+            return run
+
+        def cross_attention(index, layer):
+            def run(h):  # (N, d) -> (N, d): the K beams of a sentence are the K queries of one attention call
+                q = layer.cross_q(h).view(n, self.K, H, Dh).transpose(1, 2)  # (n, H, K, Dh)
+                k, v = self.cross[index]
+                a = ops.attention(q, k, v, key_padding_mask=self.src_padding, backend=self.backend)
+                return layer.cross_out(a.transpose(1, 2).reshape(N, d))
+            return run
+
+        def feed_forward(layer):
+            return lambda h: layer.fc2(torch.relu_(layer.fc1(h)))
+
+        sublayers = []
+        for index, layer in enumerate(self.weights.layers):
+            sublayers += [(layer.norms[0], self_attention(index, layer)), (layer.norms[1], cross_attention(index, layer)),
+                          (layer.norms[2], feed_forward(layer))]
+        decoder = self.model.decoder
+        h = run_sublayers(x, sublayers, decoder.final_norm, decoder.config.norm_first, 0.0, self.backend)
+        self.turn, self.step_index = 1 - self.turn, t + 1
+        return torch.mm(h, self.weights.output_t)
+
+
+class FullRecompute:
+    """Recomputes the whole prefix with ``Transformer.decode`` at each step (``use_cache=False``)."""
+
+    def __init__(self, model, memory: Tensor, src_padding: Tensor, beam_size: int):
+        rows = torch.arange(memory.shape[0], device=memory.device).repeat_interleave(beam_size)
+        self.model, self.memory, self.src_padding = model, memory[rows], src_padding[rows]
+
+    def select(self, parents: Tensor, sentences: Optional[Tensor]) -> None:
+        self.memory, self.src_padding = self.memory[parents], self.src_padding[parents]
+
+    def logits(self, tokens: Tensor) -> Tensor:
+        return self.model.decode(tokens, self.memory, self.src_padding)[:, -1]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The search
+
+
+def beam_search(model, src: Tensor, K: int, alpha: float, a: float, b: float, use_cache: bool) -> list[Hypotheses]:
+    """Per sentence of src (B, S), its finished hypotheses (tokens without bos/eos, score), best first.
+    The model must be in eval mode and grad disabled (``Transformer.beam_search`` sees to both)."""
+    cfg = model.config
+    B, device, neg_inf = src.shape[0], src.device, float("-inf")
+    memory, src_padding = model.encode(src)
+    max_len = ((~src_padding).sum(1).double() * a + b).floor().long().clamp(min=0).tolist()
+    steps = max(max_len) + 1
+    stepper = (IncrementalDecoder(model, memory, src_padding, K, steps) if use_cache
+               else FullRecompute(model, memory, src_padding, K))
+    active = list(range(B))  # live sentence i is sentence active[i] of the batch; its beams are rows i K .. i K + K - 1
+    tokens = torch.full((B * K, 1), cfg.bos_id, dtype=torch.long, device=device)  # (N, t + 1) prefixes
+    scores = torch.zeros(B * K, dtype=torch.float64, device=device)  # (N,) sums of log-probabilities
+    scores.view(B, K)[:, 1:] = neg_inf  # at step 0 every beam holds the same prefix: expand only the first
+    finished: list[Hypotheses] = [[] for _ in range(B)]
+    for step in range(steps):
+        logits = stepper.logits(tokens)  # (N, V)
+        if logits.dtype not in (torch.float32, torch.float64):
+            logits = logits.float()  # half-precision logits (autocast): exponentials in float32
+        N, V = logits.shape
+        # log-sum-exp of each row over the whole vocabulary (pad and bos included, as a log-softmax):
+        # exponentials in the logits' dtype, their sum in float64.
+        row_max = logits.amax(dim=1, keepdim=True)
+        lse = row_max.double().squeeze(1) + torch.exp(logits - row_max).sum(dim=1, dtype=torch.float64).log_()
+        logits[:, cfg.pad_id] = neg_inf
+        logits[:, cfg.bos_id] = neg_inf
+        limit_rows = [i * K + k for i, s in enumerate(active) if step >= max_len[s] for k in range(K)]
+        if limit_rows:  # the last allowed position of a sentence: only eos
+            at_limit = torch.tensor(limit_rows, device=device)
+            eos = logits.index_select(0, at_limit)[:, cfg.eos_id].clone()
+            logits.index_fill_(0, at_limit, neg_inf)
+            logits[at_limit, cfg.eos_id] = eos
+        # The best 2K of a sentence's K V candidates are among the best 2K of each of its rows.
+        width = min(2 * K, V)
+        top_logits, top_tokens = logits.topk(width, dim=1)  # (N, width)
+        candidates = scores[:, None] + (top_logits.double() - lse[:, None])  # (N, width) float64
+        n = N // K
+        best, best_index = candidates.view(n, K * width).topk(min(2 * K, K * width), dim=1)  # (n, 2K)
+        best_tokens = top_tokens.view(n, K * width).gather(1, best_index)
+        best_rows = best_index.div(width, rounding_mode="floor") + torch.arange(0, N, K, device=device)[:, None]
+        best, best_tokens, best_rows = best.tolist(), best_tokens.tolist(), best_rows.tolist()
+        penalty = ((5.0 + step + 1) / 6.0) ** alpha
+        still, kept, parents, next_tokens, next_scores = [], [], [], [], []
+        finished_rows = []  # (sentence, row, score) of hypotheses that end with this step's eos
+        for i, s in enumerate(active):
+            beams, ended = [], len(finished[s])
+            for rank, (score, token, row) in enumerate(zip(best[i], best_tokens[i], best_rows[i])):
+                if len(beams) == K or score == neg_inf:
+                    break
+                if token == cfg.eos_id:
+                    if rank < K:  # an eos among the best K candidates ends a hypothesis
+                        finished_rows.append((s, row, score / penalty))
+                        ended += 1
+                    continue
+                beams.append((row, token, score))
+            if ended >= K or step >= max_len[s] or not beams:
+                continue  # the sentence is done: its rows leave the batch
+            beams += [(beams[0][0], cfg.eos_id, neg_inf)] * (K - len(beams))  # idle beams
+            still.append(s)
+            kept.append(i)
+            for row, token, score in beams:
+                parents.append(row)
+                next_tokens.append(token)
+                next_scores.append(score)
+        if finished_rows:
+            prefixes = tokens[[row for _, row, _ in finished_rows], 1:].tolist()
+            for (s, _, score), prefix in zip(finished_rows, prefixes):
+                finished[s].append((prefix, score))
+        if not still:
+            break
+        parent_rows = torch.tensor(parents, dtype=torch.long, device=device)
+        tokens = torch.cat([tokens.index_select(0, parent_rows), torch.tensor(next_tokens, device=device)[:, None]],
+                           dim=1)
+        scores = torch.tensor(next_scores, dtype=torch.float64, device=device)
+        stepper.select(parent_rows, None if len(still) == len(active) else torch.tensor(kept, device=device))
+        active = still
+    return [sorted(hyps, key=lambda h: -h[1])[:K] for hyps in finished]
