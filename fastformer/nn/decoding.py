@@ -223,16 +223,23 @@ class FullRecompute:
 # The search
 
 
-def beam_search(model, src: Tensor, K: int, alpha: float, a: float, b: float, use_cache: bool) -> list[Hypotheses]:
+def beam_search(model, src: Tensor, K: int, alpha: float, a: float, b: float, use_cache: bool,
+                stepper=None) -> list[Hypotheses]:
     """Per sentence of src (B, S), its finished hypotheses (tokens without bos/eos, score), best first.
-    The model must be in eval mode and grad disabled (``Transformer.beam_search`` sees to both)."""
+    The model must be in eval mode and grad disabled (``Transformer.beam_search`` sees to both).
+    ``stepper(model, memory, src_padding, K, steps)`` may supply another decoder with the interface of
+    ``IncrementalDecoder`` (``logits``, ``select``): the benchmarks run a plain-PyTorch one this way."""
     cfg = model.config
     B, device, neg_inf = src.shape[0], src.device, float("-inf")
     memory, src_padding = model.encode(src)
     max_len = ((~src_padding).sum(1).double() * a + b).floor().long().clamp(min=0).tolist()
     steps = max(max_len) + 1
-    stepper = (IncrementalDecoder(model, memory, src_padding, K, steps) if use_cache
-               else FullRecompute(model, memory, src_padding, K))
+    if stepper is not None:
+        stepper = stepper(model, memory, src_padding, K, steps)
+    elif use_cache:
+        stepper = IncrementalDecoder(model, memory, src_padding, K, steps)
+    else:
+        stepper = FullRecompute(model, memory, src_padding, K)
     active = list(range(B))  # live sentence i is sentence active[i] of the batch; its beams are rows i K .. i K + K - 1
     tokens = torch.full((B * K, 1), cfg.bos_id, dtype=torch.long, device=device)  # (N, t + 1) prefixes
     scores = torch.zeros(B * K, dtype=torch.float64, device=device)  # (N,) sums of log-probabilities
