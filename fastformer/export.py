@@ -107,11 +107,10 @@ def ctranslate2_translate(translator, tokenizer, ids: list[list[int]], *, beam_s
     """Best translations (ids, no bos/eos) of source id lists ``ids`` (no eos) by a CTranslate2
     ``Translator`` of an exported model, each sentence limited to floor(a n + b) tokens before its eos
     (n counting the source's eos, as in ``Transformer.generate``). Sentences that share a limit go in
-    one ``translate_batch`` call. pad and bos are suppressed, as fastformer's search never produces them
-    (CTranslate2 then renormalizes the other tokens' probabilities, fastformer does not: a difference in
-    the scores of the order of those two tokens' probability)."""
+    one ``translate_batch`` call. fastformer's search never produces pad or bos; CTranslate2 can (its
+    ``suppress_sequences`` option forbids them but renormalizes the other tokens' probabilities, which
+    fastformer does not, so it is not set here)."""
     sp = tokenizer.sp
-    options.setdefault("suppress_sequences", [[sp.id_to_piece(sp.pad_id())], [sp.id_to_piece(sp.bos_id())]])
     limits = [max(0, math.floor(max_len_a * (len(s) + 1) + max_len_b)) for s in ids]
     out: list[list[int]] = [[] for _ in ids]
     for limit in sorted(set(limits)):
