@@ -29,14 +29,19 @@ def main(argv: list[str] | None = None) -> None:
             lines = [line.rstrip("\n") for line in f]
     else:
         lines = [line.rstrip("\n") for line in sys.stdin]
+    stats: dict = {}
     hyps = translate(model, tokenizer, lines, beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a,
-                     max_len_b=args.max_len_b, device=args.device, progress=args.output is not None)
+                     max_len_b=args.max_len_b, device=args.device, progress=args.output is not None, stats=stats)
     text = "".join(h + "\n" for h in hyps)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(text)
     else:
         sys.stdout.write(text)
+    seconds = max(stats["seconds"], 1e-9)
+    print(f"translated {stats['sentences']} sentences ({stats['tokens']} target tokens) in {seconds:.2f} s: "
+          f"{stats['sentences'] / seconds:.1f} sentences/s, {stats['tokens'] / seconds:.0f} tokens/s "
+          f"(beam {args.beam}, {args.device})", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Batch translation and scoring shared by the train, translate and evaluate commands."""
 from __future__ import annotations
 
+import time
+
 import torch
 from tqdm import tqdm
 
@@ -12,9 +14,10 @@ from fastformer.nn import Transformer
 @torch.no_grad()
 def translate(model: Transformer, tokenizer: Tokenizer, sentences: list[str], *, beam: int = 4, lenpen: float = 0.6,
               max_len_a: float = 1.2, max_len_b: int = 10, batch_tokens: int = 6000, device="cpu",
-              progress: bool = False) -> list[str]:
+              progress: bool = False, stats: dict | None = None) -> list[str]:
     """Detokenized translations of ``sentences``, in order. Sentences are sorted by length into batches
-    of at most ``batch_tokens`` source tokens (times the beam) so little compute goes to padding."""
+    of at most ``batch_tokens`` source tokens (times the beam) so little compute goes to padding.
+    ``stats``, if given, receives sentences, target tokens (eos included) and seconds spent decoding."""
     ids = tokenizer.encode(sentences)
     max_positions = model.config.max_positions
     ids = [s[: max_positions - 1] for s in ids]  # leave room for the eos
@@ -30,13 +33,17 @@ def translate(model: Transformer, tokenizer: Tokenizer, sentences: list[str], *,
         batches.append(current)
     out: list[str] = [""] * len(sentences)
     model.eval()
+    start, tokens = time.perf_counter(), 0
     with tqdm(total=len(sentences), desc="translate", unit="sent", disable=not progress, leave=False) as bar:
         for batch in batches:
             src = collate([ids[i] for i in batch]).to(device)
             hyps = model.generate(src, beam_size=beam, length_penalty=lenpen, max_len_a=max_len_a, max_len_b=max_len_b)
             for i, text in zip(batch, tokenizer.decode(hyps)):
                 out[i] = text
+            tokens += sum(len(h) + 1 for h in hyps)
             bar.update(len(batch))
+    if stats is not None:
+        stats.update(sentences=len(sentences), tokens=tokens, seconds=time.perf_counter() - start)
     return out
 
 

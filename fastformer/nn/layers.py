@@ -48,9 +48,11 @@ def run_sublayers(x: Tensor, sublayers: list[Sublayer], final_norm: Optional[nn.
     # Under autocast the sublayers return half-precision tensors while the residual stream and the
     # LayerNorm parameters stay in float32: the fused op runs in the residual stream's dtype.
     def fused(branch, residual, norm, prenorm):
-        dtype = residual.dtype
-        return ops.layer_norm_residual(branch.to(dtype), residual, norm.weight.to(dtype), norm.bias.to(dtype),
-                                       eps=norm.eps, dropout_p=dropout_p, prenorm=prenorm, backend=backend)
+        dtype, weight, bias = residual.dtype, norm.weight, norm.bias
+        if branch.dtype != dtype or weight.dtype != dtype:  # autocast (a .to() call costs ~2 us even when a no-op)
+            branch, weight, bias = branch.to(dtype), weight.to(dtype), bias.to(dtype)
+        return ops.layer_norm_residual(branch, residual, weight, bias, eps=norm.eps, dropout_p=dropout_p,
+                                       prenorm=prenorm, backend=backend)
 
     if not norm_first:
         for norm, fn in sublayers:

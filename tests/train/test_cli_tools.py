@@ -2,6 +2,7 @@
 --help, and clear errors for corrupt or mismatched checkpoints."""
 import importlib
 import json
+import re
 import subprocess
 import sys
 
@@ -47,6 +48,10 @@ def test_translate_files_and_stdin(run_dir, tmp_path):
                 stdin="Im Anfang schuf Gott die Himmel und die Erde.\nUnd Gott sprach.\n")
     assert piped.returncode == 0, piped.stderr
     assert len(piped.stdout.splitlines()) == 2
+    # the throughput goes to stderr, after the translations
+    match = re.search(r"translated 2 sentences \((\d+) target tokens\) in [\d.]+ s: [\d.]+ sentences/s, \d+ tokens/s",
+                      piped.stderr)
+    assert match and int(match.group(1)) >= 2, piped.stderr
 
 
 def test_evaluate_prints_bleu_chrf_and_signature(run_dir):
