@@ -51,7 +51,8 @@ class PlainDecoder:
             p = f"decoder.layers.{i}"
             if t:  # beam reorder of the live prefix, in place
                 cache[:, :N, :, :t] = cache[:, self.parents, :, :t]
-            q, k, v = self._linear(self._pre(x, p + ".self_attn_norm"), p + ".self_attn.qkv_proj").view(N, 3, H, Dh).unbind(1)
+            qkv = self._linear(self._pre(x, p + ".self_attn_norm"), p + ".self_attn.qkv_proj")
+            q, k, v = qkv.view(N, 3, H, Dh).unbind(1)
             cache[0, :N, :, t], cache[1, :N, :, t] = k, v
             a = F.scaled_dot_product_attention(q[:, :, None], cache[0, :N, :, :t + 1], cache[1, :N, :, :t + 1])
             x = self._sublayer(x, self._linear(a.reshape(N, d), p + ".self_attn.out_proj"), p + ".self_attn_norm")

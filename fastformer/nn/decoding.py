@@ -197,7 +197,8 @@ class IncrementalDecoder:
 
         sublayers = []
         for index, layer in enumerate(self.weights.layers):
-            sublayers += [(layer.norms[0], self_attention(index, layer)), (layer.norms[1], cross_attention(index, layer)),
+            sublayers += [(layer.norms[0], self_attention(index, layer)),
+                          (layer.norms[1], cross_attention(index, layer)),
                           (layer.norms[2], feed_forward(layer))]
         decoder = self.model.decoder
         h = run_sublayers(x, sublayers, decoder.final_norm, decoder.config.norm_first, 0.0, self.backend)

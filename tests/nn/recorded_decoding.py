@@ -18,7 +18,7 @@ from fastformer.data import collate  # noqa: E402
 from model_reference import legacy_beam_search  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "data")
-CHECKPOINT = os.path.join(DATA, "tiny-bible-de-en.pt")  # the tiny config trained 9 minutes on bible-de-en
+CHECKPOINT = os.path.join(DATA, "tiny-bible-de-en.pt")  # the tiny config after 1,785 updates on bible-de-en
 RECORDED = os.path.join(DATA, "tiny-bible-de-en.tokens.json")
 SETTINGS = dict(length_penalty=0.6, max_len_a=1.2, max_len_b=10)  # translate's defaults
 
