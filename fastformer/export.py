@@ -39,8 +39,14 @@ def _ctranslate2():
     return ctranslate2
 
 
-def ctranslate2_spec(model, tokenizer):
-    """The ``ctranslate2.specs.TransformerSpec`` of a fastformer Transformer (float32 weights)."""
+def vocabulary(tokenizer) -> list[str]:
+    """The sentencepiece pieces of ids 0 .. V - 1: CTranslate2's vocabulary."""
+    return [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
+
+
+def ctranslate2_spec(model, pieces: list[str]):
+    """The ``ctranslate2.specs.TransformerSpec`` of a fastformer Transformer (float32 weights); ``pieces``
+    is the vocabulary (the special tokens are those at the config's unk, bos and eos ids)."""
     from ctranslate2.specs import common_spec, transformer_spec
 
     cfg = model.config
@@ -78,48 +84,51 @@ def ctranslate2_spec(model, tokenizer):
             linear(layer.ffn.linear_1, p + ".ffn.fc2")
             norm(layer.ffn.layer_norm, p + ".ffn_norm")
     spec.decoder.projection.weight = embed
-    pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
     spec.register_source_vocabulary(pieces)
     spec.register_target_vocabulary(pieces)
-    sp = tokenizer.sp
     spec.config.unk_token, spec.config.bos_token, spec.config.eos_token = (
-        sp.id_to_piece(sp.unk_id()), sp.id_to_piece(sp.bos_id()), sp.id_to_piece(sp.eos_id()))
+        pieces[cfg.unk_id], pieces[cfg.bos_id], pieces[cfg.eos_id])
     spec.config.decoder_start_token = spec.config.bos_token
     spec.config.add_source_eos = True
     return spec
 
 
-def export_ctranslate2(checkpoint: str, out_dir: str, force: bool = False) -> str:
-    """Writes the CTranslate2 model of ``checkpoint`` (file or run folder) into ``out_dir``."""
+def write_ctranslate2(model, pieces: list[str], out_dir: str, force: bool = False) -> str:
+    """Writes the CTranslate2 model of a Transformer with vocabulary ``pieces`` into ``out_dir``."""
     ctranslate2 = _ctranslate2()
-    model, tokenizer, _ = ckpt.load_model(checkpoint)
 
     class _Converter(ctranslate2.converters.Converter):
         def _load(self):
-            return ctranslate2_spec(model, tokenizer)
+            return ctranslate2_spec(model, pieces)
 
     return _Converter().convert(out_dir, force=force)
 
 
-def ctranslate2_translate(translator, tokenizer, ids: list[list[int]], *, beam_size: int = 4,
+def export_ctranslate2(checkpoint: str, out_dir: str, force: bool = False) -> str:
+    """Writes the CTranslate2 model of ``checkpoint`` (file or run folder) into ``out_dir``."""
+    model, tokenizer, _ = ckpt.load_model(checkpoint)
+    return write_ctranslate2(model, vocabulary(tokenizer), out_dir, force)
+
+
+def ctranslate2_translate(translator, pieces: list[str], ids: list[list[int]], *, beam_size: int = 4,
                           length_penalty: float = 0.0, max_len_a: float = 1.2, max_len_b: int = 10,
                           **options) -> list[list[int]]:
     """Best translations (ids, no bos/eos) of source id lists ``ids`` (no eos) by a CTranslate2
-    ``Translator`` of an exported model, each sentence limited to floor(a n + b) tokens before its eos
-    (n counting the source's eos, as in ``Transformer.generate``). Sentences that share a limit go in
+    ``Translator`` of an exported model with vocabulary ``pieces``, each sentence limited to floor(a n + b)
+    tokens before its eos (n counting the source's eos, as in ``Transformer.generate``). Sentences that share a limit go in
     one ``translate_batch`` call. fastformer's search never produces pad or bos; CTranslate2 can (its
     ``suppress_sequences`` option forbids them but renormalizes the other tokens' probabilities, which
     fastformer does not, so it is not set here)."""
-    sp = tokenizer.sp
+    piece_ids = {piece: i for i, piece in enumerate(pieces)}
     limits = [max(0, math.floor(max_len_a * (len(s) + 1) + max_len_b)) for s in ids]
     out: list[list[int]] = [[] for _ in ids]
     for limit in sorted(set(limits)):
         group = [i for i, n in enumerate(limits) if n == limit]
-        results = translator.translate_batch([[sp.id_to_piece(t) for t in ids[i]] for i in group],
+        results = translator.translate_batch([[pieces[t] for t in ids[i]] for i in group],
                                              beam_size=beam_size, length_penalty=length_penalty,
                                              max_decoding_length=limit, **options)
         for i, result in zip(group, results):
-            out[i] = [sp.piece_to_id(piece) for piece in result.hypotheses[0]]
+            out[i] = [piece_ids[piece] for piece in result.hypotheses[0]]
     return out
 
 

@@ -19,7 +19,7 @@ ctranslate2 = pytest.importorskip("ctranslate2", reason="the export's optional d
 
 from fastformer import checkpoint as ckpt  # noqa: E402
 from fastformer.data import collate  # noqa: E402
-from fastformer.export import ctranslate2_translate  # noqa: E402
+from fastformer.export import ctranslate2_translate, vocabulary  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 CHECKPOINT = os.path.join(DATA, "tiny-bible-de-en.pt")
@@ -37,14 +37,14 @@ def exported(tmp_path_factory):
     with open(os.path.join(DATA, "test.de"), encoding="utf-8") as f:
         ids = tokenizer.encode([line.rstrip("\n") for line in f])
     translator = ctranslate2.Translator(out, device="cpu", inter_threads=1, intra_threads=1)
-    return model, tokenizer, ids, translator
+    return model, vocabulary(tokenizer), ids, translator
 
 
 @pytest.mark.parametrize("beam_size", [1, 4])
 def test_ctranslate2_decodes_the_same_tokens(exported, beam_size):
-    model, tokenizer, ids, translator = exported
+    model, pieces, ids, translator = exported
     ours = model.generate(collate(ids), beam_size=beam_size, length_penalty=0.0, **LIMIT)
-    theirs = ctranslate2_translate(translator, tokenizer, ids, beam_size=beam_size, length_penalty=0.0, **LIMIT)
+    theirs = ctranslate2_translate(translator, pieces, ids, beam_size=beam_size, length_penalty=0.0, **LIMIT)
     limits = [int(LIMIT["max_len_a"] * (len(s) + 1) + LIMIT["max_len_b"]) for s in ids]
     compared = [i for i, t in enumerate(ours) if beam_size == 1 or len(t) < limits[i]]
     assert len(compared) >= 30, f"only {len(compared)} of {len(ids)} sentences end before their limit"

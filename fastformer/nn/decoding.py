@@ -32,7 +32,6 @@ hypothesis; a sentence stops when K hypotheses have finished or at its length li
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -140,8 +139,6 @@ class IncrementalDecoder:
         self.caches: list[Optional[tuple[Tensor, Tensor]]] = [None] * len(self.weights.layers)
         self.turn, self.step_index = 0, 0
         self.parents: Optional[Tensor] = None  # rows of the last step that the live rows continue
-        self.positions = model.positions(steps, memory.dtype, memory.device)
-        self.embed_scale = math.sqrt(d)
 
     def select(self, parents: Tensor, sentences: Optional[Tensor]) -> None:
         """The next step's live rows continue rows ``parents`` (N',) of this step; ``sentences`` (n',)
@@ -173,7 +170,7 @@ class IncrementalDecoder:
         """tokens (N, t + 1), bos first -> next-token logits (N, V) for position t."""
         N, t, H, Dh, d = tokens.shape[0], self.step_index, self.H, self.Dh, self.d
         n = N // self.K
-        x = torch.embedding(self.model.embed.weight, tokens[:, -1]).mul_(self.embed_scale).add_(self.positions[t])
+        x = self.model._embed(tokens[:, -1:], offset=t).view(N, d)  # scaled embedding + position t
 
         def self_attention(index, layer):
             def run(h):  # (N, d) -> (N, d)
