@@ -14,6 +14,7 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <tuple>
 
@@ -91,10 +92,20 @@ inline void check_attention(const Tensor& q, const Tensor& k, const Tensor& v, c
   check_dropout(dropout_p, op);
 }
 
-// The attention scale: the caller's (finite), else 1/sqrt(D) (1 for D = 0, where nothing is scaled).
+// A scale must be finite in the kernels' arithmetic: float64 for float64 inputs, float32 for the others
+// (1e39 is a finite double but +inf in float32, which would turn every score into +-inf or NaN).
+inline void check_scale(double scale, const Tensor& x, const char* op) {
+  TORCH_CHECK_VALUE(std::isfinite(scale), "fastformer ", op, ": scale must be a finite number, got ", scale);
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kDouble || std::abs(scale) <= std::numeric_limits<float>::max(),
+                    "fastformer ", op, ": scale ", scale, " overflows float32, the arithmetic of ", x.scalar_type(),
+                    " inputs (|scale| <= ", std::numeric_limits<float>::max(), ")");
+}
+
+// The attention scale: the caller's (finite in the kernels' arithmetic), else 1/sqrt(D) (1 for D = 0,
+// where nothing is scaled and the output is empty).
 inline double attention_scale(std::optional<double> scale, const Tensor& q) {
   if (scale.has_value()) {
-    TORCH_CHECK_VALUE(std::isfinite(*scale), "fastformer attention: scale must be a finite number, got ", *scale);
+    check_scale(*scale, q, "attention");
     return *scale;
   }
   const int64_t D = q.size(-1);
@@ -111,7 +122,7 @@ inline void check_softmax(const Tensor& x, const OptTensor& mask, double scale) 
     TORCH_CHECK_VALUE(at::is_expandable_to(mask->sizes(), x.sizes()), "fastformer softmax: mask of shape ",
                       mask->sizes(), " does not broadcast to x's shape ", x.sizes());
   }
-  TORCH_CHECK_VALUE(std::isfinite(scale), "fastformer softmax: scale must be a finite number, got ", scale);
+  check_scale(scale, x, op);
 }
 
 // x, residual (..., N); weight, bias (N,).

@@ -28,3 +28,15 @@ def cuda_sim_schedule(request):
     cuda_sim.set_schedule_seed(marker.args[0])
     yield
     cuda_sim.set_schedule_seed(before)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The peer matrices' largest error/bound ratios (tests/matrix.py), when any ran."""
+    import sys
+
+    matrix = sys.modules.get("matrix")
+    if matrix is None or not matrix.RESULTS:
+        return
+    terminalreporter.section("peer matrices: largest error / bound per op, backend, dtype")
+    for line in matrix.summary():
+        terminalreporter.write_line(line)

@@ -35,3 +35,31 @@ def assert_close(actual, expected, dtype, what=""):
         rtol=tol["rtol"],
         msg=lambda m: f"{what} ({dtype}): {m}",
     )
+
+
+# The peer matrices (tests/ops/test_*_matrix.py) use FlashAttention's criterion instead
+# (tests/test_flash_attn.py: `(out - out_ref).abs().max() <= 2 * (out_pt - out_ref).abs().max() + atol`):
+# a backend's error against the float64 reference may be at most ``factor`` times the error of PyTorch
+# eager run in the same dtype on the same inputs, plus ``floor`` ulps of the dtype at the reference's
+# magnitude (the floor covers outputs that eager rounds exactly, and the float32 exp polynomials:
+# at::vec's exp_u20 in the cpu softmax errs by up to 2^-20, about 8 ulps), times the condition number of
+# a softmax at its logits, max(1, max |s|): a logit s is known to |s| ulp whatever the order of the
+# arithmetic, and e^s carries that error; two correct orders differ by it (at scale 100 the cpu kernel's
+# scores and eager's differ by 2-3x in either direction), so the floor grows with |s|; likewise a layer
+# norm's (s - mean) / std at max |s| / std.
+MATRIX = {
+    torch.float64: dict(factor=2.0, floor=64),
+    torch.float32: dict(factor=2.0, floor=32),
+    torch.float16: dict(factor=2.0, floor=2),
+    torch.bfloat16: dict(factor=2.0, floor=2),
+}
+
+
+def matrix_bound(eager_error, expected, dtype, condition=1.0):
+    """The largest error the matrix criterion allows, for a reference ``expected`` (float64) of an op whose
+    condition number at the inputs is ``condition`` (the largest |logit| of a softmax, |s| / std of a
+    layer norm)."""
+    tol = MATRIX[dtype]
+    magnitude = expected.abs().max().item() if expected.numel() else 0.0
+    floor = tol["floor"] * torch.finfo(dtype).eps * max(1.0, magnitude) * max(1.0, condition)
+    return tol["factor"] * eager_error + floor

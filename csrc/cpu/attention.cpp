@@ -11,7 +11,9 @@
 //     S = scale Q_t K_b^T                        (gemm, kBlockQ x kBlockK scores in a thread buffer)
 //     masked scores -> -inf; per row online softmax: m' = max(m, max S), l = l e^(m - m') + sum e^(S - m'),
 //     O *= e^(m - m'); P = e^(S - m') * dropout;  O += P V_b   (gemm)
-//   out = O / l, lse = m + log l; a row with no visible key gets out = 0, lse = -inf (never NaN).
+//   out = O / l, lse = m + log l; a row with no visible key (or only -inf scores) gets out = 0, lse = -inf;
+//   one with a NaN or +inf visible score gets out = NaN, lse = NaN (its m turns NaN); invisible keys are
+//   never read into the softmax, whatever their scores.
 // Memory traffic: Q and O once, K and V once per query tile (ceil(Lq / kBlockQ) times); scores never
 // leave the thread's cache (no Lq x Lk matrix).
 //
@@ -168,7 +170,8 @@ void attention_fwd_kernel(const scalar_t* q, const scalar_t* k, const scalar_t* 
             std::fill(p, p + nk, acc_t(0));
             continue;
           }
-          const acc_t m_new = std::max(m[r], block_max);
+          // NaN or +inf among the visible scores: m = NaN from here on, and the row's out and lse are NaN.
+          const acc_t m_new = poison_unbounded(nan_max(m[r], block_max));
           const acc_t correction = std::exp(m[r] - m_new);  // 0 while m[r] = -inf
           l[r] = l[r] * correction + exp_sub_sum(p, nk, m_new);
           m[r] = m_new;
@@ -250,7 +253,7 @@ void attention_bwd_kernel(const scalar_t* dout, const scalar_t* q, const scalar_
             const int64_t i = i0 + r;
             acc_t* p_r = p.data() + r * ldk;
             acc_t* dp_r = dp.data() + r * ldk;
-            if (lse_bh[i] == neg_inf) {  // row saw nothing in the forward: no gradient
+            if (lse_bh[i] == neg_inf) {  // row saw nothing in the forward: no gradient (NaN lse: NaN gradient)
               std::fill(p_r, p_r + nk, acc_t(0));
               std::fill(dp_r, dp_r + nk, acc_t(0));
               continue;

@@ -9,6 +9,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/Optional.h>
 
+#include <cmath>
+#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -24,7 +26,22 @@ inline void check_cpu_contiguous(const Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), "fastformer cpu backend: ", name, " must be contiguous");
 }
 
+// max(a, b) that propagates NaN whichever side it is on (std::max keeps its first argument when either
+// is NaN); at::vec::maximum propagates NaN too.
+template <typename T>
+inline T nan_max(T a, T b) {
+  return (a > b || std::isnan(a)) ? a : b;
+}
+
+// The running max of a softmax row, turned into NaN when a logit is NaN or +inf: every e^(a - m) and the
+// sum then become NaN, so the whole row is NaN (the rule of every backend, PyTorch's softmax included).
+template <typename T>
+inline T poison_unbounded(T m) {
+  return m < std::numeric_limits<T>::infinity() ? m : std::numeric_limits<T>::quiet_NaN();
+}
+
 // Vectorized helpers over a float/double buffer of length n (ATen's at::vec, tail handled by count).
+// vec_max propagates NaN.
 template <typename T>
 inline T vec_max(const T* x, int64_t n) {
   using Vec = at::vec::Vectorized<T>;
@@ -35,7 +52,7 @@ inline T vec_max(const T* x, int64_t n) {
     for (j = Vec::size(); j + Vec::size() <= n; j += Vec::size()) vm = at::vec::maximum(vm, Vec::loadu(x + j));
     m = at::vec::vec_reduce_all<T>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, vm);
   }
-  for (; j < n; ++j) m = std::max(m, x[j]);
+  for (; j < n; ++j) m = nan_max(m, x[j]);
   return m;
 }
 

@@ -6,8 +6,9 @@
 //                      m = max a accumulated on the way;
 //   sweep 2 (cache):   a = e^(a - m) (at::vec's exp_u20 polynomial, well inside float32's tolerance), l = sum a;
 //   sweep 3 (writes y): y = a / l.
-// DRAM sees 2 N sizeof(T) (+ N mask bytes) per row. A row whose entries are all masked has m = -inf and
-// returns zeros.
+// DRAM sees 2 N sizeof(T) (+ N mask bytes) per row. A row whose entries are all masked (or -inf) has
+// m = -inf and returns zeros; a row with a NaN or +inf entry that is not masked has m = NaN or +inf (the
+// max propagates NaN) and returns NaN in every column, as torch.softmax does.
 // Backward: dx = scale * y * (dy - sum(dy * y)); reads y, dy and writes dx once.
 // The mask is expanded to x's shape as a view (stride 0 on broadcast dims, any strides). A cursor walks
 // the rows' mask offsets (one division per thread, not per row), and the row's mask is turned into
@@ -105,11 +106,15 @@ void softmax_fwd_kernel(const scalar_t* x, const MaskRows& mask, scalar_t* y, in
       acc_t m = at::vec::vec_reduce_all<acc_t>([](Vec p, Vec q) { return at::vec::maximum(p, q); }, vmax);
       for (; j < N; ++j) {
         a[j] = any_masked && bits[j] != 0 ? neg_inf : static_cast<acc_t>(scale) * xr[j];
-        m = std::max(m, a[j]);
+        m = nan_max(m, a[j]);
       }
       scalar_t* yr = y + r * N;
-      if (m == neg_inf) {  // fully masked row
+      if (m == neg_inf) {  // fully masked row (or only -inf logits): zeros
         std::fill(yr, yr + N, scalar_t(0));
+        continue;
+      }
+      if (std::isnan(poison_unbounded(m))) {  // a NaN or +inf logit (not masked): the row is NaN
+        std::fill(yr, yr + N, static_cast<scalar_t>(std::numeric_limits<acc_t>::quiet_NaN()));
         continue;
       }
       // Sweep 2 (cache): a = e^(a - m), l = sum a.

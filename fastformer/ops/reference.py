@@ -84,16 +84,23 @@ def _visible(key_padding_mask, causal: bool, B: int, Lq: int, Lk: int, device) -
 
 
 def _probabilities(q, k, key_padding_mask, causal, scale):
-    """softmax(scale q k^T) over visible keys (B, H, Lq, Lk), and the row logsumexp (-inf if none)."""
+    """softmax(scale q k^T) over visible keys (B, H, Lq, Lk), and the row logsumexp.
+
+    Invisible keys are ignored whatever their scores. A row whose visible scores are all -inf (or that has
+    no visible key) gives P = 0 and lse = -inf; a row with a NaN or +inf visible score gives P = NaN and
+    lse = NaN (PyTorch's softmax does the same). P comes from torch.softmax (max-subtracted), not from
+    e^(s - lse): with lse rounded to the dtype, e^(s - lse) errs by |s| ulp(lse) at large logits.
+    """
     B, _, Lq, _ = q.shape
     Lk = k.shape[2]
     visible = _visible(key_padding_mask, causal, B, Lq, Lk, q.device)
-    s = (q @ k.transpose(-1, -2)) * scale
-    empty = ~visible.any(-1, keepdim=True)  # rows with no visible key
-    s = s.masked_fill(~visible, float("-inf")).masked_fill(empty, 0.0)
-    lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    p = torch.exp(s - lse).masked_fill(~visible, 0.0)
-    return p, lse.masked_fill(empty, float("-inf"))[..., 0]
+    s = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~visible, float("-inf"))
+    empty = torch.isneginf(s).all(-1, keepdim=True)  # nothing visible, or only -inf scores
+    s = s.masked_fill(empty, 0.0)
+    p = torch.softmax(s, dim=-1).masked_fill(empty, 0.0)
+    lse = torch.logsumexp(s, dim=-1, keepdim=True).masked_fill(empty, float("-inf"))
+    lse = lse.masked_fill(p.isnan().any(-1, keepdim=True), float("nan"))  # logsumexp gives +inf for +inf
+    return p, lse[..., 0]
 
 
 def attention_probabilities(q, k, key_padding_mask, causal, scale):
@@ -134,12 +141,14 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal, dropout_p, 
 
 
 def softmax_fwd(x, mask, scale):
+    """A row whose entries are all -inf after masking gives zeros; one with a NaN or +inf entry (not
+    masked) gives NaN in every column, as torch.softmax does."""
     acc = _acc_dtype(x.dtype)
     a = x.to(acc) * scale
     if mask is not None:
         a = a.masked_fill(mask, float("-inf"))
     empty = torch.isneginf(a).all(-1, keepdim=True)
-    y = torch.softmax(a.masked_fill(empty, 0.0), dim=-1).masked_fill(torch.isneginf(a), 0.0)
+    y = torch.softmax(a.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     return y.to(x.dtype)
 
 
@@ -174,7 +183,7 @@ def layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p, seed):
         d_s = d_s + ds.to(acc)
     drop = _dropout_factor(seed, s.shape, dropout_p, acc, s.device)
     dx = d_s.clone() if drop is None else d_s * drop  # a separate tensor: outputs must not alias
-    rows = tuple(range(s.dim() - 1))
-    dweight = (dya * xhat).sum(rows)
-    dbias = dya.sum(rows)
+    rows = tuple(range(s.dim() - 1))  # empty for a 1-D input, where sum(()) would reduce every dim
+    dweight = (dya * xhat).sum(rows) if rows else dya * xhat
+    dbias = dya.sum(rows) if rows else dya.clone()
     return dx.to(s.dtype), d_s.to(s.dtype), dweight.to(s.dtype), dbias.to(s.dtype)

@@ -6,7 +6,8 @@ lse (B, H, Lq) float32. D is padded to BLOCK_D (a power of two >= 16) with maske
 Forward, grid (ceil(Lq / BLOCK_M), B H): a BLOCK_M tile of queries stays in registers while the program
 walks key blocks up to the tile's causal limit (blocks above the diagonal are never visited):
   S = scale Q K^T (tl.dot), invisible keys -> -inf, online softmax m, l, acc = acc e^(m - m') + P r V
-writes O = acc / l and lse = m + log l (-inf and O = 0 for a row with no visible key).
+writes O = acc / l and lse = m + log l (-inf and O = 0 for a row with no visible key or only -inf scores;
+NaN for a row with a NaN or +inf visible score; invisible keys are ignored whatever their scores).
 Bytes moved: Q, O once; K, V once per query tile: (2 Lq + 2 Lk ceil(Lq / BLOCK_M)) D sizeof(T) per (b, h).
 Backward: a preprocessing kernel forms delta = rowsum(dO O); one kernel per key block accumulates dK, dV
 over the query tiles that can see it; one kernel per query tile accumulates dQ over its key blocks. No
@@ -86,12 +87,16 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bad = tl.zeros([BLOCK_M], tl.int32)  # per row: saw a NaN or +inf visible score
     kpm_row = kpm_ptr + (bh // H) * Lk
     for start_n in range(0, _causal_key_end(tile, Lq, Lk, BLOCK_M, CAUSAL), BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(k_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
         s, visible = _scores(q, k, kpm_row, offs_m, offs_n, Lq, Lk, scale, HAS_KPM, CAUSAL, IEEE)
         s = tl.where(visible, s, float("-inf"))
+        unbounded = (s != s) | (s == float("inf"))
+        bad = bad | tl.max(unbounded.to(tl.int32), 1)
+        s = tl.where(unbounded, float("-inf"), s)  # keeps m finite; the row is set to NaN at the end
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         prob = tl.exp(s - m_safe[:, None])  # 0 where invisible
@@ -106,6 +111,9 @@ def _attn_fwd_kernel(
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    # A NaN or +inf visible score: the row's out and lse are NaN (as PyTorch's softmax gives).
+    out = tl.where(bad[:, None] > 0, float("nan"), out)
+    lse = tl.where(bad > 0, float("nan"), lse)
     tl.store(o_ptr + (bh * Lq + offs_m[:, None]) * D + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
     tl.store(lse_ptr + bh * Lq + offs_m, lse, mask=offs_m < Lq)
@@ -133,7 +141,7 @@ def _backward_tile(q, do, k, v, kpm_row, lse, delta, offs_m, offs_n, bh, Lq, Lk,
     dS = P (dP r - delta) with dP = dO V^T, P = e^(S - lse) recomputed (0 where invisible or where the
     row saw nothing, lse = -inf)."""
     s, visible = _scores(q, k, kpm_row, offs_m, offs_n, Lq, Lk, scale, HAS_KPM, CAUSAL, IEEE)
-    seen = lse > float("-inf")
+    seen = lse != float("-inf")  # a NaN lse (a NaN or +inf score in the forward) gives NaN gradients
     prob = tl.where(visible & seen[:, None], tl.exp(s - tl.where(seen, lse, 0.0)[:, None]), 0.0)
     dp = _dot(do, tl.trans(v), IEEE)
     prob_dropped = prob
@@ -222,13 +230,11 @@ def attention_fwd(q, k, v, key_padding_mask, causal: bool, dropout_p: float, sca
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
-    flags = _flags(q, key_padding_mask, causal, dropout_p)
     out = torch.empty_like(q)
     lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
-    if q.numel() == 0:
-        return out, lse
-    if Lk == 0:
+    if q.numel() == 0 or Lk == 0:  # nothing to compute (head dim 0 too): empty or zero rows, lse = -inf
         return out.zero_(), lse.fill_(float("-inf"))
+    flags = _flags(q, key_padding_mask, causal, dropout_p)
     kpm = key_padding_mask.contiguous() if key_padding_mask is not None else q
     grid = (triton.cdiv(Lq, flags["BLOCK_M"]), B * H)
     _attn_fwd_kernel[grid](q, k, v, kpm, out, lse, H, Lq, Lk, D, scale, dropout_p, seed, **flags)
@@ -241,10 +247,10 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal: bool, dropo
     dout, q, k, v, out, lse = (t.contiguous() for t in (dout, q, k, v, out, lse))
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
-    flags = _flags(q, key_padding_mask, causal, dropout_p)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
+    flags = _flags(q, key_padding_mask, causal, dropout_p)
     kpm = key_padding_mask.contiguous() if key_padding_mask is not None else q
     delta = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
     rows = B * H * Lq

@@ -5,7 +5,8 @@ One program per row of N. Forward: a first loop over BLOCK_N chunks keeps the ru
 per row: x read twice (the second read mostly from L2) and y written once: about 3 N sizeof(T), plus
 N mask bytes twice. Backward, per row: one loop for sum(dy y), one writing dx = scale y (dy - sum);
 reads y and dy twice, writes dx once.
-A fully masked row has m = -inf and gives zeros. The mask is addressed through a per-row offset table
+A fully masked row (or one of -inf logits) has m = -inf and gives zeros; a NaN or +inf logit that is not
+masked makes the whole row NaN, as torch.softmax does (a per-lane flag, checked once per row). The mask is addressed through a per-row offset table
 (int64, one entry per row) and a column stride, so any broadcast mask works without a copy.
 """
 from __future__ import annotations
@@ -19,13 +20,15 @@ from fastformer.triton._common import check, row_blocks
 
 @triton.jit
 def _masked_scaled(x_row, mask_row, mask_col_stride, cols, N, scale, HAS_MASK: tl.constexpr):
-    """scale * x[cols] in float32, -inf where masked or past the row's end."""
+    """scale * x[cols] in float32, -inf where masked or past the row's end (set after the scaling: a
+    -inf lane times a scale <= 0 would be NaN or +inf)."""
     inside = cols < N
-    a = tl.load(x_row + cols, mask=inside, other=float("-inf")).to(tl.float32) * scale
+    a = tl.load(x_row + cols, mask=inside, other=0.0).to(tl.float32) * scale
+    dead = cols >= N
     if HAS_MASK:
         masked = tl.load(mask_row + cols * mask_col_stride, mask=inside, other=1).to(tl.int1)
-        a = tl.where(masked, float("-inf"), a)
-    return a
+        dead = dead | masked
+    return tl.where(dead, float("-inf"), a)
 
 
 @triton.jit
@@ -48,9 +51,13 @@ def _softmax_fwd_kernel(
         mask_row = mask_ptr + tl.load(mask_rows_ptr + row)
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)  # per-lane running max
     l = tl.zeros([BLOCK_N], tl.float32)  # per-lane running sum of e^(a - m)
+    bad = tl.zeros([BLOCK_N], tl.int32)  # per-lane: saw a NaN or +inf (not masked)
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         a = _masked_scaled(x_row, mask_row, mask_col_stride, cols, N, scale, HAS_MASK)
+        unbounded = (a != a) | (a == float("inf"))
+        bad = bad | unbounded.to(tl.int32)
+        a = tl.where(unbounded, float("-inf"), a)  # keeps m finite; the row is set to NaN below
         m_new = tl.maximum(m, a)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l = l * tl.exp(m - m_safe) + tl.exp(a - m_safe)
@@ -59,6 +66,8 @@ def _softmax_fwd_kernel(
     row_max_safe = tl.where(row_max == float("-inf"), 0.0, row_max)
     total = tl.sum(l * tl.exp(m - row_max_safe), 0)
     inv = tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)  # fully masked row: zeros
+    # A NaN or +inf logit that is not masked makes every y of the row NaN (torch.softmax does the same).
+    row_max_safe = tl.where(tl.max(bad, 0) > 0, float("nan"), row_max_safe)
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         a = _masked_scaled(x_row, mask_row, mask_col_stride, cols, N, scale, HAS_MASK)

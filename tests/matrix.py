@@ -1,0 +1,88 @@
+"""The harness of the peer test matrices, tests/ops/test_<op>_matrix.py.
+
+Each matrix module lists cases taken from the test files of the best-known fused-kernel projects (each
+family cites its file) plus adversarial families, and checks every backend with FlashAttention's criterion
+(tests/tolerances.py, MATRIX): the backend's error against a float64 reference is at most a small multiple
+of PyTorch eager's own error in the same dtype on the same inputs, plus a floor of a few ulps. Upstream
+gradients are drawn in the dtype, so every run sees the same rounded values.
+
+Budget: the cpu and torch backends run every case; the slow backends (cuda_sim, the Triton interpreter)
+run the cases whose work (``case.work``: multiply-adds of attention, elements of a row op) fits
+SLOW_WORK, and every family keeps at least one case there (checked when the tests are collected), so a
+family is shrunk, never dropped. Cases that a backend refuses by contract (``case.refused(backend)``:
+head dims above 128 on cuda and triton, float64 outside torch and cpu) must raise the documented error.
+
+The largest error/bound ratio seen per (op, backend, dtype) is kept in RESULTS and printed at the end of
+the run (tests/conftest.py), which is what the closing notes quote.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import pytest
+import torch
+
+from helpers import SLOW_BACKENDS, dtype_name, dtypes_for
+from tolerances import matrix_bound
+
+# The slow backends' work budget per case: attention B H Lq Lk D multiply-adds (B 2, H 2, 33 x 33 keys,
+# D 64), softmax and layer_norm_residual elements.
+SLOW_WORK = {"attention": 2 * 2 * 33 * 33 * 64, "softmax": 16 * 4099, "layer_norm_residual": 16 * 4099}
+
+# (op, backend, dtype name) -> largest error / bound over the matrix.
+RESULTS: dict[tuple[str, str, str], float] = defaultdict(float)
+
+
+def matrix_params(op: str, backends, cases, all_dtypes=False):
+    """pytest params (backend, dtype, case): every backend and dtype, every case on cpu/torch, the cases
+    within SLOW_WORK on the slow backends. A case's ``dtypes`` (None: all) restricts its dtypes; float64
+    runs only where the backend supports it unless ``all_dtypes`` (for refusal tests)."""
+    params = []
+    for backend in backends:
+        families = {case.family for case in cases}
+        kept = set()
+        for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+            if dtype not in dtypes_for(backend) and not all_dtypes:
+                continue
+            for case in cases:
+                if case.dtypes is not None and dtype not in case.dtypes:
+                    continue
+                if backend in SLOW_BACKENDS and case.work > SLOW_WORK[op]:
+                    continue
+                kept.add(case.family)
+                params.append(pytest.param(backend, dtype, case, id=f"{backend}-{dtype_name(dtype)}-{case}"))
+        lost = families - kept
+        assert not lost, f"{op} matrix: families {sorted(lost)} have no case within {backend}'s work budget"
+    return params
+
+
+def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| (inf where either is non-finite and they differ; 0 for empty tensors)."""
+    if actual.numel() == 0:
+        return 0.0
+    diff = (actual.double() - expected).abs()
+    return float(torch.nan_to_num(diff, nan=math.inf).max())
+
+
+def check(op, backend, dtype, name, actual, eager, expected, condition=1.0):
+    """FlashAttention's criterion for one output: |actual - expected| <= factor |eager - expected| + floor
+    (the floor grows with ``condition``, the largest |logit| of a softmax; tests/tolerances.py)."""
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.dtype == dtype, f"{name}: dtype {actual.dtype}, expected {dtype}"
+    eager_error = max_error(eager, expected)
+    assert math.isfinite(eager_error), f"{name}: PyTorch eager is not finite in {dtype}: the case misses its dtypes"
+    error = max_error(actual, expected)
+    bound = matrix_bound(eager_error, expected, dtype, condition)
+    key = (op, backend, dtype_name(dtype))
+    RESULTS[key] = max(RESULTS[key], error / bound)
+    assert error <= bound, (f"{name} ({backend}, {dtype}): error {error:.3g} > bound {bound:.3g} "
+                            f"(PyTorch eager's error {eager_error:.3g})")
+
+
+def summary() -> list[str]:
+    """Lines of the largest error/bound ratio per op, backend and dtype (<= 1 passes)."""
+    lines = []
+    for (op, backend, dtype), ratio in sorted(RESULTS.items()):
+        lines.append(f"{op:20s} {backend:9s} {dtype:5s} largest error / bound = {ratio:.3f}")
+    return lines

@@ -1,0 +1,162 @@
+"""Non-finite and degenerate inputs: one rule on every backend (README, "Correctness contract").
+
+- softmax: with a = scale * x and masked entries -inf, a row of only -inf gives zeros; a row with a NaN or
+  +inf entry that is not masked gives NaN in every column (torch.softmax's answer); masked entries are
+  never read into the result, whatever they hold.
+- attention: the same rule per query row over its visible scores (out and lse NaN, or zeros and lse -inf);
+  NaN or inf in a padded K row leaves the output and dV exact. A NaN in a padded V row (forward, P V) or
+  K row (backward, dQ = dS K) is multiplied by a zero: each row of the result is then either its true
+  value or NaN, so padded K/V must hold finite values (a cache allocated with torch.empty does not).
+- layer_norm_residual: a row holding NaN or inf is NaN; the other rows are untouched.
+- scale must be finite in the kernels' arithmetic (float32 for every dtype but float64); head dim 0 gives
+  the empty result, as PyTorch's SDPA does.
+Backward follows by arithmetic: rows that saw a NaN get NaN gradients, the other rows stay exact.
+"""
+import math
+
+import pytest
+import torch
+
+from fastformer import ops
+from helpers import ALL_BACKENDS, backend_dtypes, forward_backward, randn, upcast
+from tolerances import assert_close
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("backend,dtype", backend_dtypes(ALL_BACKENDS))
+@pytest.mark.parametrize("N", [1, 7, 33, 97, 1025])
+def test_softmax_nonfinite_logits(backend, dtype, N):
+    # Row 0: NaN, row 1: +inf, row 2: -inf (acts as masked), row 3: NaN where masked, row 4: all -inf,
+    # row 5: untouched. The bad column moves with N so it falls in vector bodies and tails alike.
+    col = (N * 5) // 7
+    x = randn(6, N, dtype=dtype)
+    x[0, col], x[1, col], x[2, col], x[3, col] = NAN, INF, -INF, NAN
+    x[4] = -INF
+    mask = torch.zeros(6, N, dtype=torch.bool)
+    mask[3, col] = True
+    dy = randn(6, N, dtype=dtype)
+    (y,), (dx,) = forward_backward(lambda x: ops.softmax(x, mask=mask, backend=backend), [x], [dy])
+    assert y[0].isnan().all() and y[1].isnan().all(), "an unmasked NaN or +inf must make the whole row NaN"
+    assert dx[0].isnan().all() and dx[1].isnan().all()
+    assert (y[4] == 0).all() and (dx[4] == 0).all(), "a row of -inf logits must give zeros"
+    assert y[2, col] == 0 and y[3, col] == 0, "a -inf or masked entry must get probability 0"
+    # Rows 2, 3 and 5 are the softmax of their finite entries (2 and 3 with `col` masked).
+    clean = x.clone()
+    clean[2:4, col] = 0.0
+    clean_mask = mask.clone()
+    clean_mask[2, col] = True
+    good = [2, 3, 5] if N > 1 else [5]
+    (ref,), (ref_dx,) = forward_backward(lambda x: ops.softmax(x, mask=clean_mask, backend="torch"),
+                                         upcast([clean]), upcast([dy]))
+    assert_close(y[good], ref[good], dtype, "y")
+    assert_close(dx[good], ref_dx[good], dtype, "dx")
+
+
+def _attention_inputs(dtype, D=16, L=33):
+    q, k, v = (randn(2, 2, L, D, dtype=dtype) for _ in range(3))
+    k[..., 0] = k[..., 0].abs() + 0.5  # so an infinite q[..., 0] gives every score of its row one sign
+    return q, k, v, randn(2, 2, L, D, dtype=dtype)
+
+
+@pytest.mark.parametrize("backend,dtype", backend_dtypes(ALL_BACKENDS))
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_nonfinite_scores(backend, dtype, causal):
+    q, k, v, dout = _attention_inputs(dtype)
+    bad = {(0, 0, 3): NAN, (0, 1, 20): INF, (1, 0, 31): -INF}  # NaN, +inf and -inf scores in three rows
+    for (b, h, i), value in bad.items():
+        q[b, h, i, 0] = value
+    (out,), (dq, dk, dv) = forward_backward(
+        lambda q, k, v: ops.attention(q, k, v, causal=causal, backend=backend), [q, k, v], [dout])
+    assert out[0, 0, 3].isnan().all() and out[0, 1, 20].isnan().all(), "a NaN or +inf score must make the row NaN"
+    assert dq[0, 0, 3].isnan().all() and dq[0, 1, 20].isnan().all()
+    assert (out[1, 0, 31] == 0).all() and (dq[1, 0, 31] == 0).all(), "a row of -inf scores must give zeros"
+    # Every other query row (of these heads, and all of the other heads) is exact.
+    rows = torch.ones(2, 2, 33, dtype=torch.bool)
+    for b, h, i in bad:
+        rows[b, h, i] = False
+    clean = q.clone()
+    clean[..., 0] = torch.where(rows, q[..., 0], 0.0)
+    (ref,), (ref_dq, ref_dk, ref_dv) = forward_backward(
+        lambda q, k, v: ops.attention(q, k, v, causal=causal, backend="torch"), upcast([clean, k, v]), upcast([dout]))
+    assert_close(out[rows], ref[rows], dtype, "out")
+    assert_close(dq[rows], ref_dq[rows], dtype, "dq")
+    # The one head with no bad row has exact dk, dv too.
+    assert_close(dk[1, 1], ref_dk[1, 1], dtype, "dk")
+    assert_close(dv[1, 1], ref_dv[1, 1], dtype, "dv")
+
+
+@pytest.mark.parametrize("backend,dtype", backend_dtypes(ALL_BACKENDS))
+@pytest.mark.parametrize("value", [NAN, INF, -INF])
+def test_attention_ignores_padded_keys_whatever_they_hold(backend, dtype, value):
+    q, k, v, dout = _attention_inputs(dtype)
+    mask = torch.zeros(2, 33, dtype=torch.bool)
+    mask[0, 5] = mask[1, 30:] = True
+    poisoned = k.clone()
+    poisoned[0, :, 5] = value
+    poisoned[1, :, 30:] = value
+    (out,), (dq, _, dv) = forward_backward(
+        lambda q, k, v: ops.attention(q, k, v, key_padding_mask=mask, backend=backend), [q, poisoned, v], [dout])
+    (ref,), (ref_dq, _, ref_dv) = forward_backward(
+        lambda q, k, v: ops.attention(q, k, v, key_padding_mask=mask, backend="torch"), upcast([q, k, v]),
+        upcast([dout]))
+    assert_close(out, ref, dtype, "out")
+    assert_close(dv, ref_dv, dtype, "dv")
+    # dQ = dS K multiplies the padded row by a zero dS, like P V in the forward: true values or NaN.
+    finite = torch.isfinite(dq).all(-1)
+    assert_close(dq[finite], ref_dq[finite], dtype, "dq (finite rows)")
+
+
+@pytest.mark.parametrize("backend,dtype", backend_dtypes(ALL_BACKENDS))
+def test_attention_nan_in_padded_values(backend, dtype):
+    # Documented, not fixed: P V multiplies the padded row's NaN by a zero probability. Each output row is
+    # its true value or NaN, never a wrong finite number.
+    q, k, v, _ = _attention_inputs(dtype)
+    mask = torch.zeros(2, 33, dtype=torch.bool)
+    mask[0, 7] = True
+    poisoned = v.clone()
+    poisoned[0, :, 7] = NAN
+    out = ops.attention(q, k, poisoned, key_padding_mask=mask, backend=backend)
+    ref = ops.attention(*upcast([q, k, v]), key_padding_mask=mask, backend="torch")
+    assert torch.isfinite(out[1]).all(), "a batch element without the NaN must stay finite"
+    finite = torch.isfinite(out).all(-1)
+    assert_close(out[finite], ref[finite], dtype, "finite rows")
+
+
+@pytest.mark.parametrize("backend,dtype", backend_dtypes(ALL_BACKENDS))
+@pytest.mark.parametrize("value", [NAN, INF])
+def test_layer_norm_residual_nonfinite_rows(backend, dtype, value):
+    x, residual = randn(5, 97, dtype=dtype), randn(5, 97, dtype=dtype)
+    weight, bias = randn(97, dtype=dtype, shift=1.0), randn(97, dtype=dtype)
+    x[1, 13] = value
+    y = ops.layer_norm_residual(x, residual, weight, bias, backend=backend)
+    assert y[1].isnan().all(), "a row holding NaN or inf must normalize to NaN"
+    rows = [0, 2, 3, 4]
+    ref = ops.layer_norm_residual(*upcast([x[rows], residual[rows], weight, bias]), backend="torch")
+    assert_close(y[rows], ref, dtype, "y")
+
+
+@pytest.mark.parametrize("backend,dtype", backend_dtypes(ALL_BACKENDS))
+def test_scale_that_overflows_the_arithmetic_is_refused(backend, dtype):
+    x = randn(3, 7, dtype=dtype)
+    q = randn(1, 1, 3, 8, dtype=dtype)
+    if dtype == torch.float64:  # 1e39 is a float64 number: computed, not refused
+        assert torch.isfinite(ops.softmax(x, scale=1e39, backend=backend)).all()
+        return
+    with pytest.raises(ValueError, match="overflows float32"):
+        ops.softmax(x, scale=1e39, backend=backend)
+    with pytest.raises(ValueError, match="overflows float32"):
+        ops.attention(q, q, q, scale=-1e39, backend=backend)
+    ops.softmax(x, scale=3e38, backend=backend)  # the largest float32 scales are taken
+
+
+@pytest.mark.parametrize("backend,dtype", backend_dtypes(ALL_BACKENDS))
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_head_dim_zero(backend, dtype, causal):
+    # PyTorch's SDPA returns the empty (B, H, Lq, 0) result; so does every backend, gradients included.
+    q, k, v = (torch.empty(2, 3, L, 0, dtype=dtype) for L in (5, 7, 7))
+    (out,), (dq, dk, dv) = forward_backward(
+        lambda q, k, v: ops.attention(q, k, v, causal=causal, backend=backend), [q, k, v],
+        [torch.empty(2, 3, 5, 0, dtype=dtype)])
+    assert out.shape == (2, 3, 5, 0) and out.dtype == dtype
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
