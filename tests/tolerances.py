@@ -46,7 +46,7 @@ def assert_close(actual, expected, dtype, what=""):
 # a softmax at its logits, max(1, max |s|): a logit s is known to |s| ulp whatever the order of the
 # arithmetic, and e^s carries that error; two correct orders differ by it (at scale 100 the cpu kernel's
 # scores and eager's differ by 2-3x in either direction), so the floor grows with |s|; likewise a layer
-# norm's (s - mean) / std at max |s| / std.
+# norm's (s - mean) rstd at max |s| rstd.
 MATRIX = {
     torch.float64: dict(factor=2.0, floor=64),
     torch.float32: dict(factor=2.0, floor=32),
@@ -57,7 +57,7 @@ MATRIX = {
 
 def matrix_bound(eager_error, expected, dtype, condition=1.0):
     """The largest error the matrix criterion allows, for a reference ``expected`` (float64) of an op whose
-    condition number at the inputs is ``condition`` (the largest |logit| of a softmax, |s| / std of a
+    condition number at the inputs is ``condition`` (the largest |logit| of a softmax, |s| rstd of a
     layer norm)."""
     tol = MATRIX[dtype]
     magnitude = expected.abs().max().item() if expected.numel() else 0.0

@@ -25,13 +25,25 @@
 //   s = (scale q_i) . k_j (invisible -> -inf); per row online softmax: m' = max(m, warp_max s),
 //   l = l e^(m - m') + e^(s - m')  (lane-partial l, summed over the warp at the end),
 //   acc = acc e^(m - m') + (e^(s - m') r) V   with r the dropout factor of element (b, h, i, j)
-// then out = acc / l, lse = m + log l; a row with no visible key gets out = 0 and lse = -inf.
+// then out = acc / l, lse = m + log l; a row with no visible key (or only -inf scores) gets l = 0: out = 0
+// and lse = -inf. Non-finite scores (the rule of every backend): invisible keys never count, whatever K
+// holds (their s is replaced by -inf before the max); a NaN or +inf visible score makes the row's out all
+// NaN and lse = NaN: m' = +inf is turned into NaN (poison_unbounded, common.cuh), a NaN s (dropped by
+// fmaxf) makes its own e^(s - m') NaN, and the NaN reaches l and every column of acc (no extra pass).
 // Bytes moved per (b, h): Q and O once, K and V once per query tile:
 //   (2 Lq + 2 Lk ceil(Lq / kBlockM)) D sizeof(T) + 4 Lq (lse) (+ the mask, Lk bytes per tile and warp).
 //
 // Backward (dO given; P = e^(scale q k^T - lse) recomputed, masked -> 0; r the forward's dropout factors):
 //   dV = (P r)^T dO,  dP = dO V^T,  dS = P (dP r - delta) with delta_i = dO_i . O_i,
 //   dQ = scale dS K,  dK = scale dS^T Q.
+// Both kernels recompute s as the forward did: (scale q_i) . k_j from a staged scale Q tile (rounded
+// once, like the forward's), the same products summed by the same dot_rows4 in the same column order
+// (an operand rounded differently errs by |s| 2^-24 relatively, which e^(s - lse) amplifies at large
+// logits). So dK = dS^T (scale Q) needs no further factor. Rows with lse = -inf get no gradient;
+// lse = NaN (a poisoned row) counts as visible, so its dQ row and dK, dV of the keys it sees turn NaN;
+// an invisible (i, j) gives P = dS = 0 by a select (not a product with a NaN delta or dP), so the
+// other rows' dQ and the keys it does not see stay exact. (A NaN or inf entry of q, k or v itself still
+// reaches other rows through 0 * inf in the dS K, dS^T Q, P V products, as in every backend.)
 // Three kernels, each output written by exactly one block (deterministic, no atomics):
 //   attention_bwd_delta_kernel: one warp per query row, delta (B, H, Lq) float32; reads O and dO once.
 //   attention_bwd_dkdv_kernel: block (key block of kBlock = 4 kWarps keys, b h), owned rows = keys, tiles
@@ -44,7 +56,7 @@
 // Shared memory (static, float tiles; kWarps from the configs below), per block:
 //   forward:  Q (kBlockM, D_MAX) + K (32, D_MAX + 4) + V (32, D_MAX) + P (kWarps, 32, 4)
 //             D_MAX 16, 32, 64 (8 warps): 10.5, 16.5, 28.5 KB; D_MAX 128 (4 warps): 42.5 KB
-//   dK/dV:    K, V (kBlock, D_MAX) + Q, dO (32, D_MAX + 4) + P r, dS (kWarps, 32, 4)
+//   dK/dV:    K, V (kBlock, D_MAX) + scale Q, dO (32, D_MAX + 4) + P r, dS (kWarps, 32, 4)
 //             D_MAX 16, 32, 64 (8 warps): 17, 25, 41 KB; D_MAX 128 (3 warps): 48 KB
 //   dQ:       Q, dO (kBlock, D_MAX) + K, V (32, D_MAX + 4) + dS (kWarps, 32, 4)
 //             D_MAX 16, 32, 64 (8 warps): 13, 21, 37 KB; D_MAX 128 (3 warps): 46.5 KB
@@ -345,7 +357,8 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdConfig<D_MAX>::kThreads)
       const int i = row0 + r;
       const bool visible = key_ok && i < p.Lq && (!p.causal || j <= i + p.Lk - p.Lq);
       const float sr = visible ? s[r] : neg_inf;
-      const float m_new = fmaxf(m[r], warp_max(sr));
+      // +inf -> NaN: e^(s - m) and so l, acc and lse turn NaN (a NaN s does that through its own e^(s - m)).
+      const float m_new = poison_unbounded(fmaxf(m[r], warp_max(sr)));
       const float m_use = m_new == neg_inf ? 0.0f : m_new;  // a row with nothing visible yet stays at 0
       const float corr = expf(m[r] - m_use);
       const float pr = expf(sr - m_use);
@@ -371,9 +384,10 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdConfig<D_MAX>::kThreads)
     const float l_row = warp_sum(l[r]);
     if (i < p.Lq) {
       const int64_t row = static_cast<int64_t>(bh) * p.Lq + i;
-      // l = 0: no visible key -> zeros and lse = -inf (never NaN).
-      if (group == 0) store_cols<kCols>(p.out + row * p.D, c0, p.D, p.vec2, acc[r], l_row > 0.0f ? 1.0f / l_row : 0.0f);
-      if (lane == 0) p.lse[row] = l_row > 0.0f ? m[r] + logf(l_row) : neg_inf;
+      // l = 0: no visible key (or only -inf scores) -> zeros and lse = -inf. l = NaN (a NaN or +inf
+      // visible score): out and lse NaN.
+      if (group == 0) store_cols<kCols>(p.out + row * p.D, c0, p.D, p.vec2, acc[r], l_row == 0.0f ? 0.0f : 1.0f / l_row);
+      if (lane == 0) p.lse[row] = l_row == 0.0f ? neg_inf : m[r] + logf(l_row);
     }
   }
 }
@@ -414,9 +428,9 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
   using Cols = LaneCols<D_MAX>;
   constexpr int kQStride = D_MAX + 4;
   constexpr int kCols = Cols::kPerLane;
-  __shared__ float4 k_s4[Cfg::kBlock * D_MAX / 4];   // scale K, (kBlock, D_MAX)
+  __shared__ float4 k_s4[Cfg::kBlock * D_MAX / 4];   // K, (kBlock, D_MAX)
   __shared__ float4 v_s4[Cfg::kBlock * D_MAX / 4];   // V, (kBlock, D_MAX)
-  __shared__ float4 q_s4[kTileRows * kQStride / 4];   // Q tile, (32, D_MAX + 4)
+  __shared__ float4 q_s4[kTileRows * kQStride / 4];   // scale Q tile, (32, D_MAX + 4)
   __shared__ float4 do_s4[kTileRows * kQStride / 4];  // dO tile, (32, D_MAX + 4)
   __shared__ float4 p_s[Cfg::kWarps * kTileRows];     // P r, (kWarps, 32 queries, 4 keys)
   __shared__ float4 ds_s[Cfg::kWarps * kTileRows];    // dS, (kWarps, 32 queries, 4 keys)
@@ -435,7 +449,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
   const float neg_inf = -ff_inf();
   const bool* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.Lk : nullptr;
 
-  load_tile<Cfg::kBlock, D_MAX, D_MAX, Cfg::kThreads>(k_s, p.k + kv_off, p.Lk - j_blk, p.D, p.vec2, p.scale);
+  load_tile<Cfg::kBlock, D_MAX, D_MAX, Cfg::kThreads>(k_s, p.k + kv_off, p.Lk - j_blk, p.D, p.vec2, 1.0f);
   load_tile<Cfg::kBlock, D_MAX, D_MAX, Cfg::kThreads>(v_s, p.v + kv_off, p.Lk - j_blk, p.D, p.vec2, 1.0f);
   bool key_ok[kRowsPerWarp];
 #pragma unroll
@@ -455,10 +469,11 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
   for (int i0 = first; i0 < p.Lq; i0 += kTileRows) {
     const int nq = imin(kTileRows, p.Lq - i0);
     __syncthreads();  // every warp is done with the previous Q, dO, P r, dS (and K, V are written)
-    load_tile<kTileRows, D_MAX, kQStride, Cfg::kThreads>(q_s, p.q + q_off + static_cast<int64_t>(i0) * p.D, nq,
-                                                         p.D, p.vec2, 1.0f);
     load_tile<kTileRows, D_MAX, kQStride, Cfg::kThreads>(do_s, p.dout + q_off + static_cast<int64_t>(i0) * p.D,
                                                          nq, p.D, p.vec2, 1.0f);
+    // scale Q, as the forward stages it: s = (scale q_i) . k_j rounds exactly as the forward's scores did.
+    load_tile<kTileRows, D_MAX, kQStride, Cfg::kThreads>(q_s, p.q + q_off + static_cast<int64_t>(i0) * p.D, nq,
+                                                         p.D, p.vec2, p.scale);
     __syncthreads();
 
     const int i = i0 + lane;
@@ -475,11 +490,13 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
     float pd[kRowsPerWarp], ds[kRowsPerWarp];
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
+      // lse = NaN (a poisoned row) is "visible": P, dS and so dK, dV of its keys turn NaN. An invisible
+      // pair gives exact zeros, whatever dP (V) and delta (a poisoned row's O) hold.
       const bool visible = key_ok[r] && i < p.Lq && lse_i != neg_inf && (!p.causal || jw + r <= i + p.Lk - p.Lq);
       const float pr = visible ? expf(s[r] - lse_i) : 0.0f;
       const float fr = component(f, r);
       pd[r] = pr * fr;
-      ds[r] = pr * (dp[r] * fr - delta_i);
+      ds[r] = visible ? pr * (dp[r] * fr - delta_i) : 0.0f;
     }
     p_s[warp * kTileRows + lane] = make4(pd[0], pd[1], pd[2], pd[3]);
     ds_s[warp * kTileRows + lane] = make4(ds[0], ds[1], ds[2], ds[3]);
@@ -495,7 +512,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
     const int j = jw + r;
     if (j < p.Lk && group == 0) {  // keys no query sees got no tile: zeros
       const int64_t off = (static_cast<int64_t>(bh) * p.Lk + j) * p.D;
-      store_cols<kCols>(p.dk + off, c0, p.D, p.vec2, dk[r], p.scale);
+      store_cols<kCols>(p.dk + off, c0, p.D, p.vec2, dk[r], 1.0f);  // dS^T (scale Q): scaled already
       store_cols<kCols>(p.dv + off, c0, p.D, p.vec2, dv[r], 1.0f);
     }
   }
@@ -561,6 +578,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
       const int i = row0 + r;
+      // As in the dK/dV kernel: lse = NaN gives a NaN dQ row; an invisible pair gives exact zeros.
       const bool visible = key_ok && i < p.Lq && lse[r] != neg_inf && (!p.causal || j <= i + p.Lk - p.Lq);
       const float pr = visible ? expf(s[r] - lse[r]) : 0.0f;
       float fr = 1.0f;
@@ -568,7 +586,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
         const uint64_t idx = (static_cast<uint64_t>(bh) * p.Lq + i) * p.Lk + j;
         fr = dropout_factor(p.seed, idx, p.dropout_p, p.dropout_scale);
       }
-      ds[r] = pr * (dp[r] * fr - delta[r]);
+      ds[r] = visible ? pr * (dp[r] * fr - delta[r]) : 0.0f;
     }
     ds_s[warp * kTileRows + lane] = make4(ds[0], ds[1], ds[2], ds[3]);
     __syncwarp();

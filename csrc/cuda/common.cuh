@@ -11,6 +11,13 @@ constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 
 FF_DEVICE float ff_inf() { return __int_as_float(0x7f800000); }
+FF_DEVICE float ff_nan() { return __int_as_float(0x7fffffff); }
+
+// The max m of a softmax row (masked entries -inf) made to carry the rule for non-finite logits that every
+// backend follows: +inf becomes NaN (NaN stays NaN; finite and -inf are unchanged), so every e^(a - m),
+// the sum l and the whole output row turn NaN. A NaN logit needs no test: fmaxf drops it from m, but its
+// e^(NaN - m) makes l NaN, and the row's 1 / l spreads it to every column.
+FF_DEVICE float poison_unbounded(float m) { return m < ff_inf() ? m : ff_nan(); }
 
 FF_DEVICE int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
@@ -43,6 +50,7 @@ FF_DEVICE float warp_sum(float x) {
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(kFullMask, x, offset);
   return x;
 }
+// warp_max drops NaN (fmaxf): the softmaxes carry NaN through their sums instead (poison_unbounded).
 FF_DEVICE float warp_max(float x) {
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, offset));

@@ -2,8 +2,13 @@
 //
 // x is viewed as R contiguous rows of N. Forward, per row, in float32:
 //   a = scale * x, -inf where masked;  m = max a;  l = sum e^(a - m);  y = e^(a - m) / l.
-// A row whose entries are all masked has m = -inf and gives zeros (m is replaced by 0 and 1/l by 0, so
-// e^(-inf) * 0 = 0, no NaN). Backward: dx = scale * y * (dy - sum(dy * y)).
+// Non-finite logits (the rule of every backend): a row whose a are all -inf (fully masked, or -inf
+// logits) has m = -inf and gives zeros (m is replaced by 0 and 1/l by 0, so e^(-inf) * 0 = 0, no NaN).
+// Otherwise a NaN or +inf a (unmasked; masked entries are -inf whatever x holds) makes the WHOLE row of y
+// NaN, masked columns included: m = +inf is turned into NaN (poison_unbounded, common.cuh), and a NaN a,
+// which fmaxf drops from m, makes its e^(a - m) and so l NaN; 1/l (NaN) then reaches every column. The
+// block layout's merges keep a NaN l (also one summed while m was still -inf). No extra pass, one select
+// per row. Backward: dx = scale * y * (dy - sum(dy * y)) (a NaN row of y gives a NaN row of dx).
 // The mask is bool, expanded to x's shape as a strided view (stride 0 on broadcast dims): a row's mask
 // starts at the offset found by unravelling the row index over x's leading dims (SoftmaxMask), its
 // entries are col_stride apart.
@@ -140,7 +145,8 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kSoftmaxWarpRows * kWarpSize) softmax_fwd_warp_k
     m = fmaxf(m, v[i]);
   }
   m = warp_max(m);
-  if (m == neg_inf) m = 0.0f;  // fully masked row: every e^(a - m) is 0
+  // Fully masked row: every e^(a - m) is 0, zeros. A NaN or +inf a: NaN row (poison_unbounded).
+  m = m == neg_inf ? 0.0f : poison_unbounded(m);
   float l = 0.0f;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
@@ -148,7 +154,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kSoftmaxWarpRows * kWarpSize) softmax_fwd_warp_k
     l += v[i];
   }
   l = warp_sum(l);
-  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  const float inv = l == 0.0f ? 0.0f : 1.0f / l;  // l NaN: inv NaN, and so is every y
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) v[i] *= inv;
   softmax_warp_store(p.y + row * n, n, lane, vec2, v);
@@ -188,10 +194,11 @@ FF_DEVICE void softmax_online_add(SoftmaxOnline& s, float a) {
   }
 }
 
-// Commutative bit for bit (max and + are), so butterfly partners agree.
+// Commutative bit for bit (max and + are), so butterfly partners agree. With m = -inf both l are 0, or NaN
+// (a NaN a added while m was -inf): a.l + b.l keeps that NaN.
 FF_DEVICE SoftmaxOnline softmax_online_merge(SoftmaxOnline a, SoftmaxOnline b) {
   const float m = fmaxf(a.m, b.m);
-  if (m == -ff_inf()) return SoftmaxOnline{m, 0.0f};
+  if (m == -ff_inf()) return SoftmaxOnline{m, a.l + b.l};
   return SoftmaxOnline{m, a.l * expf(a.m - m) + b.l * expf(b.m - m)};
 }
 
@@ -244,8 +251,9 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kSoftmaxBlockThreads) softmax_fwd_block_kernel(c
   __syncthreads();
   s = lane < warps ? SoftmaxOnline{stage_m[lane], stage_l[lane]} : SoftmaxOnline{neg_inf, 0.0f};
   s = softmax_warp_merge(s);
-  const float m = s.m == neg_inf ? 0.0f : s.m;  // fully masked row: zeros
-  const float inv = s.l > 0.0f ? 1.0f / s.l : 0.0f;
+  // Fully masked row: zeros. A NaN or +inf a: m or l is NaN, and so is every y.
+  const float m = s.m == neg_inf ? 0.0f : poison_unbounded(s.m);
+  const float inv = s.l == 0.0f ? 0.0f : 1.0f / s.l;
   // Sweep 2: y = e^(a - m) / l.
   if (p.vec2) {
     for (int col = 2 * threadIdx.x; col < n; col += 2 * blockDim.x) {

@@ -21,7 +21,8 @@ from matrix import check, matrix_params
 class Case:
     family: str
     shape: tuple
-    mask: str = "none"  # "none", "padding" ((B, 1, 1, N) keys), "causal" ((1, 1, L, L) upper triangle), "full"
+    mask: str = "none"  # "none", "padding" ((B, 1, 1, N) keys), "heads" ((B, 1, L, N) random), "causal"
+    #                     ((1, 1, L, L) upper triangle), "full" (random, x's shape), "all" (every entry)
     scale: float = 1.0
     magnitude: float = 1.0
     dtypes: tuple | None = None
@@ -36,34 +37,46 @@ class Case:
 
 
 LOW = (torch.float64, torch.float32)
+APEX = "NVIDIA/apex tests/L0/run_transformer/test_fused_softmax.py"  # deleted upstream; read at 3c98f93d
+MEGATRON = "NVIDIA/Megatron-LM megatron/legacy/fused_kernels/tests/test_fused_kernels.py"  # deleted; read at 4f49f2f3
 
 CASES = [
-    # apex, tests/L0/run_transformer/test_fused_softmax.py (Megatron's fused scale-mask-softmax): attention
-    # scores (b, np, sq, sk) with a (b, 1, sq, sk) padding mask and with the upper-triangular (causal) mask,
-    # scale factors 1 and 0.5; sequence lengths from its loops.
-    *[Case("apex_masked", (2, 2, sq, sk), "padding", s) for sq, sk in ((16, 16), (24, 128), (7, 1000), (113, 2048))
-      for s in (1.0, 0.5)],
-    *[Case("apex_causal", (2, 2, L, L), "causal", s) for L in (16, 97, 128, 512) for s in (1.0, 0.5)],
-    Case("apex_masked", (2, 2, 4, 33), "padding", 0.5),
-    # Megatron-LM, fused softmax tests: masked and causal softmax at lengths 4096 (fp16/bf16 kernels' limit).
-    Case("megatron", (1, 2, 4, 4096), "padding", 0.125),
-    Case("megatron", (1, 1, 64, 4096), "full", 1.0),
-    Case("megatron", (2, 2, 2, 4099), "padding", 0.125),
-    # Triton, python/tutorials/02-fused-softmax.py: x of (1823, 781).
+    # APEX::TestFusedScaleMaskSoftmax: scores (4, 12, 24, 24) and (32, 12, 4, 214), a (B, 1, Lq, Lk) mask
+    # of randint(0, 2), scale None (1) and 2.0; test_fused_upper_triangle_mask_softmax: (4, 12, 24, 24) causal.
+    *[Case("apex_masked", shape, "heads", s) for shape in ((4, 2, 24, 24), (4, 2, 4, 214)) for s in (1.0, 2.0)],
+    Case("apex_masked", (2, 2, 4, 24), "heads", 2.0),
+    *[Case("apex_causal", (4, 2, 24, 24), "causal", s) for s in (1.0, 2.0)],
+    # APEX::TestGenericFusedSoftmaxKernel: qlen [1, 2] x klen [1, 2, 3, 4, 5, 8, 10, 11, 13, 128, 256, 1200,
+    # 1234], inputs normal(0, 2), random and all-masked masks (2 x 16 heads there).
+    *[Case("apex_generic", (2, 2, lq, lk), mask, magnitude=2.0) for lq in (1, 2)
+      for lk in (1, 2, 3, 4, 5, 8, 10, 11, 13, 128, 256, 1200, 1234) for mask in ("heads", "all")],
+    # MEGATRON::test_masked_softmax_forward/backward: qlen [128, 256, 1024, 2048, 4096] x klen [128, 256,
+    # 1024, 2048], (B, 1, Lq, Lk) random mask, normal(0, 2); test_allmasked_softmax_*: every key masked.
+    *[Case("megatron", (1, 1, lq, lk), "heads", magnitude=2.0) for lq, lk in ((128, 128), (256, 1024), (1024, 256),
+                                                                             (2048, 2048), (4096, 128))],
+    Case("megatron", (1, 2, 4, 2048), "all", magnitude=2.0),
+    Case("megatron", (2, 2, 2, 128), "heads", magnitude=2.0),
+    # Megatron-LM tests/unit_tests/fusions/test_torch_softmax.py: equal scores (zeros) under the causal mask
+    # give 1 / (i + 1); scale [0.5, 1.0, 2.0] on (2, 4, 8, 8); a (2, 1, 8, 8) padding mask.
+    Case("megatron_torch", (8, 2, 32, 32), "causal", magnitude=0.0),
+    *[Case("megatron_torch", (2, 4, 8, 8), "padding", s) for s in (0.5, 1.0, 2.0)],
+    # Liger-Kernel test/transformers/test_softmax.py: [(2, 8), (4, 16), (1, 1023), (3, 7, 256), (1, 4096),
+    # (1, 2, 4096)] (the single-block and multi-block paths).
+    *[Case("liger", shape) for shape in ((2, 8), (4, 16), (1, 1023), (3, 7, 256), (1, 4096), (1, 2, 4096))],
+    # Triton python/tutorials/02-fused-softmax.py (at fd237c7c): x of (1823, 781).
     Case("triton_tutorial", (1823, 781)),
     Case("triton_tutorial", (15, 781)),
-    # PyTorch, torch/testing/_internal/common_methods_invocations.py::sample_inputs_softmax_variant: (S, S, S)
-    # with S = 5, a vector and a single element, over the last dim.
-    Case("opinfo", (5, 5, 5)),
-    Case("opinfo", (5,)),
-    Case("opinfo", (1,)),
+    # PyTorch torch/testing/_internal/common_methods_invocations.py::sample_inputs_softmax_variant: (5,),
+    # (5, 5), (5, 10, 5) over the last dim (S = 5, M = 10).
+    *[Case("opinfo", shape) for shape in ((5,), (5, 5), (5, 10, 5))],
     # Adversarial (issue 18): non-positive and huge scales at row lengths that are no power of two (the
-    # Triton kernel's padding lanes), rows of length 1, large logits.
+    # Triton kernel's padding lanes), rows of length 1, large logits (Megatron's test_torch_softmax: +-1e10).
     *[Case("scale", (4, n), mask, s, dtypes=None if abs(s) < 50 else LOW)
       for n in (7, 97, 1000, 4099) for s in (0.0, -0.5, -1.0, 1e4) for mask in ("none", "full")],
     *[Case("length_one", shape, mask) for shape in ((1,), (7, 1), (2, 3, 1)) for mask in ("none", "full")],
     Case("large_logits", (16, 97), "full", 1.0, magnitude=100.0, dtypes=LOW),
     Case("large_logits", (16, 1000), "none", 1.0, magnitude=30.0),
+    Case("large_logits", (4, 33), "full", 1.0, magnitude=1e10, dtypes=LOW),
 ]
 
 
@@ -74,6 +87,10 @@ def make_mask(case):
         return None
     if case.mask == "full":  # every element its own bit; about a third masked
         return torch.rand(case.shape) < 0.33
+    if case.mask == "all":  # every key masked: zeros
+        return torch.ones(case.shape, dtype=torch.bool)
+    if case.mask == "heads":  # (B, 1, Lq, Lk) of randint(0, 2), broadcast over the heads
+        return torch.randint(0, 2, (lead[0], 1, *lead[2:], n)).bool()
     if case.mask == "causal":  # (1, 1, L, L): key j > query i is masked
         return torch.ones(n, n, dtype=torch.bool).triu(1)[None, None]
     lengths = torch.randint(1, n + 1, (lead[0],))  # "padding": per batch element, keys past its length
