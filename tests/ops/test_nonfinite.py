@@ -7,7 +7,7 @@
   NaN or inf in a padded K row leaves the output and dV exact. A NaN in a padded V row (forward, P V) or
   K row (backward, dQ = dS K) is multiplied by a zero: each row of the result is then either its true
   value or NaN, so padded K/V must hold finite values (a cache allocated with torch.empty does not).
-- layer_norm_residual: a row holding NaN or inf is NaN; the other rows are untouched.
+- layer_norm_residual: a row holding NaN or +-inf is NaN; the other rows are untouched.
 - scale must be finite in the kernels' arithmetic (float32 for every dtype but float64); head dim 0 gives
   the empty result, as PyTorch's SDPA does.
 Backward follows by arithmetic: rows that saw a NaN get NaN gradients, the other rows stay exact.
@@ -124,7 +124,7 @@ def test_attention_nan_in_padded_values(backend, dtype):
 
 
 @pytest.mark.parametrize("backend,dtype", backend_dtypes(ALL_BACKENDS))
-@pytest.mark.parametrize("value", [NAN, INF])
+@pytest.mark.parametrize("value", [NAN, INF, -INF])
 def test_layer_norm_residual_nonfinite_rows(backend, dtype, value):
     x, residual = randn(5, 97, dtype=dtype), randn(5, 97, dtype=dtype)
     weight, bias = randn(97, dtype=dtype, shift=1.0), randn(97, dtype=dtype)
