@@ -18,13 +18,36 @@ the run (tests/conftest.py), which is what the closing notes quote.
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
 
 import pytest
 import torch
 
-from helpers import SLOW_BACKENDS, dtype_name, dtypes_for
+import fastformer
+from helpers import ALL_BACKENDS, SLOW_BACKENDS, dtype_name, dtypes_for
 from tolerances import matrix_bound
+
+# Where the backends under test run: "cpu" (CI: every backend on CPU tensors, cuda through cuda_sim and
+# triton in its interpreter) or "cuda" (a GPU machine: the cuda and triton backends on CUDA tensors, every
+# case, the references still computed on the CPU):
+#     FASTFORMER_MATRIX_DEVICE=cuda python -m pytest tests/ops/test_attention_matrix.py ...
+DEVICE = os.environ.get("FASTFORMER_MATRIX_DEVICE", "cpu")
+if DEVICE == "cpu":
+    BACKENDS = ALL_BACKENDS
+else:
+    BACKENDS = [b for b in ("cuda", "triton") if fastformer.backends().get(b)]
+    if not torch.cuda.is_available() or not BACKENDS:
+        raise RuntimeError(f"FASTFORMER_MATRIX_DEVICE={DEVICE}: needs a CUDA device and the cuda or triton backend")
+
+
+def on_device(tensors):
+    """The tensors on DEVICE (None stays None), keeping their strides where they are views."""
+    return [None if t is None else t.to(DEVICE) for t in tensors]
+
+
+def on_cpu(tensors):
+    return [t.cpu() for t in tensors]
 
 # The slow backends' work budget per case: attention B H Lq Lk D multiply-adds (B 2, H 2, 33 x 33 keys,
 # D 64), softmax and layer_norm_residual elements.
@@ -34,21 +57,21 @@ SLOW_WORK = {"attention": 2 * 2 * 33 * 33 * 64, "softmax": 16 * 4099, "layer_nor
 RESULTS: dict[tuple[str, str, str], float] = defaultdict(float)
 
 
-def matrix_params(op: str, backends, cases, all_dtypes=False):
-    """pytest params (backend, dtype, case): every backend and dtype, every case on cpu/torch, the cases
-    within SLOW_WORK on the slow backends. A case's ``dtypes`` (None: all) restricts its dtypes; float64
-    runs only where the backend supports it unless ``all_dtypes`` (for refusal tests)."""
+def matrix_params(op: str, cases):
+    """pytest params (backend, dtype, case): every backend and dtype, every case on cpu/torch (and on a
+    GPU), the cases within SLOW_WORK on the slow backends. A case's ``dtypes`` (None: all) restricts its
+    dtypes; float64 runs only where the backend supports it."""
     params = []
-    for backend in backends:
+    for backend in BACKENDS:
         families = {case.family for case in cases}
         kept = set()
         for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
-            if dtype not in dtypes_for(backend) and not all_dtypes:
+            if dtype not in dtypes_for(backend):
                 continue
             for case in cases:
                 if case.dtypes is not None and dtype not in case.dtypes:
                     continue
-                if backend in SLOW_BACKENDS and case.work > SLOW_WORK[op]:
+                if DEVICE == "cpu" and backend in SLOW_BACKENDS and case.work > SLOW_WORK[op]:
                     continue
                 kept.add(case.family)
                 params.append(pytest.param(backend, dtype, case, id=f"{backend}-{dtype_name(dtype)}-{case}"))

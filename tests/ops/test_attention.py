@@ -256,4 +256,5 @@ def test_torch_reference_probabilities_at_large_logits():
     ref = ops.attention(*upcast([q, k, v]), causal=True, scale=100.0, backend="torch")
     eager = naive_attention(q, k, v, None, True, 100.0)
     error, eager_error = ((t.double() - ref).abs().max().item() for t in (out, eager))
-    assert error <= 2 * eager_error + 8 * torch.finfo(torch.float32).eps, f"out error {error:.3g}, eager {eager_error:.3g}"
+    bound = 2 * eager_error + 8 * torch.finfo(torch.float32).eps
+    assert error <= bound, f"out error {error:.3g}, eager {eager_error:.3g}"

@@ -16,8 +16,8 @@ import torch
 
 from fastformer import ops
 from fastformer.ops import reference
-from helpers import ALL_BACKENDS, forward_backward, randn, upcast, visible_keys
-from matrix import check, matrix_params
+from helpers import forward_backward, randn, upcast, visible_keys
+from matrix import check, matrix_params, on_cpu, on_device
 
 MAX_HEAD_DIM = {"cuda": 128, "cuda_sim": 128, "triton": 128}  # backends that refuse larger head dims
 
@@ -58,9 +58,10 @@ class Case:
 
 
 LOW = (torch.float64, torch.float32)  # dtypes whose eager arithmetic holds the large-logit cases
-FA = "Dao-AILab/flash-attention tests/test_flash_attn.py"  # read at 0251105a
-PT = "pytorch/pytorch test/test_transformers.py"  # read at cyyever/pytorch 0cecc5c1 (a recent mirror)
-XF = "facebookresearch/xformers tests/test_mem_eff_attention.py"  # read at bed3978b
+# The files the families come from, and the commit each was read at:
+#   FA: Dao-AILab/flash-attention tests/test_flash_attn.py (0251105a)
+#   PT: pytorch/pytorch test/test_transformers.py (read in the mirror cyyever/pytorch at 0cecc5c1)
+#   XF: facebookresearch/xformers tests/test_mem_eff_attention.py (bed3978b)
 
 CASES = [
     # FA::test_flash_attn_output: d in [32, 40, 59, 64, 96, 111, 128, 160, 192, 224, 256] x causal at its
@@ -74,8 +75,8 @@ CASES = [
                      (1023, 1024), (1024, 1023), (2048, 2048)) for causal in (False, True)],
     Case("flash_output_len", 2, 2, 17, 33, 64, True),
     # FA::test_flash_attn_causal: its pairs with swap_sq_sk (Lq < Lk and Lq > Lk), bottom-right causal.
-    *[Case("flash_causal", 1, 2, lq, lk, d, True) for a, b in ((1, 239), (3, 799), (127, 513)) for lq, lk in ((a, b), (b, a))
-      for d in (59, 128)],
+    *[Case("flash_causal", 1, 2, lq, lk, d, True) for a, b in ((1, 239), (3, 799), (127, 513))
+      for lq, lk in ((a, b), (b, a)) for d in (59, 128)],
     Case("flash_causal", 2, 2, 3, 31, 40, True),
     Case("flash_causal", 2, 2, 31, 3, 40, True),
     # FA::test_flash_attn_varlen_output: keys padded by generate_random_padding_mask ("random"; also its
@@ -94,7 +95,8 @@ CASES = [
     Case("flash_dropout", 1, 2, 113, 203, 64, False, dropout=0.17),
     Case("flash_dropout", 2, 2, 33, 17, 40, True, "random", dropout=0.17),
     # FA::test_flash_attn_bwd_overflow: q x 5, k and v x 3, seqlen [1, 2, 5, 17, 128], d [16, 32, 64], causal.
-    *[Case("flash_bwd_overflow", 2, 2, L, L, d, True, magnitudes=(5.0, 3.0, 3.0)) for L, d in ((1, 16), (5, 32), (17, 64), (128, 64))],
+    *[Case("flash_bwd_overflow", 2, 2, L, L, d, True, magnitudes=(5.0, 3.0, 3.0))
+      for L, d in ((1, 16), (5, 32), (17, 64), (128, 64))],
     # PT::test_mem_efficient_attention_vs_math_ref_grads: batch [1, 8], seq_len_q/k [8, 103, 1024, 2048],
     # head_dim [8, 16, 96, 128], is_causal, dropout_p [0.0, 0.22], scale [None, "l1" = 1 / head_dim];
     # and test_flash_attention_vs_math_ref_grads: seq_len_q [4, 143, 2048], seq_len_k [4, 127, 579, 2048].
@@ -118,7 +120,8 @@ CASES = [
     # 160, 258, ...]; LowerTriangularFromBottomRightMask (bottom-right), LowerTriangularMask (top-left: the
     # same mask for Mq == Mkv); test_custom_scale: scale 0.1.
     *[Case("xformers", 1, 2, mq, 128, k, causal, magnitudes=(3.0, 3.0, 3.0))
-      for mq, k, causal in ((2, 31, True), (15, 34, False), (31, 38, True), (68, 80, False), (136, 160, True), (90, 258, False))],
+      for mq, k, causal in ((2, 31, True), (15, 34, False), (31, 38, True), (68, 80, False), (136, 160, True),
+                            (90, 258, False))],
     *[Case("xformers", 1, 2, 256, mkv, 40, True, magnitudes=(3.0, 3.0, 3.0)) for mkv in (3, 72, 132)],
     Case("xformers", 2, 2, 32, 32, 64, True, magnitudes=(3.0, 3.0, 3.0)),
     Case("xformers", 2, 2, 15, 31, 64, False, "random", scale=0.1),
@@ -127,7 +130,8 @@ CASES = [
     *[Case("scale", 2, 2, 33, 33, 64, causal, "random", scale=s, dtypes=None if abs(s) < 50 else LOW)
       for s in (0.0, -0.7, -3.0, 100.0, 1e4, -1e4) for causal in (False, True)],
     *[Case("head_dim", 2, 2, 33, 17, d, True, "random") for d in (1, 2, 3)],
-    *[Case("length_one", 2, 2, lq, lk, 16, causal) for lq, lk in ((1, 1), (1, 33), (33, 1)) for causal in (False, True)],
+    *[Case("length_one", 2, 2, lq, lk, 16, causal)
+      for lq, lk in ((1, 1), (1, 33), (33, 1)) for causal in (False, True)],
     Case("large_logits", 2, 2, 33, 33, 64, True, magnitudes=(8.0, 8.0, 1.0), dtypes=LOW),
     Case("large_logits", 1, 2, 113, 203, 64, False, "random", magnitudes=(8.0, 8.0, 1.0), dtypes=LOW),
     Case("all_padded", 2, 2, 17, 33, 40, False, "all"),
@@ -201,17 +205,20 @@ def seeded(seed, fn):
     return run
 
 
-@pytest.mark.parametrize("backend,dtype,case", matrix_params("attention", ALL_BACKENDS, CASES))
+@pytest.mark.parametrize("backend,dtype,case", matrix_params("attention", CASES))
 def test_attention_matrix(backend, dtype, case):
     q, k, v, mask, dout = make_inputs(case, dtype)
     run_seed = int(torch.randint(0, 2**31, ()))
+    q_dev, k_dev, v_dev, mask_dev, dout_dev = on_device([q, k, v, mask, dout])  # the backend's inputs
     if case.refused(backend):
         with pytest.raises((ValueError, RuntimeError), match=f"head dim (D = )?{case.D} is not supported"):
-            ops.attention(q, k, v, key_padding_mask=mask, causal=case.causal, backend=backend)
+            ops.attention(q_dev, k_dev, v_dev, key_padding_mask=mask_dev, causal=case.causal, backend=backend)
         return
     torch.manual_seed(run_seed)
     dropout_seed = int(torch.randint(0, 2**62, ()))  # the seed the op draws after the same manual_seed
-    (out,), grads = forward_backward(seeded(run_seed, attention_fn(backend, case, mask)), [q, k, v], [dout])
+    (out,), grads = forward_backward(seeded(run_seed, attention_fn(backend, case, mask_dev)), [q_dev, k_dev, v_dev],
+                                     [dout_dev])
+    out, grads = out.cpu(), on_cpu(grads)
     (ref,), ref_grads = forward_backward(seeded(run_seed, attention_fn("torch", case, mask)), upcast([q, k, v]),
                                          upcast([dout]))
     (eager,), eager_grads = forward_backward(lambda q, k, v: eager_attention(q, k, v, mask, case, dropout_seed),

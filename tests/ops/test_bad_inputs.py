@@ -123,6 +123,7 @@ BAD = {
     "lnr-eps_nan": (lnr(eps=float("nan")), VALUE),
     "lnr-eps_inf": (lnr(eps=float("inf")), VALUE),
     "lnr-eps_minus_inf": (lnr(eps=float("-inf")), VALUE),
+    "lnr-eps_negative": (lnr(eps=-0.5), VALUE),  # PyTorch's OpInfo sample_inputs_layer_norm passes -0.5
     "lnr-dropout_negative": (lnr(dropout_p=-0.1), VALUE),
     "lnr-dropout_one": (lnr(dropout_p=1.0), VALUE),
     "lnr-dropout_above_one": (lnr(dropout_p=1.5), VALUE),

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from fastformer import ops
-from helpers import ALL_BACKENDS, forward_backward, randn, upcast
-from matrix import check, matrix_params
+from helpers import forward_backward, randn, upcast
+from matrix import check, matrix_params, on_cpu, on_device
 
 
 @dataclass(frozen=True)
@@ -57,13 +57,12 @@ CASES = [
     # Triton python/tutorials/05-layer-norm.py (at 54569929): test_layer_norm(1151, 8192, float16), eps 1e-5.
     Case("triton_tutorial", (1151, 8192)),
     Case("triton_tutorial", (7, 8192)),
-    # PyTorch common_methods_invocations.py::sample_inputs_layer_norm: (1,) over (1,), (1, 2) over (2,), eps
-    # 0.5, a zero batch (0, 1); its (S, S, S) over (S,) from older copies (S = 5).
+    # PyTorch common_methods_invocations.py::sample_inputs_layer_norm: (1,) over (1,), (1, 2) over (2,), a
+    # zero batch (0, 1), eps 0.5 (its (1, 2, 3) case; its eps -0.5 is refused here: eps must be >= 0).
     Case("opinfo", (1,)),
     Case("opinfo", (1, 2)),
     Case("opinfo", (2, 2, 3), eps=0.5),
     Case("opinfo", (0, 1)),
-    Case("opinfo", (5, 5, 5)),
     # Adversarial (issue 18): 1-D inputs (the torch backend's backward once reduced every dim), rows of
     # length 1 (variance 0), large eps, a common offset 1000x the spread.
     *[Case("one_dim", (n,), prenorm=p) for n in (6, 97, 1000) for p in (False, True)],
@@ -80,7 +79,7 @@ def eager_lnr(x, residual, weight, bias, case):
     return (y, s) if case.prenorm else y
 
 
-@pytest.mark.parametrize("backend,dtype,case", matrix_params("layer_norm_residual", ALL_BACKENDS, CASES))
+@pytest.mark.parametrize("backend,dtype,case", matrix_params("layer_norm_residual", CASES))
 def test_layer_norm_residual_matrix(backend, dtype, case):
     N = case.shape[-1]
     x, residual = randn(*case.shape, dtype=dtype), randn(*case.shape, dtype=dtype, shift=case.shift)
@@ -94,7 +93,7 @@ def test_layer_norm_residual_matrix(backend, dtype, case):
         return lambda x, r, w, bias: ops.layer_norm_residual(x, r, w, bias, eps=case.eps, prenorm=case.prenorm,
                                                              backend=b)
 
-    outs, grads = forward_backward(run(backend), inputs, upstream)
+    outs, grads = (on_cpu(t) for t in forward_backward(run(backend), on_device(inputs), on_device(upstream)))
     ref_outs, ref_grads = forward_backward(run("torch"), upcast(inputs), upcast(upstream))
     eager_outs, eager_grads = forward_backward(lambda *t: eager_lnr(*t, case), inputs, upstream)
     # The condition of (s - mean) rstd at s, rstd = 1 / sqrt(var + eps): s is known to |s| ulp, the
