@@ -5,6 +5,7 @@ import argparse
 import json
 
 from fastformer import checkpoint as ckpt
+from fastformer.cli import int_at_least
 from fastformer.data import load_bible, load_text_files
 from fastformer.translation import add_decoding_arguments, score, translate
 
@@ -16,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--checkpoint", required=True, metavar="P", help="checkpoint file, or run folder (its latest)")
     p.add_argument("--split", choices=("dev", "test"), default="test", help="which split to score")
-    p.add_argument("--limit", type=int, help="score only the first N sentences")
+    p.add_argument("--limit", type=int_at_least(1), help="score only the first N sentences")
     p.add_argument("--output", metavar="F", help="also write the translations here")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_decoding_arguments(p)

@@ -28,18 +28,21 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from fastformer import checkpoint as ckpt
+from fastformer.cli import float_at_least, int_at_least, probability, progress, usage_error
 from fastformer.data import BIBLE_PAIRS, Tokenizer, collate, load_bible, load_text_files, token_batches
 from fastformer.nn import Transformer, TransformerConfig
 from fastformer.runtime import keep_freed_memory, native_bf16_cpu
 from fastformer.translation import score, translate
 
+PROG = "python -m fastformer.train"
 CONFIGS = ("tiny", "small", "base", "big")
+POSITIVE, NONNEGATIVE = float_at_least(0.0, exclusive=True), float_at_least(0.0)  # argparse types
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m fastformer.train",
+        prog=PROG,
         description="Train a Transformer (Vaswani et al., 2017) for translation on fastformer's fused kernels, "
                     "then translate the test split and print its BLEU. Defaults fit 30 minutes on a 2-core CPU.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -52,20 +55,20 @@ def build_parser() -> argparse.ArgumentParser:
     for split, what in (("train", "training"), ("valid", "development"), ("test", "test")):
         g.add_argument(f"--{split}-src", metavar="F", help=f"{what} source text, one sentence per line")
         g.add_argument(f"--{split}-tgt", metavar="F", help=f"{what} target text, line-aligned with --{split}-src")
-    g.add_argument("--vocab-size", type=int, default=8000, help="joint sentencepiece BPE vocabulary size")
+    g.add_argument("--vocab-size", type=int_at_least(16), default=8000, help="joint sentencepiece BPE vocabulary size")
     g = p.add_argument_group("run")
     g.add_argument("--out", metavar="RUN_DIR", help="run folder (default: runs/<config>-<data>)")
     g.add_argument("--resume", action="store_true",
                    help="continue the run folder's latest checkpoint exactly (model, optimizer, schedule, RNG, "
                         "data position, time used)")
-    g.add_argument("--max-steps", type=int, help="stop after this many updates")
-    g.add_argument("--max-minutes", type=float, default=30.0,
+    g.add_argument("--max-steps", type=int_at_least(1), help="stop after this many updates")
+    g.add_argument("--max-minutes", type=POSITIVE, default=30.0,
                    help="stop training after this much training time (counted across resumes)")
     g.add_argument("--backend", choices=("torch", "cpu", "cuda", "triton"),
                    help="fastformer op backend (default: the best for the device)")
     g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     g.add_argument("--seed", type=int, default=1, help="seed of initialisation, batch order and dropout")
-    g.add_argument("--threads", type=int, help="CPU threads for torch (default: all cores)")
+    g.add_argument("--threads", type=int_at_least(1), help="CPU threads for torch (default: all cores)")
     g.add_argument("--precision", choices=PRECISIONS, default="auto",
                    help="compute precision of forward and backward (autocast; weights, optimizer and the "
                         "residual stream stay float32). auto: on CUDA bf16 where supported, else fp16 with "
@@ -76,27 +79,31 @@ def build_parser() -> argparse.ArgumentParser:
                         "(on CPU saves re-faulting ~100 MB of fresh pages a step, 20-35%% of a step on 2 cores; "
                         "the process holds its peak memory); default: glibc's own policy")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--max-tokens", type=int, default=4096,
+    g.add_argument("--max-tokens", type=int_at_least(1), default=4096,
                    help="batch size in tokens: sentences x longest sentence (source or target), padding included")
-    g.add_argument("--update-tokens", type=int, default=3500,
+    g.add_argument("--update-tokens", type=int_at_least(1), default=3500,
                    help="target tokens per update: batches are accumulated (over all ranks) until this many")
-    g.add_argument("--warmup", type=int, default=300, help="linear warmup updates of the inverse-sqrt schedule")
-    g.add_argument("--lr-factor", type=float, default=0.5,
+    g.add_argument("--warmup", type=int_at_least(1), default=300,
+                   help="linear warmup updates of the inverse-sqrt schedule")
+    g.add_argument("--lr-factor", type=POSITIVE, default=0.5,
                    help="lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (the paper's schedule)")
-    g.add_argument("--dropout", type=float, help="override the config's residual/embedding dropout")
-    g.add_argument("--label-smoothing", type=float, help="override the config's label smoothing (0.1)")
-    g.add_argument("--clip-norm", type=float, default=0.0, help="clip the gradient norm (0: off, as in the paper)")
+    g.add_argument("--dropout", type=probability, help="override the config's residual/embedding dropout")
+    g.add_argument("--label-smoothing", type=probability, help="override the config's label smoothing (0.1)")
+    g.add_argument("--clip-norm", type=NONNEGATIVE, default=0.0,
+                   help="clip the gradient norm (0: off, as in the paper)")
     g = p.add_argument_group("evaluation and checkpoints")
-    g.add_argument("--eval-every", type=int, default=250, help="dev loss and dev BLEU every N updates (0: off)")
-    g.add_argument("--eval-sentences", type=int, default=200, help="dev sentences translated (greedy) for dev BLEU")
-    g.add_argument("--checkpoint-minutes", type=float, default=5.0, help="write a checkpoint this often")
-    g.add_argument("--keep", type=int, default=5, help="checkpoints kept in the run folder")
-    g.add_argument("--average-last", type=int, default=1,
+    g.add_argument("--eval-every", type=int_at_least(0), default=250,
+                   help="dev loss and dev BLEU every N updates (0: off)")
+    g.add_argument("--eval-sentences", type=int_at_least(1), default=200,
+                   help="dev sentences translated (greedy) for dev BLEU")
+    g.add_argument("--checkpoint-minutes", type=POSITIVE, default=5.0, help="write a checkpoint this often")
+    g.add_argument("--keep", type=int_at_least(1), default=5, help="checkpoints kept in the run folder")
+    g.add_argument("--average-last", type=int_at_least(1), default=1,
                    help="test with the average of the last N checkpoints (1: the final weights only)")
-    g.add_argument("--beam", type=int, default=4, help="beam size for the test translation")
-    g.add_argument("--lenpen", type=float, default=0.6, help="length penalty alpha for the test translation")
+    g.add_argument("--beam", type=int_at_least(1), default=4, help="beam size for the test translation")
+    g.add_argument("--lenpen", type=NONNEGATIVE, default=0.6, help="length penalty alpha for the test translation")
     g.add_argument("--no-test", action="store_true", help="skip the final test translation")
-    g.add_argument("--log-every", type=int, default=10, help="append to log.jsonl every N updates")
+    g.add_argument("--log-every", type=int_at_least(1), default=10, help="append to log.jsonl every N updates")
     return p
 
 
@@ -156,12 +163,15 @@ def load_corpus(args):
     files = [args.train_src, args.train_tgt, args.valid_src, args.valid_tgt]
     if any(files):
         if not all(files):
-            raise SystemExit("user data needs --train-src, --train-tgt, --valid-src and --valid-tgt "
-                             "(--test-src/--test-tgt optional)")
+            usage_error(PROG, "user data needs --train-src, --train-tgt, --valid-src and --valid-tgt "
+                              "(--test-src/--test-tgt optional)")
         if bool(args.test_src) != bool(args.test_tgt):
-            raise SystemExit("give both --test-src and --test-tgt, or neither")
+            usage_error(PROG, "give both --test-src and --test-tgt, or neither")
         test = (args.test_src, args.test_tgt) if args.test_src else None
-        corpus = load_text_files((args.train_src, args.train_tgt), (args.valid_src, args.valid_tgt), test)
+        try:  # mismatched line counts, no sentence pair, unreadable or undecodable files
+            corpus = load_text_files((args.train_src, args.train_tgt), (args.valid_src, args.valid_tgt), test)
+        except (OSError, ValueError) as exc:
+            usage_error(PROG, str(exc))
         data = {"kind": "files", "train": files[:2], "dev": files[2:], "test": list(test or files[2:])}
         return corpus, data, "custom"
     try:
@@ -355,7 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
     batches = epoch_batches(state["epoch"])
     # Progress against --max-steps when given, else against the --max-minutes training budget.
     by_steps = args.max_steps is not None
-    bar = tqdm(total=args.max_steps if by_steps else round(args.max_minutes, 2),
+    bar = progress(total=args.max_steps if by_steps else round(args.max_minutes, 2),
                initial=state["step"] if by_steps else round(state["train_seconds"] / 60, 2),
                unit="upd" if by_steps else "min", disable=not ddp.main, dynamic_ncols=True, desc="train",
                bar_format=None if by_steps else "{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} min "

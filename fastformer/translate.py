@@ -1,38 +1,75 @@
-"""python -m fastformer.translate: translate text with a trained checkpoint (stdin to stdout by default)."""
+"""python -m fastformer.translate: translate text with a trained checkpoint (stdin to stdout by default).
+
+One output line per input line. A line that is not valid UTF-8, or is empty, is reported on stderr with its
+number and gives an empty output line; every other line is translated, and the exit status is then 1.
+"""
 from __future__ import annotations
 
 import argparse
 import sys
 
 from fastformer import checkpoint as ckpt
+from fastformer.cli import float_at_least, int_at_least
 from fastformer.translation import add_decoding_arguments, translate
 
 
+PROG = "python -m fastformer.translate"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fastformer.translate",
+    p = argparse.ArgumentParser(prog=PROG,
                                 description="Translate one sentence per line with a fastformer checkpoint.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--checkpoint", required=True, metavar="P", help="checkpoint file, or run folder (its latest)")
-    p.add_argument("--max-len-a", type=float, default=1.2, help="at most a * source length + b target tokens")
-    p.add_argument("--max-len-b", type=int, default=10, help="see --max-len-a")
+    p.add_argument("--max-len-a", type=float_at_least(0.0), default=1.2,
+                   help="at most a * source length + b target tokens")
+    p.add_argument("--max-len-b", type=int_at_least(1), default=10, help="see --max-len-a")
     p.add_argument("--input", metavar="F", help="source text file (default: standard input)")
     p.add_argument("--output", metavar="F", help="where translations go (default: standard output)")
     add_decoding_arguments(p)
     return p
 
 
+def read_sentences(raw: bytes) -> tuple[list[str | None], dict[int, str]]:
+    """The lines of ``raw`` (UTF-8, one sentence per line) and, by 1-based line number, why a line cannot
+    be translated (not valid UTF-8, or empty); such lines are None in the list, so output stays aligned."""
+    lines = raw.split(b"\n")
+    if lines and lines[-1] == b"":  # the final newline ends the last line, it does not start another
+        lines.pop()
+    sentences: list[str | None] = []
+    problems: dict[int, str] = {}
+    for number, line in enumerate(lines, 1):
+        try:
+            text = line.decode("utf-8").rstrip("\r")
+        except UnicodeDecodeError as exc:
+            problems[number] = f"not valid UTF-8 (byte {exc.start + 1}: {line[exc.start:exc.start + 1]!r})"
+            text = None
+        else:
+            if not text.strip():
+                problems[number] = "empty line"
+                text = None
+        sentences.append(text)
+    return sentences, problems
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     model, tokenizer, _ = ckpt.load_model_or_exit(args.checkpoint, backend=args.backend, device=args.device)
     if args.input:
-        with open(args.input, encoding="utf-8") as f:
-            lines = [line.rstrip("\n") for line in f]
+        with open(args.input, "rb") as f:
+            raw = f.read()
     else:
-        lines = [line.rstrip("\n") for line in sys.stdin]
+        raw = sys.stdin.buffer.read()
+    sentences, problems = read_sentences(raw)
+    good = [i for i, s in enumerate(sentences) if s is not None]
     stats: dict = {}
-    hyps = translate(model, tokenizer, lines, beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a,
-                     max_len_b=args.max_len_b, device=args.device, progress=args.output is not None, stats=stats)
-    text = "".join(h + "\n" for h in hyps)
+    hyps = translate(model, tokenizer, [sentences[i] for i in good], beam=args.beam, lenpen=args.lenpen,
+                     max_len_a=args.max_len_a, max_len_b=args.max_len_b, device=args.device,
+                     progress=args.output is not None, stats=stats)
+    out = [""] * len(sentences)  # a line that could not be read gets an empty output line
+    for i, hyp in zip(good, hyps):
+        out[i] = hyp
+    text = "".join(h + "\n" for h in out)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(text)
@@ -42,6 +79,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"translated {stats['sentences']} sentences ({stats['tokens']} target tokens) in {seconds:.2f} s: "
           f"{stats['sentences'] / seconds:.1f} sentences/s, {stats['tokens'] / seconds:.0f} tokens/s "
           f"(beam {args.beam}, {args.device})", file=sys.stderr)
+    for number, why in problems.items():
+        print(f"{PROG}: line {number}: {why}; its output line is left empty", file=sys.stderr)
+    if problems:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
