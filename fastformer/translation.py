@@ -4,8 +4,8 @@ from __future__ import annotations
 import time
 
 import torch
-from fastformer.cli import float_at_least, int_at_least
-from fastformer.cli import progress as progress_bar
+
+from fastformer import cli
 from fastformer.data.batching import collate
 from fastformer.data.tokenizer import Tokenizer
 from fastformer.nn import Transformer
@@ -34,7 +34,7 @@ def translate(model: Transformer, tokenizer: Tokenizer, sentences: list[str], *,
     out: list[str] = [""] * len(sentences)
     model.eval()
     start, tokens = time.perf_counter(), 0
-    with progress_bar(total=len(sentences), desc="translate", unit="sent", disable=not progress, leave=False) as bar:
+    with cli.progress(total=len(sentences), desc="translate", unit="sent", disable=not progress, leave=False) as bar:
         for batch in batches:
             src = collate([ids[i] for i in batch]).to(device)
             hyps = model.generate(src, beam_size=beam, length_penalty=lenpen, max_len_a=max_len_a, max_len_b=max_len_b)
@@ -49,8 +49,8 @@ def translate(model: Transformer, tokenizer: Tokenizer, sentences: list[str], *,
 
 def add_decoding_arguments(parser) -> None:
     """The flags every translating command shares: beam search settings, backend and device."""
-    parser.add_argument("--beam", type=int_at_least(1), default=4, help="beam size (1: greedy)")
-    parser.add_argument("--lenpen", type=float_at_least(0.0), default=0.6, help="GNMT length penalty alpha (>= 0)")
+    parser.add_argument("--beam", type=cli.int_at_least(1), default=4, help="beam size (1: greedy)")
+    parser.add_argument("--lenpen", type=cli.float_at_least(0.0), default=0.6, help="GNMT length penalty alpha (>= 0)")
     parser.add_argument("--backend", help="fastformer op backend (default: the best for the device)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
 

@@ -113,7 +113,7 @@ void softmax_fwd_kernel(const scalar_t* x, const MaskRows& mask, scalar_t* y, in
         std::fill(yr, yr + N, scalar_t(0));
         continue;
       }
-      if (std::isnan(poison_unbounded(m))) {  // a NaN or +inf logit (not masked): the row is NaN
+      if (!(m < std::numeric_limits<acc_t>::infinity())) {  // a NaN or +inf logit (not masked): the row is NaN
         std::fill(yr, yr + N, static_cast<scalar_t>(std::numeric_limits<acc_t>::quiet_NaN()));
         continue;
       }

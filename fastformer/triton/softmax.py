@@ -7,8 +7,8 @@ N mask bytes twice. Backward, per row: one loop for sum(dy y), one writing dx = 
 reads y and dy twice, writes dx once.
 A fully masked row (or one of -inf logits) has m = -inf and gives zeros; a NaN or +inf logit that is not
 masked makes the whole row NaN, as torch.softmax does (a per-lane flag, checked once per row). The mask
-is addressed through a per-row offset table
-(int64, one entry per row) and a column stride, so any broadcast mask works without a copy.
+is addressed through a per-row offset table (int64, one entry per row) and a column stride, so any
+broadcast mask works without a copy.
 """
 from __future__ import annotations
 

@@ -43,6 +43,11 @@ class Case:
     def work(self):
         return self.B * self.H * self.Lq * self.Lk * max(self.D, 1)
 
+    @property
+    def softmax_scale(self):
+        """The scale ops.attention applies: the case's, else 1/sqrt(D) (the matrix has no D = 0 case)."""
+        return 1.0 / math.sqrt(self.D) if self.scale is None else self.scale
+
     def refused(self, backend):
         return self.D > MAX_HEAD_DIM.get(backend, math.inf)
 
@@ -172,10 +177,8 @@ def make_inputs(case, dtype):
 def eager_attention(q, k, v, mask, case, seed):
     """PyTorch eager in the inputs' dtype: scores, masked_fill, softmax, dropout, matmul (rows with no
     visible key give zeros, the rule of every backend)."""
-    scale = 1.0 / math.sqrt(case.D) if case.scale is None else case.scale
-    scale = 1.0 if case.D == 0 and case.scale is None else scale
     visible = visible_keys(case.B, case.Lq, case.Lk, mask, case.causal)
-    s = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~visible, float("-inf"))
+    s = ((q @ k.transpose(-1, -2)) * case.softmax_scale).masked_fill(~visible, float("-inf"))
     empty = torch.isneginf(s).all(-1, keepdim=True)
     p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     if case.dropout:
@@ -186,9 +189,8 @@ def eager_attention(q, k, v, mask, case, seed):
 
 def largest_logit(q, k, mask, case):
     """max |scale q . k| over the visible (query, key) pairs, in float64 (0 if none)."""
-    scale = 1.0 / math.sqrt(case.D) if case.scale is None else case.scale
     visible = visible_keys(case.B, case.Lq, case.Lk, mask, case.causal)
-    s = ((q @ k.transpose(-1, -2)) * (scale if case.D else 0.0)).abs().masked_fill(~visible, 0.0)
+    s = ((q @ k.transpose(-1, -2)) * case.softmax_scale).abs().masked_fill(~visible, 0.0)
     return float(s.max()) if s.numel() else 0.0
 
 
