@@ -20,7 +20,7 @@ from torch import nn
 
 from fastformer.nn import Transformer
 from fastformer.nn.transformer import sinusoid_table
-from fastformer.train import loss_sums
+from fastformer.training.step import loss_sums
 
 BASELINES = ("nn.Transformer",)
 

@@ -2,7 +2,8 @@
 
 A checkpoint is a dict of tensors and plain values: ``config`` (TransformerConfig as a dict), ``model``
 (state dict), ``tokenizer`` (the sentencepiece model's bytes as a uint8 tensor), ``data`` (how the corpus
-was chosen), and for resuming ``optimizer``, ``step``, ``epoch``, ``batch_in_epoch``, ``rng``, ``log_state``.
+was chosen), ``step``, and for resuming ``optimizer``, ``train_state`` and ``ranks`` (each training
+process's batch position and RNG states; see fastformer.training.resume).
 Files are ``checkpoint_<step>.pt`` in the run folder; the last ``keep`` are kept.
 """
 from __future__ import annotations
@@ -24,9 +25,21 @@ class CheckpointError(RuntimeError):
 
 
 def save(state: dict, path: str) -> None:
+    """Write ``path`` whole or not at all: a temporary file, flushed to disk, then renamed over it. A run
+    killed during the write leaves ``<path>.tmp`` (ignored, removed by the next run) and the previous
+    checkpoints intact."""
     tmp = f"{path}.tmp"
-    torch.save(state, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def remove_partial(run_dir: str) -> None:
+    """Delete the temporary files of checkpoint writes that were cut short."""
+    for path in glob.glob(os.path.join(run_dir, "checkpoint_*.pt.tmp")):
+        os.remove(path)
 
 
 def list_checkpoints(run_dir: str) -> list[str]:

@@ -5,11 +5,12 @@ import pathlib
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
 
 
-def tiny_run_args(out, *extra):
-    """Arguments of a seconds-long training run on the fixture."""
+def tiny_run_args(out, *extra, test=False):
+    """Arguments of a seconds-long training run on the fixture (the final test translation only if ``test``)."""
     return ["--config", "tiny", "--vocab-size", "300", "--out", str(out),
             "--train-src", str(DATA / "train.de"), "--train-tgt", str(DATA / "train.en"),
             "--valid-src", str(DATA / "dev.de"), "--valid-tgt", str(DATA / "dev.en"),
             "--test-src", str(DATA / "test.de"), "--test-tgt", str(DATA / "test.en"),
             "--max-tokens", "600", "--update-tokens", "400", "--warmup", "20", "--lr-factor", "0.2",
-            "--eval-every", "0", "--no-test", "--log-every", "1", "--checkpoint-minutes", "100", *extra]
+            "--eval-every", "0", "--log-every", "1", "--checkpoint-minutes", "100", *([] if test else ["--no-test"]),
+            *extra]

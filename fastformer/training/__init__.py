@@ -1,0 +1,14 @@
+"""The parts of ``python -m fastformer.train`` (its ``main()`` puts them together), each usable alone:
+
+- ``processes``: the one place that knows about several processes (torchrun): ranks, the device,
+  DistributedDataParallel, and every collective the trainer makes.
+- ``setup``: the run from the command line: corpus, tokenizer, model, optimizer, precision, and the
+  training state fresh or resumed (``Run``).
+- ``batches``: each rank's stream of batches, epoch after epoch, with a position that a checkpoint holds.
+- ``step``: the paper's recipe for one update (learning-rate schedule, label-smoothed loss, gradient
+  accumulation to a token count, Adam).
+- ``resume``: what a checkpoint must hold for every rank to continue bit-identically, written and read.
+- ``evaluation``: dev loss and dev BLEU during training, the final test with beam search.
+- ``runlog``: ``log.jsonl`` and ``loss.png``.
+- ``loop``: the training loop and the end of a run.
+"""

@@ -1,0 +1,45 @@
+"""Each rank's training batches, epoch after epoch, from a position a checkpoint can hold.
+
+Epoch e's batches are ``token_batches(..., shuffle=True, seed=seed * 100_003 + e)`` (sentence pairs
+sorted by length into batches of at most --max-tokens padded tokens, in a shuffled order), dealt
+round-robin to the ranks (``Processes.shard``). A rank's position is (epoch, index into its share): with
+the RNG states, all that a rank needs to continue exactly where it stopped.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from fastformer.data import token_batches
+
+
+class BatchStream:
+    def __init__(self, src_ids: list[list[int]], tgt_ids: list[list[int]], max_tokens: int, seed: int,
+                 shard: Callable[[list], list], epoch: int = 0, batch_in_epoch: int = 0):
+        self.src_ids, self.tgt_ids, self.max_tokens, self.seed, self.shard = src_ids, tgt_ids, max_tokens, seed, shard
+        self.seek(epoch, batch_in_epoch)
+
+    def seek(self, epoch: int, batch_in_epoch: int = 0) -> None:
+        """Continue from this position (a checkpoint's)."""
+        self.epoch, self.batch_in_epoch = epoch, batch_in_epoch
+        self._batches = self._epoch_batches(epoch)
+
+    def _epoch_batches(self, epoch: int) -> list[list[int]]:
+        every = token_batches(self.src_ids, self.tgt_ids, self.max_tokens, shuffle=True,
+                              seed=self.seed * 100_003 + epoch)
+        batches = self.shard(every)
+        if not batches:
+            raise SystemExit(f"the training data makes {len(every)} batches of --max-tokens {self.max_tokens}, "
+                             "fewer than one per process; use fewer processes or a smaller --max-tokens")
+        return batches
+
+    def next(self) -> tuple[list[list[int]], list[list[int]]]:
+        """The next batch's (source ids, target ids), moving on to the next epoch at the end of one."""
+        if self.batch_in_epoch >= len(self._batches):
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+            self._batches = self._epoch_batches(self.epoch)
+        batch = self._batches[self.batch_in_epoch]
+        self.batch_in_epoch += 1
+        return [self.src_ids[i] for i in batch], [self.tgt_ids[i] for i in batch]
+
+    def position(self) -> dict:
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
