@@ -10,7 +10,8 @@ import sys
 
 from fastformer import checkpoint as ckpt
 from fastformer.cli import float_at_least, int_at_least
-from fastformer.translation import add_decoding_arguments, translate
+from fastformer.data import read_sentences
+from fastformer.translation import add_decoding_arguments, report_line_problems, translate_lines
 
 
 PROG = "python -m fastformer.translate"
@@ -30,28 +31,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def read_sentences(raw: bytes) -> tuple[list[str | None], dict[int, str]]:
-    """The lines of ``raw`` (UTF-8, one sentence per line) and, by 1-based line number, why a line cannot
-    be translated (not valid UTF-8, or empty); such lines are None in the list, so output stays aligned."""
-    lines = raw.split(b"\n")
-    if lines and lines[-1] == b"":  # the final newline ends the last line, it does not start another
-        lines.pop()
-    sentences: list[str | None] = []
-    problems: dict[int, str] = {}
-    for number, line in enumerate(lines, 1):
-        try:
-            text = line.decode("utf-8").rstrip("\r")
-        except UnicodeDecodeError as exc:
-            problems[number] = f"not valid UTF-8 (byte {exc.start + 1}: {line[exc.start:exc.start + 1]!r})"
-            text = None
-        else:
-            if not text.strip():
-                problems[number] = "empty line"
-                text = None
-        sentences.append(text)
-    return sentences, problems
-
-
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     model, tokenizer, _ = ckpt.load_model_or_exit(args.checkpoint, backend=args.backend, device=args.device)
@@ -61,14 +40,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         raw = sys.stdin.buffer.read()
     sentences, problems = read_sentences(raw)
-    good = [i for i, s in enumerate(sentences) if s is not None]
     stats: dict = {}
-    hyps = translate(model, tokenizer, [sentences[i] for i in good], beam=args.beam, lenpen=args.lenpen,
-                     max_len_a=args.max_len_a, max_len_b=args.max_len_b, device=args.device,
-                     progress=args.output is not None, stats=stats)
-    out = [""] * len(sentences)  # a line that could not be read gets an empty output line
-    for i, hyp in zip(good, hyps):
-        out[i] = hyp
+    out = translate_lines(model, tokenizer, sentences, beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a,
+                          max_len_b=args.max_len_b, device=args.device, progress=args.output is not None, stats=stats)
     text = "".join(h + "\n" for h in out)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
@@ -79,8 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"translated {stats['sentences']} sentences ({stats['tokens']} target tokens) in {seconds:.2f} s: "
           f"{stats['sentences'] / seconds:.1f} sentences/s, {stats['tokens'] / seconds:.0f} tokens/s "
           f"(beam {args.beam}, {args.device})", file=sys.stderr)
-    for number, why in problems.items():
-        print(f"{PROG}: line {number}: {why}; its output line is left empty", file=sys.stderr)
+    report_line_problems(PROG, problems, "line", "its output line is left empty")
     if problems:
         sys.exit(1)
 

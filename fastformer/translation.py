@@ -1,6 +1,7 @@
 """Batch translation and scoring shared by the train, translate and evaluate commands."""
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -45,6 +46,22 @@ def translate(model: Transformer, tokenizer: Tokenizer, sentences: list[str], *,
     if stats is not None:
         stats.update(sentences=len(sentences), tokens=tokens, seconds=time.perf_counter() - start)
     return out
+
+
+def translate_lines(model: Transformer, tokenizer: Tokenizer, sentences: list[str | None], **kwargs) -> list[str]:
+    """translate() of the lines that are not None (read_sentences' unreadable or empty lines), aligned with
+    ``sentences``: a None line gives an empty translation."""
+    good = [i for i, s in enumerate(sentences) if s is not None]
+    out = [""] * len(sentences)
+    for i, hyp in zip(good, translate(model, tokenizer, [sentences[i] for i in good], **kwargs)):
+        out[i] = hyp
+    return out
+
+
+def report_line_problems(prog: str, problems: dict[int, str], what: str, consequence: str) -> None:
+    """One stderr line per problem: ``<prog>: <what> <number>: <why>; <consequence>``."""
+    for number, why in problems.items():
+        print(f"{prog}: {what} {number}: {why}; {consequence}", file=sys.stderr)
 
 
 def add_decoding_arguments(parser) -> None:

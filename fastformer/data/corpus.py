@@ -92,6 +92,36 @@ def read_lines(path: str) -> list[str]:
         return [line.rstrip("\n") for line in f]
 
 
+def read_sentences(raw: bytes) -> tuple[list[str | None], dict[int, str]]:
+    """The lines of ``raw`` (UTF-8, one sentence per line) and, by 1-based line number, why a line cannot
+    be translated (not valid UTF-8, or empty); such lines are None in the list, so output stays aligned."""
+    lines = raw.split(b"\n")
+    if lines and lines[-1] == b"":  # the final newline ends the last line, it does not start another
+        lines.pop()
+    sentences: list[str | None] = []
+    problems: dict[int, str] = {}
+    for number, line in enumerate(lines, 1):
+        try:
+            text = line.decode("utf-8").rstrip("\r")
+        except UnicodeDecodeError as exc:
+            problems[number] = f"not valid UTF-8 (byte {exc.start + 1}: {line[exc.start:exc.start + 1]!r})"
+            text = None
+        else:
+            if not text.strip():
+                problems[number] = "empty line"
+                text = None
+        sentences.append(text)
+    return sentences, problems
+
+
+def read_sentence_file(path: str) -> tuple[list[str | None], dict[int, str]]:
+    """read_sentences of a file's bytes."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no such file: {path}")
+    with open(path, "rb") as f:
+        return read_sentences(f.read())
+
+
 def load_text_files(train: tuple[str, str], valid: tuple[str, str], test: tuple[str, str] | None = None,
                     src_lang: str = "src", tgt_lang: str = "tgt") -> ParallelCorpus:
     """User-supplied parallel text: one sentence per line, line i of the source file translates to line

@@ -82,7 +82,8 @@ def load_corpus(args: argparse.Namespace) -> tuple[ParallelCorpus, dict, str]:
             corpus = load_text_files((args.train_src, args.train_tgt), (args.valid_src, args.valid_tgt), test)
         except (OSError, ValueError) as exc:
             usage_error(PROG, str(exc))
-        data = {"kind": "files", "train": files[:2], "dev": files[2:], "test": list(test or files[2:])}
+        files = [os.path.abspath(f) for f in files + list(test or files[2:])]  # evaluate may run elsewhere
+        data = {"kind": "files", "train": files[0:2], "dev": files[2:4], "test": files[4:6]}
         return corpus, data, "custom"
     try:
         corpus = load_bible(args.data)

@@ -1,11 +1,13 @@
 """Bad input to the command-line tools gets an ``error:`` line and exit status 2 (argparse's), not a
-traceback; translate reports unreadable lines by number and still translates the others."""
+traceback; translate and evaluate report unreadable lines by number and still translate the others."""
 import importlib
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from train_helpers import DATA, tiny_run_args
 
@@ -91,3 +93,23 @@ def test_translate_reports_undecodable_and_empty_lines():
     err = done.stderr.decode()
     assert "line 2: not valid UTF-8" in err and "line 4: empty line" in err, err
     assert "translated 2 sentences" in err
+
+
+def test_evaluate_reports_undecodable_and_empty_lines(tmp_path):
+    # A checkpoint whose test split is a pair of user files with bad lines on either side.
+    src, ref = tmp_path / "test.de", tmp_path / "test.en"
+    src.write_bytes(b"Das ist gut.\n\xff kaputt\nEin Haus.\n\n")
+    ref.write_bytes(b"This is good.\nBroken.\n\nEmpty.\n")
+    state = torch.load(CHECKPOINT, weights_only=True)
+    state["data"] = {"kind": "files", "train": [str(src), str(ref)], "dev": [str(src), str(ref)],
+                     "test": [str(src), str(ref)]}
+    checkpoint, output = tmp_path / "checkpoint.pt", tmp_path / "hyps.en"
+    torch.save(state, checkpoint)
+    done = subprocess.run([sys.executable, "-m", "fastformer.evaluate", "--checkpoint", str(checkpoint), "--beam", "2",
+                           "--json", "--output", str(output)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1])["sentences"] == 3  # reference line 3 is not scored
+    hyps = output.read_text(encoding="utf-8").split("\n")
+    assert len(hyps) == 5 and hyps[0].strip() and hyps[1] == "" and hyps[2].strip() and hyps[3] == "", hyps
+    assert f"{src}, line 2: not valid UTF-8" in done.stderr and f"{src}, line 4: empty line" in done.stderr
+    assert f"{ref}, line 3: empty line; its pair is not scored" in done.stderr
