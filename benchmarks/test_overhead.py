@@ -69,7 +69,7 @@ def one_thread():
 
 def default_backend(device: str) -> str:
     """The backend that backend=None runs on ``device`` (the label of the rows): FASTFORMER_BACKEND if
-    set, else DESIGN.md's automatic choice among the available backends."""
+    set, else the automatic choice among the available backends (README, "API")."""
     if os.environ.get("FASTFORMER_BACKEND"):
         return os.environ["FASTFORMER_BACKEND"]
     available = fastformer.backends()

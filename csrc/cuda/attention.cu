@@ -1,6 +1,6 @@
 // Launchers of the attention kernels (csrc/cuda/attention.cuh): validation, outputs, dtype and head-dim
 // dispatch. Semantics of csrc/cpu/attention.cpp; compiled by nvcc (backend "cuda") and as plain C++
-// against the CPU SIMT model (backend "cuda_sim", csrc/cuda_sim/attention.cpp).
+// against the CPU SIMT model (backend "cuda_sim", csrc/cuda_sim/binding.cpp).
 //
 // Forward: one launch, grid (ceil(Lq / kBlockM), B H). Backward: three launches on the stream, in order:
 // delta = rowsum(dO O) into a float32 (B, H, Lq) workspace (grid min(ceil(B H Lq / 8), 2^20)), then dK/dV (grid

@@ -130,7 +130,7 @@ CASES = [
     *[Case("xformers", 1, 2, 256, mkv, 40, True, magnitudes=(3.0, 3.0, 3.0)) for mkv in (3, 72, 132)],
     Case("xformers", 2, 2, 32, 32, 64, True, magnitudes=(3.0, 3.0, 3.0)),
     Case("xformers", 2, 2, 15, 31, 64, False, "random", scale=0.1),
-    # Adversarial (issue 18): non-positive and huge scales (PT's test_scaled_dot_product_attention_math_
+    # Adversarial (ours, not a peer's): non-positive and huge scales (PT's test_scaled_dot_product_attention_math_
     # with_negative_scale: -1 / 1e-4), head dims 1 to 3, rows of length 1, large logits, every key padded.
     *[Case("scale", 2, 2, 33, 33, 64, causal, "random", scale=s, dtypes=None if abs(s) < 50 else LOW)
       for s in (0.0, -0.7, -3.0, 100.0, 1e4, -1e4) for causal in (False, True)],

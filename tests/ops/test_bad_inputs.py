@@ -1,6 +1,6 @@
 """Bad input raises a Python exception on every backend (never a crash), and odd strides just work.
 
-DESIGN.md: wrong rank, mismatched shapes, devices or dtypes, a mask of the wrong shape or dtype, dropout_p
+The contract (README, "API"): wrong rank, mismatched shapes, devices or dtypes, a mask of the wrong shape or dtype, dropout_p
 outside [0, 1), non-finite eps and unknown backend names raise ValueError; a named backend that cannot run
 the inputs raises ValueError or RuntimeError naming the backend, with no silent fallback. Device mismatches
 use a "meta" tensor for one argument. Non-contiguous inputs give the same result as contiguous ones.

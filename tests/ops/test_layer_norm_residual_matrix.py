@@ -63,7 +63,7 @@ CASES = [
     Case("opinfo", (1, 2)),
     Case("opinfo", (2, 2, 3), eps=0.5),
     Case("opinfo", (0, 1)),
-    # Adversarial (issue 18): 1-D inputs (the torch backend's backward once reduced every dim), rows of
+    # Adversarial (ours, not a peer's): 1-D inputs (the torch backend's backward once reduced every dim), rows of
     # length 1 (variance 0), large eps, a common offset 1000x the spread.
     *[Case("one_dim", (n,), prenorm=p) for n in (6, 97, 1000) for p in (False, True)],
     *[Case("length_one", shape) for shape in ((1, 1), (7, 1), (3, 2, 1))],

@@ -70,7 +70,7 @@ CASES = [
     # PyTorch torch/testing/_internal/common_methods_invocations.py::sample_inputs_softmax_variant: (5,),
     # (5, 5), (5, 10, 5) over the last dim (S = 5, M = 10).
     *[Case("opinfo", shape) for shape in ((5,), (5, 5), (5, 10, 5))],
-    # Adversarial (issue 18): non-positive and huge scales at row lengths that are no power of two (the
+    # Adversarial (ours, not a peer's): non-positive and huge scales at row lengths that are no power of two (the
     # Triton kernel's padding lanes), rows of length 1, large logits (Megatron's test_torch_softmax: +-1e10).
     *[Case("scale", (4, n), mask, s, dtypes=None if abs(s) < 50 else LOW)
       for n in (7, 97, 1000, 4099) for s in (0.0, -0.5, -1.0, 1e4) for mask in ("none", "full")],

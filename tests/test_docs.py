@@ -1,0 +1,67 @@
+"""The docs name only what exists: every repository path that README.md and docs/*.md name, and every
+csrc/ path that a source comment names, is a file or folder of this repository; no file cites a document
+outside it; README's CPU tile sizes are the code's constants."""
+import itertools
+import pathlib
+import re
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+OURS = ("csrc", "fastformer", "tests", "benchmarks", "tools", "docs", ".ci")
+PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./{},<>-]*[\w}>])" % "|".join(re.escape(p) for p in OURS))
+OPS = ("attention", "softmax", "layer_norm_residual")
+BUILT = {"fastformer/_C.so", "fastformer/_csrc"}  # made by the build, named on purpose
+
+
+def tracked(*suffixes):
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    return [ROOT / f for f in files if f.endswith(suffixes)]
+
+
+def expand(path: str) -> list[str]:
+    """``a/b.{h,cpp}`` -> ``a/b.h``, ``a/b.cpp``; ``<op>`` -> each op."""
+    parts = re.split(r"\{([^}]*)\}", path.replace("<op>", "{%s}" % ",".join(OPS)))
+    choices = [[p] if i % 2 == 0 else p.split(",") for i, p in enumerate(parts)]
+    return ["".join(c) for c in itertools.product(*choices)]
+
+
+def named_paths(text: str, prefixes=OURS) -> set[str]:
+    found = set()
+    for match in PATH.finditer(text):
+        path = match.group(1).rstrip(".,")
+        if path.startswith(prefixes):
+            found.update(p for p in expand(path) if "<" not in p)  # other placeholders name no one file
+    return found - BUILT
+
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SOURCES = tracked(".cpp", ".h", ".cu", ".cuh", ".py")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_docs_name_existing_paths(doc):
+    missing = sorted(p for p in named_paths(doc.read_text(encoding="utf-8")) if not (ROOT / p).exists())
+    assert not missing, f"{doc.name} names paths that do not exist: {missing}"
+
+
+def test_source_comments_name_existing_csrc_files():
+    missing = sorted(f"{src.relative_to(ROOT)}: {p}" for src in SOURCES
+                     for p in named_paths(src.read_text(encoding="utf-8"), prefixes=("csrc/",))
+                     if not (ROOT / p).exists())
+    assert not missing, missing
+
+
+def test_nothing_cites_a_document_outside_the_repository():
+    citing = [str(f.relative_to(ROOT)) for f in tracked(".py", ".md", ".cpp", ".h", ".cu", ".cuh", ".toml")
+              if "DESIGN.md" in f.read_text(encoding="utf-8")]
+    assert not citing, f"these cite DESIGN.md, which is not in the repository: {citing}"
+
+
+def test_readme_cpu_attention_tiles_are_the_codes():
+    code = (ROOT / "csrc/cpu/attention.cpp").read_text()
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for name in ("kBlockQ", "kBlockK"):
+        value = re.search(rf"constexpr int64_t {name} = (\d+);", code).group(1)
+        assert f"`{name} = {value}`" in readme, f"README does not give {name} = {value}"
