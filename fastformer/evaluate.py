@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> dict:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write("".join(h + "\n" for h in hyps))
     scored = [i for i, ref in enumerate(refs) if ref is not None]
-    result = {"split": args.split, "sentences": len(scored), **score([hyps[i] for i in scored], [refs[i] for i in scored])}
+    scores = score([hyps[i] for i in scored], [refs[i] for i in scored])
+    result = {"split": args.split, "sentences": len(scored), **scores}
     if args.json:
         print(json.dumps(result))
     else:

@@ -23,7 +23,8 @@ def _progress_bar(run: Run):
                         dynamic_ncols=True, desc="train")
     return progress(total=round(args.max_minutes, 2), initial=round(run.state["train_seconds"] / 60, 2), unit="min",
                     disable=not run.procs.main, dynamic_ncols=True, desc="train",
-                    bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} min [{elapsed}<{remaining}{postfix}]")
+                    bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} min "
+                               "[{elapsed}<{remaining}{postfix}]")
 
 
 def train(run: Run) -> None:

@@ -104,7 +104,7 @@ def prepare_tokenizer(args: argparse.Namespace, corpus: ParallelCorpus, run_dir:
 
 
 def model_config(args: argparse.Namespace, vocab_size: int, ids: dict) -> TransformerConfig:
-    """The --config preset with the flags' overrides, its positions long enough for the longest sentence."""
+    """The --config preset with the flags' overrides; positions enough for the longest sentence."""
     overrides = {name: getattr(args, name) for name in ("dropout", "label_smoothing") if getattr(args, name) is not None}
     config = getattr(TransformerConfig, args.config)(vocab_size=vocab_size, **overrides)
     longest = max(len(s) for split in ids.values() for side in split for s in side) + 2  # + bos/eos

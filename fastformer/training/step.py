@@ -20,7 +20,8 @@ def learning_rate(step: int, d_model: int, warmup: int, factor: float) -> float:
     return factor * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
 
 
-def loss_sums(model, src, tgt_in, tgt_out, pad_id: int, label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor, int]:
+def loss_sums(model, src, tgt_in, tgt_out, pad_id: int,
+              label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Label-smoothed cross-entropy and plain NLL summed over the non-pad target tokens, and their count.
 
     Only non-pad positions go through the output projection (the largest matmul) and the log-softmax;
