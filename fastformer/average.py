@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from fastformer import checkpoint as ckpt
+from fastformer.cli import int_at_least
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -12,7 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             "one run folder and --last N.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--inputs", nargs="+", required=True, metavar="P", help="checkpoint files, or one run folder")
-    p.add_argument("--last", type=int, help="with a run folder: average its last N checkpoints")
+    p.add_argument("--last", type=int_at_least(1), help="with a run folder: average its last N checkpoints")
     p.add_argument("--output", required=True, metavar="P", help="the averaged checkpoint file to write")
     return p
 

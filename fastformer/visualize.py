@@ -8,6 +8,7 @@ import os
 import torch
 
 from fastformer import checkpoint as ckpt
+from fastformer.cli import int_at_least
 from fastformer.data.batching import collate
 from fastformer.data.tokenizer import BOS_ID
 
@@ -23,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="attention.png",
                    help="output path; figures are written as <stem>_encoder_layer<i>.png and "
                         "<stem>_decoder_cross_layer<i>.png beside it")
-    p.add_argument("--beam", type=int, default=4, help="beam size of the translation")
+    p.add_argument("--beam", type=int_at_least(1), default=4, help="beam size of the translation")
     return p
 
 

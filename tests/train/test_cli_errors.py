@@ -42,8 +42,12 @@ BAD_NUMBERS = [
     ("train", "--log-every", "0"),
     ("train", "--threads", "0"),
     ("train", "--vocab-size", "1"),
+    ("train", "--checkpoint-every", "-1"),
+    ("average", "--last", "0"),
+    ("visualize", "--beam", "0"),
 ]
-REQUIRED = {"translate": ["--checkpoint", "x"], "evaluate": ["--checkpoint", "x"], "train": []}
+REQUIRED = {"translate": ["--checkpoint", "x"], "evaluate": ["--checkpoint", "x"], "train": [],
+            "average": ["--inputs", "x", "--output", "y"], "visualize": ["--checkpoint", "x", "--text", "y"]}
 
 
 @pytest.mark.parametrize("command,flag,value", BAD_NUMBERS, ids=lambda v: str(v))
