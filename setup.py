@@ -1,6 +1,9 @@
-"""Builds the pybind11 extension ``fastformer._C``.
+"""Builds the pybind11 extension ``fastformer._C`` and the CPU kernel modules ``fastformer._cpu_<level>``.
 
-CPU kernels (csrc/cpu/*.cpp) are always compiled. The CUDA kernels (csrc/cuda/*.cu) are compiled
+The CPU kernels (csrc/cpu/*.cpp) are always compiled, once per instruction-set level: ``default``
+(baseline x86-64, or the target's baseline elsewhere) and, on x86-64, ``avx2`` and ``avx512``, each into a
+module of its own (csrc/cpu/kernel_table.h says why); the best level the running CPU supports is loaded
+at import, or a lower one named by FASTFORMER_CPU_CAPABILITY at run time (fastformer/_ext.py). The CUDA kernels (csrc/cuda/*.cu) are compiled
 when torch is a CUDA build, nvcc is found, and either a GPU is visible or FASTFORMER_FORCE_CUDA=1;
 FASTFORMER_FORCE_CUDA=0 skips them. TORCH_CUDA_ARCH_LIST selects the architectures (torch's own rule).
 CUDA_HOME is the toolkit folder holding bin/nvcc and lib64/libcudart.so; when it is not set, the first
@@ -9,13 +12,14 @@ CI builds the CUDA extension with
   FASTFORMER_FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=8.0 python setup.py egg_info -e DIR build --build-base DIR
 into DIR (never over an installed fastformer) and imports it with tools/check_cuda_build.py DIR/lib.*.
 
-FASTFORMER_CPU_CAPABILITY=avx512|avx2|default picks the SIMD level of ATen's at::vec used by the
-CPU kernels; by default the best one this machine's CPU reports.
+Every extension must need libstdc++.so, as torch does: a compiler that links it statically is refused
+(BuildExtensionSharingTorchsRuntime).
 """
 import glob
 import json
 import os
 import shutil
+import sys
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -47,28 +51,19 @@ from setuptools.command.build_py import build_py  # noqa: E402
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension, CUDA_HOME  # noqa: E402
 
 
-def cpu_capability():
-    """ATen's vectorization level for the CPU kernels, from the env or /proc/cpuinfo."""
-    wanted = os.environ.get("FASTFORMER_CPU_CAPABILITY", "").lower()
-    if not wanted:
-        try:
-            flags = set(open("/proc/cpuinfo").read().split())
-        except OSError:
-            flags = set()
-        if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= flags:
-            wanted = "avx512"
-        elif {"avx2", "fma", "f16c"} <= flags:
-            wanted = "avx2"
-        else:
-            wanted = "default"
-    if wanted == "avx512":
-        return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
-                "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
-    if wanted == "avx2":
-        return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
-    if wanted == "default":
-        return []
-    raise SystemExit(f"FASTFORMER_CPU_CAPABILITY={wanted!r}: expected avx512, avx2 or default")
+# The CPU kernel levels: compiler flags, and ATen's CPU_CAPABILITY (which selects at::vec's implementation).
+CPU_LEVELS = {
+    "default": [],
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+               "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
+}
+
+
+def cpu_levels():
+    """The levels built here: all three on x86-64, the default elsewhere."""
+    import platform
+    return list(CPU_LEVELS) if platform.machine().lower() in ("x86_64", "amd64") else ["default"]
 
 
 def want_cuda():
@@ -85,17 +80,28 @@ def want_cuda():
     return bool(have_toolkit and torch.cuda.is_available())
 
 
-def extension():
+def cpu_kernel_extension(level):
+    """fastformer._cpu_<level>: csrc/cpu/*.cpp compiled with the level's flags; symbols hidden, so that
+    nothing of one level's code can stand in for another's."""
+    return CppExtension(f"fastformer._cpu_{level}", sorted(glob.glob("csrc/cpu/*.cpp")),
+                        include_dirs=[os.path.join(ROOT, "csrc")],
+                        extra_compile_args={"cxx": ["-O3", "-fopenmp", "-fvisibility=hidden",
+                                                    "-fvisibility-inlines-hidden",
+                                                    f'-DFASTFORMER_CPU_LEVEL="{level}"'] + CPU_LEVELS[level]},
+                        extra_link_args=["-fopenmp"])
+
+
+def core_extension():
+    """fastformer._C: op schemas, autograd, the CPU dispatch through the loaded level, CUDA kernels."""
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
     with_cuda = want_cuda() and bool(cuda_sources)
     if want_cuda() and not cuda_sources:
         print("fastformer: CUDA requested but csrc/cuda/ holds no .cu sources yet; building the CPU kernels only")
-    sources = ["csrc/fastformer.cpp"] + sorted(glob.glob("csrc/autograd/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
-    cxx = ["-O3", "-fopenmp", f'-DFASTFORMER_TORCH_VERSION="{torch.__version__}"'] + cpu_capability()
+    sources = ["csrc/fastformer.cpp", "csrc/cpu_levels.cpp"] + sorted(glob.glob("csrc/autograd/*.cpp"))
+    cxx = ["-O3", f'-DFASTFORMER_TORCH_VERSION="{torch.__version__}"']
     include_dirs = [os.path.join(ROOT, "csrc")]
     if not with_cuda:
-        return CppExtension("fastformer._C", sources, include_dirs=include_dirs,
-                            extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])
+        return CppExtension("fastformer._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx})
     # torch's CUDA headers include cusparse.h, which torch's pip wheels keep under nvidia/cu13/include.
     # (cu<N> only: the nvidia-cuda-*-cu12 wheels of tools/kernel_report.py hold CUDA 12 headers.)
     import nvidia
@@ -105,11 +111,43 @@ def extension():
           f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '(unset: the visible GPUs)')}")
     nvcc = ["-O3", "--use_fast_math", "-lineinfo", "-DFASTFORMER_WITH_CUDA"]
     return CUDAExtension("fastformer._C", sources + cuda_sources, include_dirs=include_dirs,
-                         extra_compile_args={"cxx": cxx + ["-DFASTFORMER_WITH_CUDA"], "nvcc": nvcc},
-                         extra_link_args=["-fopenmp"])
+                         extra_compile_args={"cxx": cxx + ["-DFASTFORMER_WITH_CUDA"], "nvcc": nvcc})
 
 
 CSRC_SUFFIXES = (".h", ".cuh", ".cu", ".cpp")
+
+
+def load_elf_reader():
+    """fastformer/_elf.py, loaded by path: the package itself is not importable before it is built."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("fastformer_elf", os.path.join(ROOT, "fastformer", "_elf.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class BuildExtensionSharingTorchsRuntime(BuildExtension.with_options(use_ninja=True)):
+    """torch's BuildExtension (objects in a folder per extension), then a check that the extension needs
+    libstdc++.so like torch does. A compiler that links libstdc++ statically gives _C a private C++
+    runtime beside torch's; that copy crashed formatting integers in TORCH_CHECK messages. Such a build
+    stops here, saying what to do."""
+
+    def build_extension(self, ext):
+        # Objects in a folder per extension: the levels compile the same sources with other flags.
+        build_temp, self.build_temp = self.build_temp, os.path.join(self.build_temp, ext.name.rsplit(".", 1)[-1])
+        try:
+            super().build_extension(ext)
+        finally:
+            self.build_temp = build_temp
+        built = self.get_ext_fullpath(ext.name)
+        if sys.platform.startswith("linux") and not load_elf_reader().links_libstdcxx_dynamically(built):
+            os.remove(built)
+            raise SystemExit(
+                f"fastformer: {os.path.basename(built)} was linked with a static copy of libstdc++ (it does not "
+                f"need libstdc++.so, as torch does), by the compiler {os.environ.get('CXX', 'c++')!r}. Two C++ "
+                "runtimes in one process crash (formatting a TORCH_CHECK message). Build with a compiler that "
+                "links libstdc++ dynamically, e.g. the system one: CXX=g++ CC=gcc CUDAHOSTCXX=g++ pip install "
+                "--no-build-isolation .  (and no -static-libstdc++ in LDFLAGS)")
 
 
 class BuildPyWithInfo(build_py):
@@ -139,6 +177,6 @@ class BuildPyWithInfo(build_py):
 
 
 setup(
-    ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True), "build_py": BuildPyWithInfo},
+    ext_modules=[core_extension()] + [cpu_kernel_extension(level) for level in cpu_levels()],
+    cmdclass={"build_ext": BuildExtensionSharingTorchsRuntime, "build_py": BuildPyWithInfo},
 )

@@ -1,15 +1,15 @@
 // fastformer._C: the operator library (schemas of csrc/ops.h, registered with the dispatcher) and the
-// pybind11 module. Kernels register for their dispatch keys in their own files: csrc/cpu/<op>.cpp (CPU),
-// csrc/cuda/<op>.cu (CUDA), csrc/autograd/<op>.cpp (Autograd); the *_py ops get their implementations and
-// every op its fake kernel from Python (fastformer/ops/<op>.py).
+// pybind11 module. Kernels register for their dispatch keys in their own files: csrc/cpu_levels.cpp (CPU:
+// the kernels of csrc/cpu/<op>.cpp, of the instruction-set level chosen at import), csrc/cuda/<op>.cu
+// (CUDA), csrc/autograd/<op>.cpp (Autograd); the *_py ops get their implementations and every op its fake
+// kernel from Python (fastformer/ops/<op>.py).
 #include <torch/extension.h>
 #include <torch/library.h>
-
-#include <ATen/cpu/vec/vec.h>
 
 #include <string>
 #include <vector>
 
+#include "cpu_levels.h"
 #include "ops.h"
 
 #ifndef FASTFORMER_TORCH_VERSION
@@ -42,8 +42,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fastformer fused kernels: attention, softmax, layer_norm_residual (C++ CPU and CUDA)";
   m.attr("TORCH_VERSION") = FASTFORMER_TORCH_VERSION;
   m.attr("OPS") = py::tuple(py::cast(op_names()));
-  // SIMD width the CPU kernels were compiled for (floats per at::vec::Vectorized<float>).
-  m.attr("CPU_VECTOR_FLOATS") = static_cast<int>(at::vec::Vectorized<float>::size());
+  m.def("best_cpu_level", &fastformer::best_cpu_level,
+        "the highest CPU kernel level this CPU supports: avx512, avx2 or default");
+  m.def("set_cpu_kernels", &fastformer::set_cpu_kernels, "installs a fastformer._cpu_<level> module's kernel table");
 #ifdef FASTFORMER_WITH_CUDA
   m.attr("WITH_CUDA") = true;
 #else

@@ -7,11 +7,13 @@
     ops.layer_norm_residual(x, residual, weight, bias, eps=..., dropout_p=..., prenorm=...)
     fastformer.backends()          # which backends run on this machine
     fastformer.set_backend(name)   # process default (also FASTFORMER_BACKEND=name)
+    fastformer.cpu_capability()    # the CPU kernels' instruction-set level: avx512, avx2 or default
 """
 from fastformer import ops
 from fastformer._dispatch import backends, set_backend
+from fastformer._ext import cpu_capability
 
 __version__ = "0.1.0"
-__all__ = ["ops", "backends", "set_backend", "__version__"]
+__all__ = ["ops", "backends", "set_backend", "cpu_capability", "__version__"]
 
 backends()  # resolve availability once, at import, so op calls stay cheap and traceable

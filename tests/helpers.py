@@ -1,16 +1,20 @@
 """Shared by the op tests: the backends and dtypes they run over, input construction, forward+backward runs.
 
-BACKENDS are the kernel backends this build can run on CPU tensors; the torch backend is the reference
-(run in float64). ALL_BACKENDS adds the torch backend itself, whose low-precision runs (torch float32 vs
+BACKENDS are the kernel backends this build can run on CPU tensors (FASTFORMER_TEST_BACKENDS=cpu,...
+narrows them: CI's extra runs at the lower CPU levels and on the oldest torch test the cpu backend
+alone); the torch backend is the reference (run in float64). ALL_BACKENDS adds the torch backend itself, whose low-precision runs (torch float32 vs
 torch float64) check the harness and its tolerances, and which must reject bad input like the others.
 """
+import os
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastformer
 
-BACKENDS = [b for b in ("cpu", "cuda_sim", "triton") if fastformer.backends().get(b)]
+_ONLY = os.environ.get("FASTFORMER_TEST_BACKENDS", "").split(",")
+BACKENDS = [b for b in ("cpu", "cuda_sim", "triton") if fastformer.backends().get(b) and (_ONLY == [""] or b in _ONLY)]
 # Backends compared with the reference: the reference's own low-precision runs and every kernel backend.
 ALL_BACKENDS = ["torch"] + BACKENDS
 

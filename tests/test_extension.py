@@ -46,7 +46,7 @@ def test_torch_mismatch_gives_a_clear_error(monkeypatch):
     assert not _ext.available()
     message = _ext.error()
     assert "built against torch 2.0.0" in message and torch.__version__ in message
-    assert "pip install --force-reinstall --no-deps ." in message
+    assert "pip install --force-reinstall --no-deps --no-build-isolation ." in message
     with pytest.raises(ImportError, match="built against torch 2.0.0"):
         _ext.extension()
 
@@ -76,11 +76,13 @@ def test_checkout_without_a_build_uses_the_installed_extension(tmp_path):
 
     package = Path(fastformer.__file__).parent
     shutil.copytree(package, tmp_path / "fastformer",
-                    ignore=shutil.ignore_patterns("_C*.so", "_csrc", "__pycache__", "_build_info.json"))
-    code = "import fastformer, fastformer._C as C; print(fastformer.__file__); print(C.__file__); print(fastformer.backends()['cpu'])"
+                    ignore=shutil.ignore_patterns("_C*.so", "_cpu_*.so", "_csrc", "__pycache__", "_build_info.json"))
+    code = ("import sys, fastformer, fastformer._C as C; print(fastformer.__file__); print(C.__file__); "
+            "print(sys.modules[f'fastformer._cpu_{fastformer.cpu_capability()}'].__file__); "
+            "print(fastformer.backends()['cpu'])")
     env = dict(os.environ, PYTHONPATH=str(package.parent))
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    checkout_init, extension, cpu = result.stdout.split()
+    checkout_init, extension, kernels, cpu = result.stdout.split()
     assert Path(checkout_init).parent == tmp_path / "fastformer"
-    assert Path(extension).parent == package and cpu == "True"
+    assert Path(extension).parent == package and Path(kernels).parent == package and cpu == "True"

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Checks a CUDA build of fastformer._C: it imports, says WITH_CUDA, and registers a CUDA and a CPU kernel for
-every op of its op list (fastformer._C.OPS, from csrc/ops.h).
+every op of its op list (fastformer._C.OPS, from csrc/ops.h); every extension of the build needs libstdc++.so
+as torch does (no private C++ runtime), and a TORCH_CHECK that formats integers raises ValueError.
 
 CI builds the extension with nvcc for one architecture into a folder of its own (never over an installed
 fastformer), then runs this script on that folder:
@@ -111,6 +112,20 @@ def check_module(C, lib: str, torch) -> list[str]:
             print(f"  {name:40s} {key:5s} {'ok' if ok else 'MISSING'}")
             if not ok:
                 failures.append(f"no {key} kernel registered for {name}")
+    from fastformer._elf import links_libstdcxx_dynamically, needed_libraries  # the build's own copy
+    for so in sorted(glob.glob(os.path.join(lib, "fastformer", "*.so"))):
+        dynamic = links_libstdcxx_dynamically(so)
+        print(f"  {os.path.basename(so)}: {'needs libstdc++.so' if dynamic else 'NO libstdc++.so'}")
+        if not dynamic:
+            failures.append(f"{so} does not need libstdc++.so (needs {needed_libraries(so)}): a static C++ runtime")
+    q = torch.empty(2, 3, 5)
+    try:  # the shape's integers are formatted through the build's libstdc++
+        C.check_attention(q, q, q, None, 0.0, None)
+        failures.append("check_attention accepted a 3-D q")
+    except ValueError as exc:
+        print(f"  a TORCH_CHECK formatting integers raised ValueError: {str(exc).splitlines()[0]}")
+        if "got shape [2, 3, 5]" not in str(exc):
+            failures.append(f"check_attention's message lacks the shape: {exc}")
     return failures
 
 

@@ -29,11 +29,8 @@
 #include <limits>
 #include <vector>
 
-#include <torch/library.h>
-
 #include "cpu/cpu_ops.h"
 #include "cpu/dropout.h"
-#include "ops.h"
 
 namespace fastformer::cpu {
 namespace {
@@ -341,5 +338,3 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
 }
 
 }  // namespace fastformer::cpu
-
-TORCH_LIBRARY_IMPL(fastformer, CPU, m) { FASTFORMER_IMPL_OP(m, fastformer::cpu, attention); }

@@ -1,7 +1,9 @@
-// Entry points of the C++ CPU kernels, registered for the CPU dispatch key of fastformer::<op>_<fwd|bwd>
-// by each kernel file through the adapters of csrc/ops.h, which check the caller's arguments (ValueError)
-// and pass contiguous tensors; the TORCH_CHECKs left here guard what only a direct caller of the
-// backward could get wrong, so nothing reads out of bounds.
+// Entry points of the C++ CPU kernels and what the kernel files share. The kernel files are compiled once
+// per instruction-set level into the modules fastformer._cpu_<level> (csrc/cpu/level_module.cpp); the CPU
+// dispatch key of fastformer::<op>_<fwd|bwd> calls the chosen level's entry points (csrc/cpu_levels.cpp)
+// through the adapters of csrc/ops.h, which check the caller's arguments (ValueError) and pass
+// contiguous tensors; the TORCH_CHECKs left here guard what only a direct caller of the backward could
+// get wrong, so nothing reads out of bounds.
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>

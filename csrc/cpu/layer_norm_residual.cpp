@@ -19,11 +19,8 @@
 #include <cmath>
 #include <vector>
 
-#include <torch/library.h>
-
 #include "cpu/cpu_ops.h"
 #include "cpu/dropout.h"
-#include "ops.h"
 
 namespace fastformer::cpu {
 namespace {
@@ -235,5 +232,3 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor&
 }
 
 }  // namespace fastformer::cpu
-
-TORCH_LIBRARY_IMPL(fastformer, CPU, m) { FASTFORMER_IMPL_OP(m, fastformer::cpu, layer_norm_residual); }

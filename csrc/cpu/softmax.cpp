@@ -23,10 +23,7 @@
 #include <type_traits>
 #include <vector>
 
-#include <torch/library.h>
-
 #include "cpu/cpu_ops.h"
-#include "ops.h"
 
 namespace fastformer::cpu {
 namespace {
@@ -199,5 +196,3 @@ Tensor softmax_bwd(const Tensor& dy, const Tensor& y, double scale) {
 }
 
 }  // namespace fastformer::cpu
-
-TORCH_LIBRARY_IMPL(fastformer, CPU, m) { FASTFORMER_IMPL_OP(m, fastformer::cpu, softmax); }

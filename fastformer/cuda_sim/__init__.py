@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import threading
 from pathlib import Path
+
+import torch
 
 from fastformer._ext import C
 
@@ -52,8 +55,10 @@ def build(name: str, sources: list, *, defines: tuple = (), verbose: bool = Fals
     """
     from torch.utils import cpp_extension
 
+    # torch's extension cache (TORCH_EXTENSIONS_DIR) keys builds by name and sources, not by torch
+    # release: the name carries the release, so another torch never loads this one's build.
     return cpp_extension.load(
-        name=name,
+        name=f"{name}_torch_{re.sub(r'[^0-9A-Za-z]', '_', torch.__version__)}",
         sources=[str(s) for s in sources] + [str(SOURCE_ROOT / "cuda_sim" / "simt.cpp")],
         extra_include_paths=[str(SOURCE_ROOT)],
         extra_cflags=["-O2", "-fopenmp", "-fno-strict-aliasing", "-Wno-unknown-pragmas"] + [f"-D{d}" for d in defines],

@@ -1,0 +1,38 @@
+// The CPU kernels of one instruction-set level as a table of the entry points of csrc/op_entry_points.h.
+//
+// The kernel files csrc/cpu/<op>.cpp are compiled once per level (default x86-64, AVX2, AVX-512: each
+// with its own -m flags and ATen's CPU_CAPABILITY, as ATen builds its own kernels) into a module of its
+// own, fastformer._cpu_<level> (csrc/cpu/level_module.cpp), whose symbols stay hidden. fastformer._C
+// registers the CPU dispatch key once and calls through the table of the level chosen at import
+// (csrc/cpu_levels.cpp, fastformer/_ext.py). Only the chosen level's module is ever loaded, so no
+// instruction of a higher level can run on a CPU without it (one binary for every x86-64 CPU).
+#pragma once
+#include <ATen/ATen.h>
+#include <c10/util/Optional.h>
+
+#include <tuple>
+
+#include "ops.h"
+
+namespace fastformer {
+namespace cpu {
+using at::Tensor;
+#include "op_entry_points.h"
+}  // namespace cpu
+
+// Bumped whenever the table's layout changes: a module of another layout is refused at import.
+constexpr int kCpuKernelsAbi = 1;
+constexpr const char* kCpuKernelsCapsule = "fastformer.cpu_kernels";
+
+struct CpuKernels {
+  int abi;            // kCpuKernelsAbi of the module that filled it
+  const char* level;  // "default", "avx2" or "avx512"
+  int vector_floats;  // floats per at::vec::Vectorized<float> at this level
+#define FASTFORMER_CPU_TABLE_ENTRY(op, ...) \
+  decltype(&cpu::op##_fwd) op##_fwd;        \
+  decltype(&cpu::op##_bwd) op##_bwd;
+  FASTFORMER_OPS(FASTFORMER_CPU_TABLE_ENTRY)
+#undef FASTFORMER_CPU_TABLE_ENTRY
+};
+
+}  // namespace fastformer

