@@ -24,12 +24,15 @@ DEADLINE=$((START + ${GPU_CHECK_SECONDS:-510}))
 LOGS=$(mktemp -d /tmp/gpu-check.XXXXXX)
 ROWS=()
 
+logfile() { echo "$LOGS/${1//[^A-Za-z0-9]/_}.log"; }  # a step's log (names like tests/gpu hold a slash)
+
 # step NAME BUDGET_S CMD...: runs CMD for at most min(BUDGET_S, the time left), output to a log file;
 # records the status (ok, failed, timed out, skipped) and the seconds taken. Always returns 0.
 step() {
   local name=$1 budget=$2
   shift 2
-  local left=$((DEADLINE - SECONDS)) log="$LOGS/${name// /_}.log" t=$SECONDS rc status
+  local left=$((DEADLINE - SECONDS)) log t=$SECONDS rc status
+  log=$(logfile "$name")
   ((budget > left)) && budget=$left
   if ((budget < 10)); then
     ROWS+=("| $name | skipped: out of time | 0 s | \`$*\` |")
@@ -42,7 +45,7 @@ step() {
   case $rc in
     0) status=ok ;;
     124 | 137) status="timed out after $budget s" ;;
-    *) status="failed (exit $rc; log: $log)" ;;
+    *) status="failed (exit $rc)" ;;
   esac
   ROWS+=("| $name | $status | $((SECONDS - t)) s | \`$*\` |")
   echo "   $status, $((SECONDS - t)) s (log: $log)"
@@ -125,10 +128,10 @@ except ImportError:
   echo "## Figures"
   echo
   for name in tests/gpu memcheck "extension and CPU-level tests"; do
-    line=$(last_line "$LOGS/${name// /_}.log" "passed|failed|error|ERROR SUMMARY")
+    line=$(last_line "$(logfile "$name")" "passed|failed|error|ERROR SUMMARY")
     [[ -n $line ]] && echo "- $name: $line"
   done
-  result=$(last_line "$LOGS/train.log" '^\{"run_dir"')
+  result=$(last_line "$(logfile train)" '^\{"run_dir"')
   if [[ -n $result ]]; then
     python -c "
 import json, sys
