@@ -6,8 +6,13 @@ launchers use, e.g.
 
     // instantiations: softmax_fwd_warp_kernel<float, 1> softmax_fwd_warp_kernel<__half, 1>
 
-(template-ids separated by white space, names relative to namespace fastformer::cuda). For each header
-and each architecture (sm_60 = P100, sm_80 = A100) this tool
+(template-ids separated by white space, names relative to namespace fastformer::cuda). A header whose
+kernels need a newer GPU names the architectures it is built for in a line
+
+    // architectures: sm_80
+
+(the tensor-core kernels: mma.sync and cp.async need sm_80); the others are reported for all. For each
+header and each of its architectures (sm_60 = P100, sm_80 = A100) this tool
 
   1. compiles the header with NVRTC 12.9 (libnvrtc.so.12 from the pip wheel nvidia-cuda-nvrtc-cu12,
      loaded with ctypes; cuda_fp16.h/cuda_bf16.h from nvidia-cuda-runtime-cu12) to PTX, asking for each
@@ -162,6 +167,7 @@ class Header:
     path: str
     defines_kernels: bool
     instantiations: list[str]
+    archs: list[str] | None = None  # None: every architecture of the report
 
     @property
     def name(self) -> str:
@@ -175,7 +181,14 @@ def read_header(path: str) -> Header:
     ids: list[str] = []
     for m in re.finditer(r"^[ \t]*//[ \t]*instantiations:(.*)$", src, flags=re.M):
         ids += split_template_ids(m.group(1))
-    return Header(path, defines_kernels, list(dict.fromkeys(ids)))  # a repeated id is reported once
+    archs = None
+    m = re.search(r"^[ \t]*//[ \t]*architectures:(.*)$", src, flags=re.M)
+    if m:
+        archs = m.group(1).split()
+        unknown = [a for a in archs if a not in ARCHS]
+        if unknown:
+            raise SystemExit(f"kernel_report: {path}: unknown architectures {unknown} (known: {list(ARCHS)})")
+    return Header(path, defines_kernels, list(dict.fromkeys(ids)), archs)  # a repeated id is reported once
 
 
 def qualified(template_id: str) -> str:
@@ -381,8 +394,8 @@ def tool_versions(ptxas: str, nvrtc: NVRTC) -> list[str]:
 
 def render_table(headers: list[Header], rows: list[Row], archs: list[str]) -> str:
     out = [TABLE_BEGIN, ""]
-    n_inst = sum(len(h.instantiations) for h in headers)
     for a in archs:
+        n_inst = sum(len(h.instantiations) for h in headers if h.archs is None or a in h.archs)
         arch_rows = [r for r in rows if r.arch == a and r.res is not None]
         spill = sum(r.res.spill_stores + r.res.spill_loads for r in arch_rows)
         failed = sum(1 for r in rows if r.arch == a and r.error)
@@ -436,7 +449,8 @@ has no `FF_LAUNCH_BOUNDS`, cannot be resident on an SM, if a kernel header has n
 list, or if this table is not the one the current headers produce.
 
 Every template instantiation listed in the `// instantiations:` comments of `csrc/cuda/*.cuh` is compiled
-for **sm_60** (Tesla P100, the target hardware) and **sm_80** (A100) and assembled by `ptxas -v`. No GPU
+for **sm_60** (Tesla P100, the target hardware) and **sm_80** (A100) and assembled by `ptxas -v`; a header
+with an `// architectures:` line (the tensor-core kernels: sm_80) only for those it names. No GPU
 ran these kernels: the numbers are the compiler's, the occupancy is the theoretical one.
 
 Columns: *registers* per thread, *spill* bytes stored to / loaded from local memory per thread (must be
@@ -492,6 +506,11 @@ the allocation units, sub-partitions, reserved shared memory and blocks/SM; the 
 |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|
 {arch_rows}
 """
+
+
+def header_archs(h: Header, archs: list[str]) -> list[str]:
+    """The architectures of the report that header h is built for."""
+    return [a for a in archs if h.archs is None or a in h.archs]
 
 
 def extract_table(doc: str) -> str | None:
@@ -551,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="kernel_report_") as tmp:
         for h in headers:
-            for a in args.arch:
+            for a in header_archs(h, args.arch):
                 t0 = time.time()
                 r, e = compile_header(nvrtc, ptxas, h, ARCHS[a], nvrtc_options, ptxas_options, tmp)
                 print(f"  {h.name} [{a}]: {len(h.instantiations)} instantiations, {time.time() - t0:.1f} s")
@@ -559,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
                 errors += e
     # order: header, then its list order, then architecture
     by_key = {(r.header, r.kernel, r.arch): r for r in rows}
-    rows = [by_key[(h.name, i, a)] for h in headers for i in h.instantiations for a in args.arch]
+    rows = [by_key[(h.name, i, a)] for h in headers for i in h.instantiations for a in header_archs(h, args.arch)]
 
     table = render_table(headers, rows, args.arch)
     shown = [("kernel", "arch", "thr", "regs", "spill st/ld", "smem", "stack", "occupancy")]
@@ -599,8 +618,7 @@ def main(argv: list[str] | None = None) -> int:
         for e in errors:
             print("  - " + e, file=sys.stderr)
         return 1
-    print(f"kernel_report: OK, {sum(len(h.instantiations) for h in headers)} instantiations x {len(args.arch)} "
-          "architectures, no spills")
+    print(f"kernel_report: OK, {len(rows)} compiled instantiations ({', '.join(args.arch)}), no spills")
     return 0
 
 

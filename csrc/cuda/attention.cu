@@ -1,5 +1,6 @@
-// Launchers of the attention kernels (csrc/cuda/attention.cuh): validation, outputs, dtype and head-dim
-// dispatch. Semantics of csrc/cpu/attention.cpp; compiled by nvcc (backend "cuda") and as plain C++
+// Launchers of the attention kernels: the tensor-core kernels of csrc/cuda/attention_mma.cuh for float16
+// and bfloat16 on compute capability 8.0 and newer, the SIMT kernels of csrc/cuda/attention.cuh for
+// float32 and for older GPUs; validation, outputs, dtype and head-dim dispatch. Semantics of csrc/cpu/attention.cpp; compiled by nvcc (backend "cuda") and as plain C++
 // against the CPU SIMT model (backend "cuda_sim", csrc/cuda_sim/binding.cpp).
 //
 // Forward: one launch, grid (ceil(Lq / kBlockM), B H). Backward: three launches on the stream, in order:
@@ -13,6 +14,7 @@
 #include <type_traits>
 
 #include "attention.cuh"
+#include "attention_mma.cuh"
 #include "cuda_ops.h"
 #include "launch.h"
 #include "ops.h"
@@ -90,6 +92,21 @@ bool pairs_aligned(int64_t D, std::initializer_list<const void*> ptrs) {
   return true;
 }
 
+// 16-byte chunks (cp.async, attention_mma.cuh): D a multiple of 8 and every tensor's data 16-byte aligned.
+bool chunks_aligned(int64_t D, std::initializer_list<const void*> ptrs) {
+  if (D % 8 != 0) return false;
+  for (const void* p : ptrs) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  }
+  return true;
+}
+
+// The tensor-core kernels take 16-bit inputs on sm_80 and newer; float32 and older GPUs take the SIMT ones.
+template <typename T>
+bool use_tensor_cores() {
+  return !std::is_same<T, float>::value && compute_capability() >= 80;
+}
+
 int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
@@ -120,14 +137,24 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const
     p.scale = static_cast<float>(scale);
     p.causal = causal;
     p.vec2 = pairs_aligned<T>(s.D, {p.q, p.k, p.v, p.out});
+    p.vec8 = chunks_aligned(s.D, {p.q, p.k, p.v, p.out});
     p.dropout_p = static_cast<float>(dropout_p);
     p.dropout_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
     p.seed = static_cast<uint64_t>(seed);
     dispatch_head_dim(s.D, [&](auto d_max) {
       constexpr int D_MAX = decltype(d_max)::value;
+      const unsigned bh = static_cast<unsigned>(s.B * s.H);
+      if constexpr (!std::is_same<T, float>::value) {
+        if (use_tensor_cores<T>()) {
+          using Cfg = AttentionFwdMmaConfig<D_MAX>;
+          launch(attention_fwd_mma_kernel<T, D_MAX>, dim3(static_cast<unsigned>(ceil_div64(s.Lq, Cfg::kRows)), bh),
+                 dim3(Cfg::kThreads), p);
+          return;
+        }
+      }
       using Cfg = AttentionFwdConfig<D_MAX>;
-      const dim3 grid(static_cast<unsigned>(ceil_div64(s.Lq, Cfg::kBlockM)), static_cast<unsigned>(s.B * s.H));
-      launch(attention_fwd_kernel<T, D_MAX>, grid, dim3(Cfg::kThreads), p);
+      launch(attention_fwd_kernel<T, D_MAX>, dim3(static_cast<unsigned>(ceil_div64(s.Lq, Cfg::kBlockM)), bh),
+             dim3(Cfg::kThreads), p);
     });
   });
   return {out, lse};
@@ -175,6 +202,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
     p.scale = static_cast<float>(scale);
     p.causal = causal;
     p.vec2 = pairs_aligned<T>(s.D, {p.q, p.k, p.v, p.out, p.dout, p.dq, p.dk, p.dv});
+    p.vec8 = chunks_aligned(s.D, {p.q, p.k, p.v, p.out, p.dout, p.dq, p.dk, p.dv});
     p.dropout_p = static_cast<float>(dropout_p);
     p.dropout_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
     p.seed = static_cast<uint64_t>(seed);
@@ -182,8 +210,18 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
     launch(attention_bwd_delta_kernel<T>, dim3(static_cast<unsigned>(delta_blocks)), dim3(kDeltaThreads), p);
     dispatch_head_dim(s.D, [&](auto d_max) {
       constexpr int D_MAX = decltype(d_max)::value;
-      using Cfg = AttentionBwdConfig<D_MAX>;
       const unsigned bh = static_cast<unsigned>(s.B * s.H);
+      if constexpr (!std::is_same<T, float>::value) {
+        if (use_tensor_cores<T>()) {
+          using Cfg = AttentionBwdMmaConfig<D_MAX>;
+          launch(attention_bwd_dkdv_mma_kernel<T, D_MAX>, dim3(static_cast<unsigned>(ceil_div64(s.Lk, Cfg::kRows)), bh),
+                 dim3(Cfg::kThreads), p);
+          launch(attention_bwd_dq_mma_kernel<T, D_MAX>, dim3(static_cast<unsigned>(ceil_div64(s.Lq, Cfg::kRows)), bh),
+                 dim3(Cfg::kThreads), p);
+          return;
+        }
+      }
+      using Cfg = AttentionBwdConfig<D_MAX>;
       launch(attention_bwd_dkdv_kernel<T, D_MAX>, dim3(static_cast<unsigned>(ceil_div64(s.Lk, Cfg::kBlock)), bh),
              dim3(Cfg::kThreads), p);
       launch(attention_bwd_dq_kernel<T, D_MAX>, dim3(static_cast<unsigned>(ceil_div64(s.Lq, Cfg::kBlock)), bh),

@@ -84,6 +84,7 @@ struct AttentionFwdParams {
   float scale;                   // scores are scale q . k
   bool causal;                   // bottom-right aligned: query i sees keys j <= i + Lk - Lq
   bool vec2;                     // D even and every pointer 2-element aligned: pairs move as load2/store2
+  bool vec8;                     // D % 8 == 0, 16-bit T, every pointer 16-byte aligned (attention_mma.cuh)
   float dropout_p;               // probability of dropping an attention probability (0: no dropout)
   float dropout_scale;           // 1 / (1 - dropout_p)
   uint64_t seed;                 // Philox key of the dropout stream
@@ -107,6 +108,7 @@ struct AttentionBwdParams {
   float scale;
   bool causal;
   bool vec2;
+  bool vec8;
   float dropout_p;
   float dropout_scale;
   uint64_t seed;

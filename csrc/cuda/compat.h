@@ -10,8 +10,9 @@
 // Kernels use only what is declared here or in simt.h: threadIdx/blockIdx/blockDim/gridDim, __shared__
 // (static sizes only), __syncthreads, __syncwarp, __shfl_sync/__shfl_xor_sync/__shfl_down_sync (full
 // mask), __half/__nv_bfloat16 and their 2-vectors with the conversion intrinsics, float2/float4,
-// expf/logf/sqrtf/rsqrtf/fmaxf/fminf/fabsf/__int_as_float/__float_as_int. No atomics, no dynamic
-// shared memory, no tensor-core or cp.async instructions (P100-class SIMT code).
+// expf/logf/sqrtf/rsqrtf/fmaxf/fminf/fabsf/__int_as_float/__float_as_int; and the sm_80 instructions
+// that csrc/cuda/mma.cuh wraps (mma.sync m16n8k16, ldmatrix, cp.async), used only by the tensor-core
+// kernels. No atomics, no dynamic shared memory.
 #pragma once
 
 #if defined(__CUDACC__)  // nvcc or NVRTC

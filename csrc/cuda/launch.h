@@ -83,6 +83,17 @@ inline int multiprocessor_count() {
 #endif
 }
 
+// Compute capability of the current device as 10 major + minor (the CPU model plays 80 unless told
+// otherwise: fastformer::sim::set_compute_capability).
+inline int compute_capability() {
+#if defined(__CUDACC__)
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  return prop->major * 10 + prop->minor;
+#else
+  return ::fastformer::sim::compute_capability();
+#endif
+}
+
 // kernel<<<grid, block, 0, current stream>>>(args...) followed by a launch check; in the CPU model,
 // the grid's blocks run on the SIMT execution model. No dynamic shared memory.
 template <typename... KernelArgs, typename... Args>

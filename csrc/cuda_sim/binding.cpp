@@ -23,6 +23,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "seed of the warp/lane order between barriers (0 = index order)");
   m.def("delete_barrier", &fastformer::sim::delete_barrier,
         "mutation testing: the __syncthreads at (file suffix, line) becomes a no-op; '' clears");
+  m.def("set_compute_capability", &fastformer::sim::set_compute_capability,
+        "the compute capability the model plays, 10 major + minor (default 80: the tensor-core kernels "
+        "serve float16/bfloat16; 60 runs the P100 SIMT kernels for every dtype)");
+  m.def("compute_capability", &fastformer::sim::compute_capability, "the compute capability the model plays");
   m.def("deleted_barrier_hits", &fastformer::sim::deleted_barrier_hits,
         "how many times threads passed the deleted barrier");
 }

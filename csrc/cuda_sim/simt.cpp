@@ -47,16 +47,32 @@ std::string where(const Site& s) {
   return std::string(base ? base + 1 : s.file) + ":" + std::to_string(s.line);
 }
 
+// A cp.async copy queued on its thread; group -1 until committed.
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+  int bytes, src_bytes;
+  long group;
+};
+
+enum class Collective { kSyncWarp, kShuffle, kCompute };
+
 struct Fiber {
   ucontext_t context;
   Coords coords;
   State state = State::kRunnable;
   Site site;
   // warp collective in progress
-  bool is_shuffle = false;
+  Collective kind = Collective::kSyncWarp;
   ShuffleMode mode = ShuffleMode::kIndex;
   int lane_arg = 0, width = kWarp;
   uint64_t value = 0, result = 0;
+  void* record = nullptr;  // kCompute: this lane's operand record
+  CollectiveFn compute = nullptr;
+  // cp.async copies not yet retired, and the number of groups committed so far
+  std::vector<AsyncCopy> copies;
+  long groups = 0;
+  uint64_t issued = 0;  // cp.async calls so far
 };
 
 // Per OpenMP thread: the fibers of the block being run and their stacks.
@@ -127,6 +143,10 @@ void fiber_entry() {
   Scheduler& s = *tls_scheduler;
   try {
     (*s.body)();
+    if (!s.current->copies.empty()) {
+      throw std::runtime_error("cuda_sim: a thread exited with " + std::to_string(s.current->copies.size()) +
+                               " cp.async copies never waited for (cp.async.wait_group missing)");
+    }
   } catch (...) {
     if (!s.error) s.error = std::current_exception();
   }
@@ -167,7 +187,10 @@ std::string describe(const std::vector<Fiber>& fibers, const std::vector<int>& i
       case State::kDone: what = "exited"; break;
       case State::kBlockBarrier: what = "wait at __syncthreads (" + where(f.site) + ")"; break;
       case State::kWarpCollective:
-        what = std::string("wait at ") + (f.is_shuffle ? "a warp shuffle" : "__syncwarp") + " (" + where(f.site) + ")";
+        what = std::string("wait at ") +
+               (f.kind == Collective::kShuffle ? "a warp shuffle"
+                : f.kind == Collective::kCompute ? "a warp-collective instruction" : "__syncwarp") +
+               " (" + where(f.site) + ")";
         break;
       case State::kRunnable: what = "runnable"; break;
     }
@@ -201,7 +224,11 @@ bool Scheduler::release_warp(int w, const std::string& block_name) {
                              std::to_string(w) + ": " + describe(fibers, ids) +
                              " (all 32 lanes must reach the same __syncwarp/__shfl_*_sync)");
   }
-  if (lanes[0].is_shuffle) {
+  if (lanes[0].kind == Collective::kCompute) {
+    void* records[kWarp];
+    for (int l = 0; l < kWarp; ++l) records[l] = lanes[l].record;
+    lanes[0].compute(records);
+  } else if (lanes[0].kind == Collective::kShuffle) {
     for (int l = 0; l < kWarp; ++l) {
       Fiber& f = lanes[l];
       const int width = f.width, segment = (l / width) * width, lane_in = l % width;
@@ -320,9 +347,79 @@ void syncwarp(unsigned mask, const char* file, int line) {
   Fiber& f = running_fiber();
   f.state = State::kWarpCollective;
   f.site = Site{file, line};
-  f.is_shuffle = false;
+  f.kind = Collective::kSyncWarp;
   yield_to_scheduler();
 }
+
+void warp_collective(void* record, CollectiveFn compute, const char* file, int line) {
+  Fiber& f = running_fiber();
+  f.state = State::kWarpCollective;
+  f.site = Site{file, line};
+  f.kind = Collective::kCompute;
+  f.record = record;
+  f.compute = compute;
+  yield_to_scheduler();
+}
+
+static void land(const AsyncCopy& c) {
+  if (c.src_bytes > 0) std::memcpy(c.dst, c.src, static_cast<size_t>(c.src_bytes));
+  std::memset(static_cast<char*>(c.dst) + c.src_bytes, 0, static_cast<size_t>(c.bytes - c.src_bytes));
+}
+
+void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
+  if (src_bytes < 0 || src_bytes > bytes) throw std::runtime_error("cuda_sim: cp.async src_bytes out of [0, bytes]");
+  if (reinterpret_cast<uintptr_t>(dst) % bytes != 0 || (src_bytes > 0 && reinterpret_cast<uintptr_t>(src) % bytes != 0)) {
+    throw std::runtime_error("cuda_sim: cp.async of " + std::to_string(bytes) + " bytes needs " + std::to_string(bytes) +
+                             "-byte aligned addresses");
+  }
+  Fiber& f = running_fiber();
+  const AsyncCopy copy{dst, src, bytes, src_bytes, -1};
+  // A copy may land at any moment between its issue and its wait: under a nonzero schedule seed, a
+  // draw from (seed, block, thread, copy number) lands it at once, else it lands at the wait. Landing
+  // late exposes a tile read before its wait; landing early exposes a buffer refilled while another
+  // warp still reads it (a missing __syncthreads before the refill).
+  if (g_schedule_seed != 0) {
+    const Coords& c = f.coords;
+    const uint64_t block = (static_cast<uint64_t>(c.block_idx.z) * c.grid_dim.y + c.block_idx.y) * c.grid_dim.x +
+                           c.block_idx.x;
+    const uint64_t thread = (static_cast<uint64_t>(c.thread_idx.z) * c.block_dim.y + c.thread_idx.y) * c.block_dim.x +
+                            c.thread_idx.x;
+    uint64_t h = g_schedule_seed * 0x9E3779B97F4A7C15ull ^ (block << 20) ^ (thread << 8) ^ f.issued++;
+    h = (h ^ (h >> 31)) * 0xBF58476D1CE4E5B9ull;  // splitmix64's finalizer
+    h = (h ^ (h >> 27)) * 0x94D049BB133111EBull;
+    if ((h ^ (h >> 31)) & 1) {
+      land(copy);
+      return;
+    }
+  }
+  f.copies.push_back(copy);
+}
+
+void cp_async_commit() {
+  Fiber& f = running_fiber();
+  for (AsyncCopy& c : f.copies) {
+    if (c.group < 0) c.group = f.groups;
+  }
+  ++f.groups;
+}
+
+void cp_async_wait(int pending_groups) {
+  Fiber& f = running_fiber();
+  const long retire_below = f.groups - pending_groups;  // groups [0, retire_below) must be complete
+  std::vector<AsyncCopy> left;
+  for (const AsyncCopy& c : f.copies) {
+    if (c.group >= 0 && c.group < retire_below) {
+      land(c);
+    } else {
+      left.push_back(c);
+    }
+  }
+  f.copies.swap(left);
+}
+
+int g_compute_capability = 80;
+void set_compute_capability(int major_minor) { g_compute_capability = major_minor; }
+int compute_capability() { return g_compute_capability; }
 
 uint64_t shuffle(unsigned mask, uint64_t bits, ShuffleMode mode, int lane_arg, int width, const char* file, int line) {
   if (mask != kFullMask) throw std::runtime_error("cuda_sim: only full-mask shuffles are modeled (" + where(Site{file, line}) + ")");
@@ -332,11 +429,11 @@ uint64_t shuffle(unsigned mask, uint64_t bits, ShuffleMode mode, int lane_arg, i
   Fiber& f = running_fiber();
   f.state = State::kWarpCollective;
   f.site = Site{file, line};
-  f.is_shuffle = true;
   f.mode = mode;
   f.lane_arg = lane_arg;
   f.width = width;
   f.value = bits;
+  f.kind = Collective::kShuffle;
   yield_to_scheduler();
   return running_fiber().result;
 }

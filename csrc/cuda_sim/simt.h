@@ -18,7 +18,20 @@
 //
 // Only what csrc/cuda/compat.h promises is provided: thread/block coordinates, static shared memory,
 // the barriers and full-mask shuffles above, __half/__nv_bfloat16 storage types with their conversion
-// intrinsics, float2/float4 and a few math functions.
+// intrinsics, float2/float4 and a few math functions; and, for the sm_80 tensor-core kernels
+// (csrc/cuda/mma.cuh), the warp-collective instructions mma.sync and ldmatrix and the asynchronous
+// copies cp.async:
+//   warp_collective()          an instruction whose lanes exchange more than a shuffle's 8 bytes: each
+//                              lane deposits a pointer to its operand record; when all 32 lanes wait at
+//                              the same one, a function computes every lane's results from the 32
+//                              records at once (mma.sync's and ldmatrix's fragment layouts of the PTX
+//                              ISA live in csrc/cuda/mma.cuh; a wrong lane mapping gives wrong numbers);
+//   cp_async / commit / wait   a copy lands either at once or only when its thread's cp.async.wait_group
+//                              retires its group, drawn per copy from the schedule seed (seed 0: at the
+//                              wait): a tile read before its wait (or before the __syncthreads after it)
+//                              holds stale data, a buffer refilled while another warp still reads it
+//                              changes under that warp, and a thread that exits with copies never
+//                              waited for raises an error.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -57,6 +70,23 @@ uint64_t deleted_barrier_hits();
 // Barriers, called through the macros below with the call site.
 void syncthreads(const char* file, int line);
 void syncwarp(unsigned mask, const char* file, int line);
+
+// A warp-collective instruction with per-lane operands of any size (mma.sync, ldmatrix): `record` is the
+// calling lane's operand record; when all 32 lanes wait at the same call site, compute(records) runs
+// once with the 32 records (index = lane) and writes each lane's results into its own record.
+using CollectiveFn = void (*)(void* const* records);
+void warp_collective(void* record, CollectiveFn compute, const char* file, int line);
+
+// Asynchronous global -> shared copies (cp.async.cg.shared.global [dst], [src], bytes, src_bytes): copies
+// src_bytes and zero-fills up to `bytes`; queued on the calling thread until a wait retires its group.
+void cp_async(void* dst, const void* src, int bytes, int src_bytes);
+void cp_async_commit();                   // cp.async.commit_group: the queued copies form a group
+void cp_async_wait(int pending_groups);   // cp.async.wait_group N: all but the newest N groups done
+
+// The compute capability the model plays (launchers choose kernels by it): 80 unless set (e.g. 60 runs
+// the P100 SIMT kernels for every dtype).
+void set_compute_capability(int major_minor);
+int compute_capability();
 
 enum class ShuffleMode { kIndex, kXor, kDown, kUp };
 // A warp shuffle of a value of up to 8 bytes; returns the bits the source lane deposited.
