@@ -12,7 +12,8 @@ op on 2 cores) and cached under ``TORCH_EXTENSIONS_DIR``. The sources come from 
 or from ``csrc/`` beside the package (an editable install).
 
 The schedule seed defaults to ``FASTFORMER_CUDA_SIM_SEED`` (1 if unset; 0 runs warps and lanes in
-index order) and is changed with ``set_schedule_seed``.
+index order) and is changed with ``set_schedule_seed``. The model plays a GPU of compute capability 8.0
+(float16 and bfloat16 attention on the tensor-core kernels) unless ``compute_capability`` says otherwise.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ if shutil.which(os.environ.get("CXX", "c++")) is None:
 _lock = threading.Lock()
 _modules: dict[str, object] = {}
 _seed = int(os.environ.get("FASTFORMER_CUDA_SIM_SEED", "1"))
+_capability = 80  # the GPU generation the model plays (10 major + minor): the launchers choose kernels by it
 
 
 def build(name: str, sources: list, *, defines: tuple = (), verbose: bool = False):
@@ -76,6 +78,7 @@ def load(op: str, *, verbose: bool = False):
             module = build(f"fastformer_cuda_sim_{op}", [SOURCE_ROOT / "cuda_sim" / "binding.cpp"],
                            defines=(f"FF_SIM_OP={op}",), verbose=verbose)
             module.set_schedule_seed(_seed)
+            module.set_compute_capability(_capability)
             _modules[op] = module
         return _modules[op]
 
@@ -93,6 +96,27 @@ def set_schedule_seed(seed: int) -> None:
 
 def schedule_seed() -> int:
     return _seed
+
+
+@contextlib.contextmanager
+def compute_capability(capability: int):
+    """Within the block the model plays a GPU of this compute capability (10 major + minor; default 80),
+    e.g. 60: the launchers then choose the P100 SIMT kernels for float16 too, where 80 takes the
+    tensor-core kernels (csrc/cuda/attention_mma.cuh)."""
+    global _capability
+    if capability < 60:
+        raise ValueError(f"cuda_sim: the kernels target compute capability 60 and newer, got {capability}")
+    with _lock:
+        before, _capability = _capability, int(capability)
+        for module in _modules.values():
+            module.set_compute_capability(_capability)
+    try:
+        yield
+    finally:
+        with _lock:
+            _capability = before
+            for module in _modules.values():
+                module.set_compute_capability(_capability)
 
 
 @contextlib.contextmanager

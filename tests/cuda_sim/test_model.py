@@ -90,3 +90,62 @@ def test_missing_barrier_is_a_visible_race(kernels, seed):
 def test_broken_barriers_raise_instead_of_hanging(kernels, kernel, message):
     with pytest.raises(RuntimeError, match=message):
         kernels.run_broken(kernel)
+
+
+# ---- the sm_80 instructions of csrc/cuda/mma.cuh -------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
+def test_mma_sync_computes_a_times_b_plus_c(kernels, dtype):
+    torch.manual_seed(0)
+    a, b = torch.randn(16, 16).to(dtype), torch.randn(16, 8).to(dtype)
+    c = torch.randn(16, 8)
+    d = kernels.mma(a, b, c)
+    expected = a.double() @ b.double() + c.double()
+    # 16-bit products are exact in float32; only the float32 sums round.
+    torch.testing.assert_close(d.double(), expected, atol=1e-5, rtol=1e-6)
+
+
+def _ldmatrix_expected(x, trans):
+    """The PTX ISA's ldmatrix.x4: lane l receives, from each 8 x 8 matrix i (rows by the lanes 8i..8i+7),
+    the elements (l / 4, 2 (l % 4)) and (l / 4, 2 (l % 4) + 1), or with .trans (2 (l % 4), l / 4) and
+    (2 (l % 4) + 1, l / 4); the first in the low 16 bits."""
+    bits = x.to(torch.int64) & 0xFFFF
+    mats = [bits[(i // 2) * 8:(i // 2) * 8 + 8, (i % 2) * 8:(i % 2) * 8 + 8] for i in range(4)]
+    out = torch.empty(32, 4, dtype=torch.int64)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for i, m in enumerate(mats):
+            lo, hi = (m[2 * t, g], m[2 * t + 1, g]) if trans else (m[g, 2 * t], m[g, 2 * t + 1])
+            out[lane, i] = lo | (hi << 16)
+    return out
+
+
+@pytest.mark.parametrize("trans", (False, True))
+def test_ldmatrix_distributes_rows_as_the_ptx_isa_says(kernels, trans):
+    x = torch.arange(256, dtype=torch.int16).reshape(16, 16) * 7 + 3
+    assert torch.equal(kernels.ldmatrix(x, trans), _ldmatrix_expected(x, trans))
+
+
+@pytest.mark.parametrize("src_bytes", (16, 8, 0))
+def test_cp_async_lands_by_the_wait_and_zero_fills(kernels, src_bytes):
+    x = torch.arange(128, dtype=torch.float32) + 1
+    expected = x.reshape(32, 4).clone()
+    expected[:, src_bytes // 4:] = 0.0
+    for seed in (0,) + SEEDS:
+        kernels.set_schedule_seed(seed)
+        before, after = kernels.cp_async(x, src_bytes, True)
+        assert torch.equal(after.reshape(32, 4), expected)
+        landed = (before.reshape(32, 4) == expected).all(1)
+        pending = (before.reshape(32, 4) == -1).all(1)
+        assert bool((landed | pending).all())
+        if seed == 0:
+            assert bool(pending.all()), "seed 0: every copy lands at its wait"
+        elif src_bytes:
+            assert bool(landed.any()) and bool(pending.any()), "a seed lands some copies early, some at the wait"
+
+
+def test_cp_async_never_waited_for_raises(kernels):
+    kernels.set_schedule_seed(0)
+    with pytest.raises(RuntimeError, match="never waited for"):
+        kernels.cp_async(torch.zeros(128), 16, False)

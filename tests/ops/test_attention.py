@@ -258,3 +258,52 @@ def test_torch_reference_probabilities_at_large_logits():
     error, eager_error = ((t.double() - ref).abs().max().item() for t in (out, eager))
     bound = 2 * eager_error + 8 * torch.finfo(torch.float32).eps
     assert error <= bound, f"out error {error:.3g}, eager {eager_error:.3g}"
+
+
+# The cuda launcher picks the tensor-core kernels (csrc/cuda/attention_mma.cuh) for 16-bit inputs on
+# compute capability 8.0 and newer and the SIMT kernels (attention.cuh) below; cuda_sim plays 8.0 by
+# default, so the suite above runs the tensor-core kernels for float16/bfloat16. Here both generations,
+# the same inputs: each must match the reference, the two must not be the same computation (the choice
+# really switched), and with dropout they must drop the same elements.
+MMA_CASES = [Case(2, 2, 7, 33, 16, "both"), Case(1, 2, 97, 113, 40, "padding"), Case(2, 1, 70, 70, 128, "causal"),
+             Case(1, 1, 33, 97, 64, "both", scale=0.3), Case(2, 2, 1, 33, 32, "causal")]
+
+
+@pytest.mark.skipif("cuda_sim" not in ALL_BACKENDS, reason="cuda_sim needs a C++ compiler")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", MMA_CASES, ids=str)
+def test_cuda_sim_runs_the_simt_and_the_tensor_core_kernels(dtype, case):
+    from fastformer import cuda_sim
+
+    q, k, v, mask, dout = make_inputs(case, dtype)
+    (ref,), ref_grads = forward_backward(attention_fn("torch", case, mask), upcast([q, k, v]), upcast([dout]))
+    results = {}
+    for capability in (60, 80):
+        with cuda_sim.compute_capability(capability):
+            (out,), grads = forward_backward(attention_fn("cuda_sim", case, mask), [q, k, v], [dout])
+        assert_close(out, ref, dtype, f"out (sm_{capability})")
+        for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
+            assert_close(g, rg, dtype, f"{name} (sm_{capability})")
+        results[capability] = [out, *grads]
+    assert any(not torch.equal(a, b) for a, b in zip(results[60], results[80])), "both runs took the same kernels"
+
+
+@pytest.mark.skipif("cuda_sim" not in ALL_BACKENDS, reason="cuda_sim needs a C++ compiler")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tensor_core_kernels_drop_what_the_simt_kernels_drop(dtype):
+    """With dropout, both kernel generations match the float64 reference run with the same seed (the op
+    draws its Philox seed from torch's generator): every backend drops the same elements."""
+    from fastformer import cuda_sim
+
+    case = Case(2, 2, 37, 75, 24, "both")
+    q, k, v, mask, dout = make_inputs(case, dtype)
+    torch.manual_seed(7)
+    (ref,), ref_grads = forward_backward(attention_fn("torch", case, mask, dropout_p=0.3), upcast([q, k, v]),
+                                         upcast([dout]))
+    for capability in (60, 80):
+        torch.manual_seed(7)
+        with cuda_sim.compute_capability(capability):
+            (out,), grads = forward_backward(attention_fn("cuda_sim", case, mask, dropout_p=0.3), [q, k, v], [dout])
+        assert_close(out, ref, dtype, f"out (sm_{capability})")
+        for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
+            assert_close(g, rg, dtype, f"{name} (sm_{capability})")
