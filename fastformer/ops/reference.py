@@ -49,9 +49,12 @@ def philox4x32_10(seed: int, counter: torch.Tensor) -> list[torch.Tensor]:
 
 
 def dropout_keep(seed: int, numel: int, p: float, device=None) -> torch.Tensor:
-    """Bool keep-mask of elements 0 .. numel-1 of a tensor dropped with probability p."""
-    index = torch.arange(numel, dtype=torch.int64, device=device)
-    words = torch.stack(philox4x32_10(seed, index >> 2), dim=-1).gather(-1, (index & 3)[:, None])[:, 0]
+    """Bool keep-mask of elements 0 .. numel-1 of a tensor dropped with probability p.
+
+    Element i takes word i % 4 of Philox counter i // 4: one Philox evaluation per 4 elements, whose
+    (n/4, 4) words flatten to the elements in order."""
+    counters = torch.arange((numel + 3) // 4, dtype=torch.int64, device=device)
+    words = torch.stack(philox4x32_10(seed, counters), dim=-1).reshape(-1)[:numel]
     x = torch.where(words >= 2**31, words - 2**32, words)  # reinterpret as int32
     x = torch.where(x < 0, -x - 1, x)
     u = x.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32)

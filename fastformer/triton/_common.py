@@ -1,5 +1,6 @@
-"""What the Triton kernels share: the block-size table (the one place where tile shapes and warps are
-chosen; nothing is autotuned at import), input checks, and the Philox dropout helper."""
+"""What the Triton kernels share: the block-size tables (the one place where tile shapes, warps and
+pipeline stages are chosen: fixed for the row kernels, autotuned candidates for attention), input checks,
+and the Philox dropout helper."""
 from __future__ import annotations
 
 import torch
@@ -30,15 +31,50 @@ def upcast_dot(dtype: torch.dtype) -> bool:
     return INTERPRET and dtype == torch.bfloat16
 
 
-def attention_blocks(head_dim: int) -> dict:
-    """Tile shapes of the attention kernels: BLOCK_M queries x BLOCK_N keys, head dim padded to a power
-    of two (at least 16, masked), and warps. Smaller tiles for big head dims keep registers in check."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
+def attention_block_d(head_dim: int) -> int:
+    """The head dim padded to a power of two (at least 16; the padding is masked)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def length_bucket(length: int) -> int:
+    """The autotuning key's sequence length: the next power of two, so a run whose batches come in many
+    lengths tunes once per bucket, not once per length."""
+    return triton.next_power_of_2(max(length, 1))
+
+
+# Autotuned candidates of the attention kernels (BLOCK_M queries x BLOCK_N keys, warps, pipeline stages),
+# for Ampere and Hopper: bigger query tiles amortise K/V loads, and the head dim 128 lists keep the
+# registers and shared memory of a tile within one SM's. The autotuner benchmarks the candidates once per
+# (length bucket, head dim, mask, causal, dropout, dtype) and keeps the fastest. The interpreter takes one
+# small tile (no benchmarking; its speed is not the GPU's).
+_FWD_CANDIDATES = {64: [(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2), (128, 128, 8, 2)],
+                   128: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)]}
+_BWD_CANDIDATES = {64: [(64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 32, 4, 2)],
+                   128: [(64, 64, 8, 1), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 1)]}
+
+
+def _candidates(kind: str) -> dict:
+    return _FWD_CANDIDATES if kind == "fwd" else _BWD_CANDIDATES
+
+
+def attention_configs(kind: str) -> list:
+    """triton.Config candidates of the forward ("fwd") or backward ("bwd") attention kernels for every
+    head dim (``attention_config_pruner`` keeps those of the call's)."""
     if INTERPRET:
-        return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_D=block_d, num_warps=4)
-    if block_d <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=block_d, num_warps=4)
-    return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=block_d, num_warps=8)
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
+    shapes = dict.fromkeys(c for cands in _candidates(kind).values() for c in cands)
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in shapes]
+
+
+def attention_config_pruner(kind: str):
+    """The autotuner's early_config_prune: the candidates listed for the call's BLOCK_D (<= 64, or 128)."""
+    def prune(configs, named_args, **kwargs):
+        if INTERPRET:
+            return configs
+        wanted = set(_candidates(kind)[64 if kwargs["BLOCK_D"] <= 64 else 128])
+        return [c for c in configs
+                if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
+    return prune
 
 
 def row_blocks(n: int) -> dict:

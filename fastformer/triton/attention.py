@@ -17,6 +17,11 @@ and writes dK, dV; the dQ kernel reads Q, dO once and K, V once per query tile, 
 ceil(Lq / BLOCK_M)) D sizeof(T), and writes dQ; both also read lse and delta (4 bytes per row).
 Dropout keeps element (b, h, i, j) of P when dropout_keep(seed, ((b H + h) Lq + i) Lk + j) is true,
 the same Philox stream as every other backend.
+
+Tiles: BLOCK_M, BLOCK_N, warps and pipeline stages are autotuned (fastformer/triton/_common.py lists the
+candidates) once per (length bucket, head dim, mask, causal, dropout, dtype). With a key padding mask,
+key tiles whose keys are all padding are skipped (no loads, no dots): in the forward and the dQ kernel
+the tile is passed over, and a dK/dV program whose key block is all padding only writes zeros.
 """
 from __future__ import annotations
 
@@ -24,7 +29,24 @@ import torch
 import triton
 import triton.language as tl
 
-from fastformer.triton._common import MAX_HEAD_DIM, attention_blocks, check, dropout_keep, upcast_dot
+from fastformer.triton._common import (
+    MAX_HEAD_DIM,
+    attention_block_d,
+    attention_config_pruner,
+    attention_configs,
+    check,
+    dropout_keep,
+    length_bucket,
+    upcast_dot,
+)
+
+# The autotuning key: argument names (the dtypes of the tensors are added by Triton).
+_KEY = ["L_BUCKET", "D", "HAS_KPM", "CAUSAL", "HAS_DROPOUT"]
+
+
+def _autotune(kind: str):
+    return triton.autotune(configs=attention_configs(kind), key=_KEY,
+                           prune_configs_by={"early_config_prune": attention_config_pruner(kind)})
 
 
 @triton.jit
@@ -60,6 +82,15 @@ def _scores(q, k, kpm_row, offs_m, offs_n, Lq, Lk, scale, HAS_KPM: tl.constexpr,
 
 
 @triton.jit
+def _any_key(kpm_row, offs_n, Lk, HAS_KPM: tl.constexpr):
+    """Whether keys ``offs_n`` hold one that is not padding (always, without a mask)."""
+    if HAS_KPM:
+        pad = tl.load(kpm_row + offs_n, mask=offs_n < Lk, other=1).to(tl.int1)
+        return tl.sum((~pad).to(tl.int32), 0) > 0
+    return Lk > 0  # every tile the loops visit holds keys
+
+
+@triton.jit
 def _causal_key_end(tile, Lq, Lk, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
     """Keys past the diagonal of a query tile's last row are invisible to the whole tile."""
     if CAUSAL:
@@ -67,6 +98,7 @@ def _causal_key_end(tile, Lq, Lk, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
     return Lk
 
 
+@_autotune("fwd")
 @triton.jit
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr,  # (B, H, Lq, D), (B, H, Lk, D), (B, H, Lk, D)
@@ -77,6 +109,7 @@ def _attn_fwd_kernel(
     scale,  # softmax scale
     p,  # dropout probability
     seed,  # dropout seed (int64)
+    L_BUCKET,  # autotuning key only: next power of two of max(Lq, Lk)
     HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -91,23 +124,24 @@ def _attn_fwd_kernel(
     kpm_row = kpm_ptr + (bh // H) * Lk
     for start_n in range(0, _causal_key_end(tile, Lq, Lk, BLOCK_M, CAUSAL), BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
-        s, visible = _scores(q, k, kpm_row, offs_m, offs_n, Lq, Lk, scale, HAS_KPM, CAUSAL, IEEE)
-        s = tl.where(visible, s, float("-inf"))
-        unbounded = (s != s) | (s == float("inf"))
-        bad = bad | tl.max(unbounded.to(tl.int32), 1)
-        s = tl.where(unbounded, float("-inf"), s)  # keeps m finite; the row is set to NaN at the end
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        prob = tl.exp(s - m_safe[:, None])  # 0 where invisible
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(prob, 1)
-        m_i = m_new
-        if HAS_DROPOUT:
-            index = (bh * Lq + offs_m[:, None]) * Lk + offs_n[None, :]
-            prob = tl.where(dropout_keep(seed, index, p), prob / (1.0 - p), 0.0)
-        v = _load_tile(v_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
-        acc = acc * alpha[:, None] + _dot(prob.to(v.dtype), v, IEEE)
+        if _any_key(kpm_row, offs_n, Lk, HAS_KPM):  # an all-padding tile changes nothing: skipped
+            k = _load_tile(k_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
+            s, visible = _scores(q, k, kpm_row, offs_m, offs_n, Lq, Lk, scale, HAS_KPM, CAUSAL, IEEE)
+            s = tl.where(visible, s, float("-inf"))
+            unbounded = (s != s) | (s == float("inf"))
+            bad = bad | tl.max(unbounded.to(tl.int32), 1)
+            s = tl.where(unbounded, float("-inf"), s)  # keeps m finite; the row is set to NaN at the end
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            prob = tl.exp(s - m_safe[:, None])  # 0 where invisible
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(prob, 1)
+            m_i = m_new
+            if HAS_DROPOUT:
+                index = (bh * Lq + offs_m[:, None]) * Lk + offs_n[None, :]
+                prob = tl.where(dropout_keep(seed, index, p), prob / (1.0 - p), 0.0)
+            v = _load_tile(v_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
+            acc = acc * alpha[:, None] + _dot(prob.to(v.dtype), v, IEEE)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
@@ -152,13 +186,14 @@ def _backward_tile(q, do, k, v, kpm_row, lse, delta, offs_m, offs_n, bh, Lq, Lk,
     return prob_dropped, prob * (dp - delta[:, None])
 
 
+@_autotune("bwd")
 @triton.jit
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, kpm_ptr,  # as in the forward
     do_ptr,  # (B, H, Lq, D) gradient of the output
     lse_ptr, delta_ptr,  # (B, H, Lq) float32
     dk_ptr, dv_ptr,  # (B, H, Lk, D) outputs
-    H, Lq, Lk, D, scale, p, seed,
+    H, Lq, Lk, D, scale, p, seed, L_BUCKET,
     HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -173,6 +208,7 @@ def _attn_bwd_dkdv_kernel(
     first_m = 0
     if CAUSAL:  # queries before this block's first key's diagonal see none of it
         first_m = tl.maximum(0, block * BLOCK_N - (Lk - Lq)) // BLOCK_M * BLOCK_M
+    first_m = tl.where(_any_key(kpm_row, offs_n, Lk, HAS_KPM), first_m, Lq)  # all padding: dK = dV = 0
     for start_m in range(first_m, Lq, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = _load_tile(q_ptr, bh, Lq, offs_m, offs_d, D, UPCAST)
@@ -189,11 +225,12 @@ def _attn_bwd_dkdv_kernel(
     tl.store(dv_ptr + out_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
 
+@_autotune("bwd")
 @triton.jit
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, kpm_ptr, do_ptr, lse_ptr, delta_ptr,  # as in the dK/dV kernel
     dq_ptr,  # (B, H, Lq, D) output
-    H, Lq, Lk, D, scale, p, seed,
+    H, Lq, Lk, D, scale, p, seed, L_BUCKET,
     HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -208,11 +245,12 @@ def _attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(0, _causal_key_end(tile, Lq, Lk, BLOCK_M, CAUSAL), BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
-        v = _load_tile(v_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
-        _, ds = _backward_tile(q, do, k, v, kpm_row, lse, delta, offs_m, offs_n, bh, Lq, Lk, scale, p, seed,
-                               HAS_KPM, CAUSAL, HAS_DROPOUT, IEEE)
-        dq += _dot(ds.to(k.dtype), k, IEEE)
+        if _any_key(kpm_row, offs_n, Lk, HAS_KPM):  # an all-padding tile adds nothing: skipped
+            k = _load_tile(k_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
+            v = _load_tile(v_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
+            _, ds = _backward_tile(q, do, k, v, kpm_row, lse, delta, offs_m, offs_n, bh, Lq, Lk, scale, p, seed,
+                                   HAS_KPM, CAUSAL, HAS_DROPOUT, IEEE)
+            dq += _dot(ds.to(k.dtype), k, IEEE)
     tl.store(dq_ptr + (bh * Lq + offs_m[:, None]) * D + offs_d[None, :], (dq * scale).to(dq_ptr.dtype.element_ty),
              mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
 
@@ -222,7 +260,7 @@ def _flags(q, key_padding_mask, causal, dropout_p):
     if not 1 <= D <= MAX_HEAD_DIM:
         raise ValueError(f"fastformer attention (triton): head dim {D} is not supported; use 1 to {MAX_HEAD_DIM}")
     return dict(HAS_KPM=key_padding_mask is not None, CAUSAL=bool(causal), HAS_DROPOUT=dropout_p > 0,
-                UPCAST=upcast_dot(q.dtype), IEEE=q.dtype == torch.float32, **attention_blocks(D))
+                UPCAST=upcast_dot(q.dtype), IEEE=q.dtype == torch.float32, BLOCK_D=attention_block_d(D))
 
 
 def attention_fwd(q, k, v, key_padding_mask, causal: bool, dropout_p: float, scale: float, seed: int):
@@ -236,8 +274,9 @@ def attention_fwd(q, k, v, key_padding_mask, causal: bool, dropout_p: float, sca
         return out.zero_(), lse.fill_(float("-inf"))
     flags = _flags(q, key_padding_mask, causal, dropout_p)
     kpm = key_padding_mask.contiguous() if key_padding_mask is not None else q
-    grid = (triton.cdiv(Lq, flags["BLOCK_M"]), B * H)
-    _attn_fwd_kernel[grid](q, k, v, kpm, out, lse, H, Lq, Lk, D, scale, dropout_p, seed, **flags)
+    grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
+    _attn_fwd_kernel[grid](q, k, v, kpm, out, lse, H, Lq, Lk, D, scale, dropout_p, seed, length_bucket(max(Lq, Lk)),
+                           **flags)
     return out, lse
 
 
@@ -256,8 +295,9 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal: bool, dropo
     rows = B * H * Lq
     _attn_bwd_preprocess[(triton.cdiv(rows, 64),)](out, dout, delta, rows, D, BLOCK_M=64,
                                                    BLOCK_D=flags["BLOCK_D"])
-    _attn_bwd_dkdv_kernel[(triton.cdiv(Lk, flags["BLOCK_N"]), B * H)](
-        q, k, v, kpm, dout, lse, delta, dk, dv, H, Lq, Lk, D, scale, dropout_p, seed, **flags)
-    _attn_bwd_dq_kernel[(triton.cdiv(Lq, flags["BLOCK_M"]), B * H)](
-        q, k, v, kpm, dout, lse, delta, dq, H, Lq, Lk, D, scale, dropout_p, seed, **flags)
+    bucket = length_bucket(max(Lq, Lk))
+    _attn_bwd_dkdv_kernel[lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), B * H)](
+        q, k, v, kpm, dout, lse, delta, dk, dv, H, Lq, Lk, D, scale, dropout_p, seed, bucket, **flags)
+    _attn_bwd_dq_kernel[lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)](
+        q, k, v, kpm, dout, lse, delta, dq, H, Lq, Lk, D, scale, dropout_p, seed, bucket, **flags)
     return dq, dk, dv
