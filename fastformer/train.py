@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "residual stream stay float32). auto: on CUDA bf16 where supported, else fp16 with "
                         "loss scaling; on CPU bf16 where the CPU has bfloat16 dot products (AVX512_BF16 or "
                         "AMX: matmuls about 2x float32), else fp32")
+    g.add_argument("--compile", action="store_true",
+                   help="compile the encoder and decoder stacks with torch.compile (dynamic shapes: batches "
+                        "vary in length); the fused ops are compile-clean, so each stack becomes one graph "
+                        "around them. Costs about 30 s of compiling at the first updates. Meant for GPUs, "
+                        "where the step waits for Python (not yet measured there); on a CPU it is slower "
+                        "(small config, bf16, AVX-512: 0.81x eager's tokens/s)")
     g.add_argument("--malloc", choices=("keep", "default"), default="keep",
                    help="keep: glibc malloc keeps freed memory for the next step instead of unmapping it "
                         "(on CPU saves re-faulting ~100 MB of fresh pages a step, 20-35%% of a step on 2 cores; "

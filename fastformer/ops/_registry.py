@@ -24,6 +24,13 @@ def same_device(op: str, first: str, x: torch.Tensor, **others) -> None:
             raise ValueError(f"fastformer {op}: {name} is on {t.device} but {first} is on {x.device}")
 
 
+def out_like(x: torch.Tensor) -> torch.Tensor:
+    """A fake kernel's output shaped like ``x``: contiguous, as every backend's kernels write their outputs
+    (they take contiguous copies of their inputs), whatever the strides of ``x``. (torch.empty_like would
+    keep the strides of a permuted input, and compiled code then checks the real output against them.)"""
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 def register(op: str, *, fake_fwd: Callable, fake_bwd: Callable, py_fwd: Callable, py_bwd: Callable) -> None:
     """Fake kernels of ``<op>_fwd``/``<op>_bwd`` and their ``_py`` twins, and the twins' implementation.
 

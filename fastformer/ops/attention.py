@@ -16,17 +16,17 @@ from torch import Tensor
 
 from fastformer import _dispatch
 from fastformer.ops import _registry
-from fastformer.ops._registry import C, dropout_seed, seed_int
+from fastformer.ops._registry import C, dropout_seed, out_like, seed_int
 
 
 def _fake_fwd(q, k, v, key_padding_mask, causal, dropout_p, scale, seed):
     _registry.same_device("attention", "q", q, k=k, v=v, key_padding_mask=key_padding_mask)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=lse_dtype)
+    return out_like(q), q.new_empty(q.shape[:3], dtype=lse_dtype)
 
 
 def _fake_bwd(dout, q, k, v, out, lse, key_padding_mask, causal, dropout_p, scale, seed):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return out_like(q), out_like(k), out_like(v)
 
 
 def _py_fwd(q, k, v, key_padding_mask, causal, dropout_p, scale, seed, backend):

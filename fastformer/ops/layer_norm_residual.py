@@ -15,19 +15,19 @@ from torch import Tensor
 
 from fastformer import _dispatch
 from fastformer.ops import _registry
-from fastformer.ops._registry import C, dropout_seed, seed_int
+from fastformer.ops._registry import C, dropout_seed, out_like, seed_int
 
 
 def _fake_fwd(x, residual, weight, bias, eps, dropout_p, seed):
     _registry.same_device("layer_norm_residual", "x", x, residual=residual, weight=weight, bias=bias)
     stat_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     stats = x.shape[:-1]
-    return (torch.empty_like(x), torch.empty_like(x), x.new_empty(stats, dtype=stat_dtype),
+    return (out_like(x), out_like(x), x.new_empty(stats, dtype=stat_dtype),
             x.new_empty(stats, dtype=stat_dtype))
 
 
 def _fake_bwd(dy, ds, s, weight, mean, rstd, dropout_p, seed):
-    return torch.empty_like(s), torch.empty_like(s), torch.empty_like(weight), torch.empty_like(weight)
+    return out_like(s), out_like(s), out_like(weight), out_like(weight)
 
 
 def _py_fwd(x, residual, weight, bias, eps, dropout_p, seed, backend):

@@ -141,6 +141,9 @@ def setup(args: argparse.Namespace, procs: Processes) -> Run:
     else:
         run.log.start(resumed_step=None)
     procs.barrier()
+    if args.compile:  # in place: parameter names (and so checkpoints) stay those of the eager model
+        model.encoder.compile(dynamic=True)
+        model.decoder.compile(dynamic=True)
     run.train_model = procs.wrap(model)
     procs.say(f"{args.config} model, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, vocab "
               f"{config.vocab_size}, device {procs.device}, backend {args.backend or 'default'}, precision "

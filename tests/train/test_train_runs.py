@@ -116,6 +116,22 @@ def test_runs_shorter_than_the_log_interval_finish(tmp_path, updates):
     assert (out / "loss.png").exists() and (out / f"checkpoint_{updates}.pt").exists()
 
 
+def test_compiled_run_trains_and_checkpoints_the_eager_names(tmp_path):
+    """--compile compiles the encoder and decoder stacks in place: the run trains, and its checkpoint holds
+    the eager model's parameter names, so it loads into an uncompiled Transformer."""
+    from fastformer.nn import Transformer, TransformerConfig
+
+    out = tmp_path / "run"
+    result = main(tiny_run_args(out, "--max-steps", "4", "--log-every", "1", "--eval-every", "0", "--compile"))
+    assert result["steps"] == 4
+    losses = [r["loss"] for r in read_log(out) if r["kind"] == "train"]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    state = ckpt.load(str(out))
+    model = Transformer(TransformerConfig.from_dict(state["config"]))
+    assert set(state["model"]) == set(model.state_dict())
+    model.load_state_dict(state["model"])
+
+
 def test_fresh_run_refuses_a_folder_with_checkpoints(tmp_path, capsys):
     out = tmp_path / "run"
     main(tiny_run_args(out, "--max-steps", "1"))
