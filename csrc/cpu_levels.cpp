@@ -48,6 +48,27 @@ std::string best_cpu_level() {
   return "default";
 }
 
+Tensor packed_linear(const Tensor& x, const Tensor& panels, const c10::optional<Tensor>& bias, int64_t n) {
+  constexpr int64_t P = kPackedLinearPanel;
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+                    "fastformer packed_linear: x must be a 2-D float32 CPU tensor (M, K), got ", x.scalar_type(), " ",
+                    x.sizes(), " on ", x.device());
+  TORCH_CHECK_VALUE(n >= 0, "fastformer packed_linear: n must be >= 0, got ", n);
+  TORCH_CHECK_VALUE(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.device().is_cpu() &&
+                        panels.size(0) == (n + P - 1) / P && panels.size(1) == x.size(1) && panels.size(2) == P,
+                    "fastformer packed_linear: panels must be float32 (ceil(n / ", P, "), K, ", P, ") = (",
+                    (n + P - 1) / P, ", ", x.size(1), ", ", P, ") on the CPU, got ", panels.scalar_type(), " ",
+                    panels.sizes());
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat &&
+                          bias->device().is_cpu(),
+                      "fastformer packed_linear: bias must be a float32 CPU tensor of shape (", n, "), got ",
+                      bias->scalar_type(), " ", bias->sizes());
+  }
+  const c10::optional<Tensor> b = bias.has_value() ? c10::optional<Tensor>(bias->contiguous()) : c10::nullopt;
+  return kernels().packed_linear(x.contiguous(), panels.contiguous(), b, n);
+}
+
 std::string set_cpu_kernels(const pybind11::capsule& kernels) {
   TORCH_CHECK_VALUE(kernels.name() != nullptr && std::strcmp(kernels.name(), kCpuKernelsCapsule) == 0,
                     "fastformer: not a CPU kernel table (expected the `kernels` capsule of fastformer._cpu_<level>)");

@@ -1,5 +1,6 @@
 // Which CPU kernels fastformer._C calls (csrc/cpu_levels.cpp): bound in csrc/fastformer.cpp.
 #pragma once
+#include <ATen/ATen.h>
 #include <pybind11/pybind11.h>
 
 #include <string>
@@ -11,5 +12,10 @@ std::string best_cpu_level();
 
 // Installs the kernel table of a fastformer._cpu_<level> module (its `kernels` capsule); returns its level.
 std::string set_cpu_kernels(const pybind11::capsule& kernels);
+
+// y (M, n) = x (M, K) W^T + bias with W packed as column panels (csrc/cpu/packed_linear.cpp), through the
+// loaded level's table; ValueError on bad arguments.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
+                         int64_t n);
 
 }  // namespace fastformer

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/kernel_table.h"
 #include "cpu_levels.h"
 #include "ops.h"
 
@@ -45,6 +46,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("best_cpu_level", &fastformer::best_cpu_level,
         "the highest CPU kernel level this CPU supports: avx512, avx2 or default");
   m.def("set_cpu_kernels", &fastformer::set_cpu_kernels, "installs a fastformer._cpu_<level> module's kernel table");
+  m.attr("PACKED_LINEAR_PANEL") = fastformer::kPackedLinearPanel;
+  m.def("packed_linear", &fastformer::packed_linear, py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("n"),
+        "y (M, n) = x (M, K) W^T + bias, float32 on the CPU, W packed as panels (ceil(n / PACKED_LINEAR_PANEL), K, "
+        "PACKED_LINEAR_PANEL) of W^T's columns (zeros past n): the incremental decoder's projections at a few rows");
 #ifdef FASTFORMER_WITH_CUDA
   m.attr("WITH_CUDA") = true;
 #else

@@ -15,13 +15,21 @@
 #include "ops.h"
 
 namespace fastformer {
+
+// Columns per panel of a weight packed for packed_linear (csrc/cpu/packed_linear.cpp).
+constexpr int kPackedLinearPanel = 32;
+
 namespace cpu {
 using at::Tensor;
 #include "op_entry_points.h"
+
+// y (M, n) = x (M, K) W^T + bias for a weight packed as panels (ceil(n / kPackedLinearPanel), K,
+// kPackedLinearPanel); float32, contiguous, arguments checked by the caller (csrc/cpu_levels.cpp).
+Tensor packed_linear(const Tensor& x, const Tensor& panels, const c10::optional<Tensor>& bias, int64_t n);
 }  // namespace cpu
 
 // Bumped whenever the table's layout changes: a module of another layout is refused at import.
-constexpr int kCpuKernelsAbi = 1;
+constexpr int kCpuKernelsAbi = 2;
 constexpr const char* kCpuKernelsCapsule = "fastformer.cpu_kernels";
 
 struct CpuKernels {
@@ -33,6 +41,7 @@ struct CpuKernels {
   decltype(&cpu::op##_bwd) op##_bwd;
   FASTFORMER_OPS(FASTFORMER_CPU_TABLE_ENTRY)
 #undef FASTFORMER_CPU_TABLE_ENTRY
+  decltype(&cpu::packed_linear) packed_linear;  // the decoder's small-M projections (not an op)
 };
 
 }  // namespace fastformer

@@ -18,6 +18,7 @@ const fastformer::CpuKernels kTable = {
 #define FASTFORMER_CPU_TABLE_INIT(op, ...) &fastformer::cpu::op##_fwd, &fastformer::cpu::op##_bwd,
     FASTFORMER_OPS(FASTFORMER_CPU_TABLE_INIT)
 #undef FASTFORMER_CPU_TABLE_INIT
+    &fastformer::cpu::packed_linear,
 };
 
 }  // namespace

@@ -5,8 +5,9 @@ next-token logits of every live row and tells it which rows survive. Two stepper
 
 - ``IncrementalDecoder`` (``use_cache=True``, the default), built for decoding the way CTranslate2's
   decoder is:
-  * projection weights prepared once per set of weights, transposed to (in, out), the layout the GEMM
-    reads fastest at a few rows (``PreparedWeights``, cached on the model until a parameter changes);
+  * projection weights prepared once per set of weights (``PreparedWeights``, cached on the model until
+    a parameter changes): on the CPU in float32, packed into the column panels that fastformer's own
+    small-M kernel streams (``fastformer._C.packed_linear``), used up to PACKED_MAX_ROWS rows a step;
   * cross-attention K/V computed once per sentence and shared by its beams: the K beams of a sentence
     are the K query rows of one attention call against that sentence's keys, never copied per beam and
     never reordered (only narrowed when sentences finish);
@@ -36,9 +37,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fastformer import ops
+from fastformer._ext import C
 from fastformer.nn.layers import run_sublayers
 
 Hypotheses = list[tuple[list[int], float]]
@@ -48,19 +51,43 @@ Hypotheses = list[tuple[list[int], float]]
 # Weights in the layout the decoder step wants
 
 
+# Rows up to which a float32 CPU projection runs fastformer's packed kernel instead of the BLAS GEMM.
+PACKED_MAX_ROWS = 16
+
+
+def pack_panels(weight: Tensor) -> Tensor:
+    """An (out, in) weight as the column panels of W^T that ``fastformer._C.packed_linear`` streams:
+    (ceil(out / P), in, P) contiguous, P = PACKED_LINEAR_PANEL, zeros past ``out``."""
+    P = C.PACKED_LINEAR_PANEL
+    out, inp = weight.shape
+    padded = weight.new_zeros((out + P - 1) // P * P, inp)
+    padded[:out] = weight
+    return padded.view(-1, P, inp).transpose(1, 2).contiguous()
+
+
 @dataclass
 class Projection:
-    """y = x W^T + b with W^T stored (in, out) contiguous: ``addmm`` then reads the weight row by row,
-    which at the few rows of a decoding step is up to 2x faster than nn.Linear's (out, in) layout."""
-    weight_t: Tensor  # (in, out)
-    bias: Tensor  # (out,)
+    """y = x W^T + b. On the CPU in float32, up to PACKED_MAX_ROWS rows (a decoding step's: batch x beam)
+    go through ``fastformer._C.packed_linear``, which streams W packed once into column panels
+    (csrc/cpu/packed_linear.cpp): 1.3-2.8x the BLAS GEMM at 4 rows, see README "Decoding". Other rows,
+    dtypes and devices take ``F.linear`` on the module's own weight (no copy)."""
+    weight: Tensor  # (out, in), the nn.Linear's
+    bias: Optional[Tensor]  # (out,)
+    panels: Optional[Tensor]  # pack_panels(weight), or None where the packed kernel does not apply
 
     @classmethod
     def of(cls, linear: nn.Linear) -> "Projection":
-        return cls(linear.weight.detach().t().contiguous(), linear.bias.detach())
+        return cls.of_weight(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+
+    @classmethod
+    def of_weight(cls, weight: Tensor, bias: Optional[Tensor]) -> "Projection":
+        packable = weight.device.type == "cpu" and weight.dtype == torch.float32
+        return cls(weight, bias, pack_panels(weight) if packable else None)
 
     def __call__(self, x: Tensor) -> Tensor:  # (N, in) -> (N, out)
-        return torch.addmm(self.bias, x, self.weight_t)
+        if self.panels is not None and x.dtype == torch.float32 and x.shape[0] <= PACKED_MAX_ROWS:
+            return C.packed_linear(x, self.panels, self.bias, self.weight.shape[0])
+        return F.linear(x, self.weight, self.bias)
 
 
 @dataclass
@@ -78,7 +105,7 @@ class PreparedLayer:
 @dataclass
 class PreparedWeights:
     layers: list[PreparedLayer]
-    output_t: Tensor  # (d, V): the shared embedding, transposed, for the output projection
+    output: Projection  # the shared embedding (V, d) as the output projection, no bias
     key: tuple
 
 
@@ -91,8 +118,8 @@ def _weights_key(model) -> tuple:
 
 def prepared_weights(model) -> PreparedWeights:
     """The decoder's projections in GEMM layout, made once and reused until a parameter changes (kept in
-    ``model.__dict__``, outside the state dict; it costs one more copy of the decoder's weights and of the
-    embedding matrix)."""
+    ``model.__dict__``, outside the state dict; on the CPU in float32 it costs one more copy of the
+    decoder's weights and of the embedding matrix, the packed panels)."""
     key = _weights_key(model)
     prepared = model.__dict__.get("_prepared_decoder")
     if prepared is not None and prepared.key == key:
@@ -104,7 +131,7 @@ def prepared_weights(model) -> PreparedWeights:
                                 Projection.of(layer.ffn.fc2),
                                 (layer.self_attn_norm, layer.cross_attn_norm, layer.ffn_norm))
                   for layer in model.decoder.layers]
-        prepared = PreparedWeights(layers, model.embed.weight.detach().t().contiguous(), key)
+        prepared = PreparedWeights(layers, Projection.of_weight(model.embed.weight.detach(), None), key)
     model.__dict__["_prepared_decoder"] = prepared
     return prepared
 
@@ -200,7 +227,7 @@ class IncrementalDecoder:
         decoder = self.model.decoder
         h = run_sublayers(x, sublayers, decoder.final_norm, decoder.config.norm_first, 0.0, self.backend)
         self.turn, self.step_index = 1 - self.turn, t + 1
-        return torch.mm(h, self.weights.output_t)
+        return self.weights.output(h)
 
 
 class FullRecompute:

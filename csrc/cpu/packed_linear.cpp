@@ -1,0 +1,103 @@
+// y = x W^T + b for the few rows of a decoding step (the incremental decoder's projections, fastformer/nn/
+// decoding.py), on a weight packed once into column panels. Compiled per instruction-set level like the op
+// kernels (at::vec::Vectorized<float>: 16 floats on AVX-512, 8 on AVX2 and the default level).
+//
+// Shapes: x (M, K) float32; panels (ceil(N / kPanel), K, kPanel) float32, panel p holding columns
+// p kPanel .. p kPanel + kPanel - 1 of W^T (zeros past N); bias (N,) or none; y (M, N).
+// Why: at M <= 16 rows a GEMM is a stream of the weight, and a library GEMM on the (out, in) or (in, out)
+// layout reads it with strides or repacks it per call. A panel is K kPanel contiguous floats, so the
+// weight streams once, front to back: per panel and group of R rows, R x (kPanel / vector) accumulators
+// start at the bias, and for each k the kPanel weights of row k (kPanel / vector vector loads) are
+// multiplied by the R broadcasts x[r][k] (fused multiply-add). Memory traffic: the weight once
+// (4 K N bytes, padded to kPanel columns), x once per panel from L1, y written once.
+// Panels are split over threads (at::parallel_for) when there are enough of them.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+
+#include "cpu/kernel_table.h"
+
+namespace fastformer {
+namespace cpu {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int kVecs = kPackedLinearPanel / Vec::size();  // vector registers per panel row
+// Rows per pass: R x kVecs accumulators plus kVecs weight vectors stay in the 16 (AVX2) or 32 (AVX-512)
+// vector registers.
+constexpr int kRowGroup = kVecs <= 2 ? 4 : 2;
+static_assert(kPackedLinearPanel % Vec::size() == 0, "a panel row is a whole number of vectors");
+
+// y[r][n0 .. n0 + width) for rows r < R of x (row stride K), from one panel (K, kPanel); width <= kPanel.
+template <int R>
+void panel_rows(const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t y_stride,
+                int64_t n0, int64_t width) {
+  alignas(64) float edge[kPackedLinearPanel];  // the last panel's bias (zero-padded) and outputs
+  Vec acc[R][kVecs];
+  const float* b = bias != nullptr ? bias + n0 : nullptr;
+  if (b != nullptr && width < kPackedLinearPanel) {
+    std::fill(edge, edge + kPackedLinearPanel, 0.0f);
+    std::copy(b, b + width, edge);
+    b = edge;
+  }
+  for (int v = 0; v < kVecs; ++v) {
+    const Vec init = b != nullptr ? Vec::loadu(b + v * Vec::size()) : Vec(0.0f);
+    for (int r = 0; r < R; ++r) acc[r][v] = init;
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    Vec w[kVecs];
+    for (int v = 0; v < kVecs; ++v) w[v] = Vec::loadu(panel + k * kPackedLinearPanel + v * Vec::size());
+    for (int r = 0; r < R; ++r) {
+      const Vec xr(x[r * K + k]);
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = at::vec::fmadd(xr, w[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* out = y + r * y_stride + n0;
+    if (width == kPackedLinearPanel) {
+      for (int v = 0; v < kVecs; ++v) acc[r][v].store(out + v * Vec::size());
+    } else {
+      for (int v = 0; v < kVecs; ++v) acc[r][v].store(edge + v * Vec::size());
+      std::copy(edge, edge + width, out);
+    }
+  }
+}
+
+template <int R>
+void row_group(int rows, const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t N,
+               int64_t n0, int64_t width) {
+  if constexpr (R > 1) {
+    if (rows < R) return row_group<R - 1>(rows, x, K, panel, bias, y, N, n0, width);
+  }
+  panel_rows<R>(x, K, panel, bias, y, N, n0, width);
+}
+
+}  // namespace
+
+Tensor packed_linear(const Tensor& x, const Tensor& panels, const c10::optional<Tensor>& bias, int64_t n) {
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  Tensor y = at::empty({M, n}, x.options());
+  if (M == 0 || n == 0) return y;
+  const float* xp = x.const_data_ptr<float>();
+  const float* wp = panels.const_data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
+  float* yp = y.mutable_data_ptr<float>();
+  // About 64 K-long panel rows of work per task before a second thread pays off.
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * M));
+  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kPackedLinearPanel, width = std::min<int64_t>(kPackedLinearPanel, n - n0);
+      for (int64_t m0 = 0; m0 < M; m0 += kRowGroup) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRowGroup, M - m0));
+        row_group<kRowGroup>(rows, xp + m0 * K, K, wp + p * K * kPackedLinearPanel, bp, yp + m0 * n, n, n0, width);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace cpu
+}  // namespace fastformer

@@ -1,0 +1,60 @@
+"""fastformer._C.packed_linear, the incremental decoder's small-M projection kernel (csrc/cpu/packed_linear.cpp),
+against the float64 reference x W^T + b: row counts around the kernel's row groups (1-17), odd widths
+around the 32-column panels, with and without bias, on one and two threads; bad arguments raise ValueError.
+CI runs this file at every CPU instruction-set level the machine supports."""
+import pytest
+import torch
+
+from fastformer._ext import C
+from fastformer.nn.decoding import PACKED_MAX_ROWS, Projection, pack_panels
+from helpers import randn
+from tolerances import assert_close
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 13, 16, 17])
+@pytest.mark.parametrize("K, N", [(1, 1), (7, 31), (97, 32), (256, 33), (64, 1000), (113, 97)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_packed_linear_matches_reference(M, K, N, with_bias):
+    x, w = randn(M, K, dtype=torch.float32), randn(N, K, dtype=torch.float32)
+    b = randn(N, dtype=torch.float32) if with_bias else None
+    panels = pack_panels(w)
+    assert panels.shape == ((N + C.PACKED_LINEAR_PANEL - 1) // C.PACKED_LINEAR_PANEL, K, C.PACKED_LINEAR_PANEL)
+    y = C.packed_linear(x, panels, b, N)
+    ref = x.double() @ w.double().t() + (0 if b is None else b.double())
+    assert_close(y, ref, torch.float32, "y")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_packed_linear_splits_panels_over_threads(threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x, w, b = randn(4, 256, dtype=torch.float32), randn(8000, 256, dtype=torch.float32), randn(8000,
+                                                                                                 dtype=torch.float32)
+        y = C.packed_linear(x, pack_panels(w), b, 8000)
+    finally:
+        torch.set_num_threads(before)
+    assert_close(y, x.double() @ w.double().t() + b.double(), torch.float32, "y")
+
+
+def test_projection_takes_the_packed_kernel_up_to_its_row_limit():
+    linear = torch.nn.Linear(40, 70)
+    proj = Projection.of(linear)
+    assert proj.panels is not None
+    for rows in (1, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1):  # the packed kernel, then F.linear
+        x = randn(rows, 40, dtype=torch.float32)
+        assert_close(proj(x), x.double() @ linear.weight.double().t() + linear.bias.double(), torch.float32)
+    assert Projection.of(torch.nn.Linear(8, 8).double()).panels is None  # float64: F.linear only
+
+
+@pytest.mark.parametrize("args, message", [
+    (lambda: (torch.zeros(2, 8, dtype=torch.float64), pack_panels(torch.zeros(5, 8)), None, 5), "x must be a 2-D float32"),
+    (lambda: (torch.zeros(8), pack_panels(torch.zeros(5, 8)), None, 5), "x must be a 2-D float32"),
+    (lambda: (torch.zeros(2, 8), pack_panels(torch.zeros(5, 9)), None, 5), "panels must be float32"),
+    (lambda: (torch.zeros(2, 8), pack_panels(torch.zeros(5, 8)), None, 40), "panels must be float32"),
+    (lambda: (torch.zeros(2, 8), pack_panels(torch.zeros(5, 8)), torch.zeros(4), 5), "bias must be a float32"),
+    (lambda: (torch.zeros(2, 8), pack_panels(torch.zeros(5, 8)), None, -1), "n must be >= 0"),
+])
+def test_packed_linear_bad_arguments_raise(args, message):
+    with pytest.raises(ValueError, match=message):
+        C.packed_linear(*args())
