@@ -51,8 +51,9 @@ Hypotheses = list[tuple[list[int], float]]
 # Weights in the layout the decoder step wants
 
 
-# Rows up to which a float32 CPU projection runs fastformer's packed kernel instead of the BLAS GEMM.
-PACKED_MAX_ROWS = 16
+# Rows up to which a float32 CPU projection runs fastformer's packed kernel instead of the BLAS GEMM: a
+# decoding step's batch x beam (32 x 4 = 128 in the benchmarks), not the encoder memory's B x S rows.
+PACKED_MAX_ROWS = 256
 
 
 def pack_panels(weight: Tensor) -> Tensor:
@@ -69,8 +70,8 @@ def pack_panels(weight: Tensor) -> Tensor:
 class Projection:
     """y = x W^T + b. On the CPU in float32, up to PACKED_MAX_ROWS rows (a decoding step's: batch x beam)
     go through ``fastformer._C.packed_linear``, which streams W packed once into column panels
-    (csrc/cpu/packed_linear.cpp): 1.3-2.8x the BLAS GEMM at 4 rows, see README "Decoding". Other rows,
-    dtypes and devices take ``F.linear`` on the module's own weight (no copy)."""
+    (csrc/cpu/packed_linear.cpp; against torch's BLAS GEMM see README "Decoding"). Other rows, dtypes and
+    devices take ``F.linear`` on the module's own weight (no copy)."""
     weight: Tensor  # (out, in), the nn.Linear's
     bias: Optional[Tensor]  # (out,)
     panels: Optional[Tensor]  # pack_panels(weight), or None where the packed kernel does not apply

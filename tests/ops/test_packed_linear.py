@@ -41,7 +41,7 @@ def test_projection_takes_the_packed_kernel_up_to_its_row_limit():
     linear = torch.nn.Linear(40, 70)
     proj = Projection.of(linear)
     assert proj.panels is not None
-    for rows in (1, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1):  # the packed kernel, then F.linear
+    for rows in (1, 5, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1):  # the packed kernel, then F.linear
         x = randn(rows, 40, dtype=torch.float32)
         assert_close(proj(x), x.double() @ linear.weight.double().t() + linear.bias.double(), torch.float32)
     assert Projection.of(torch.nn.Linear(8, 8).double()).panels is None  # float64: F.linear only
