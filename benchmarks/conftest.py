@@ -394,6 +394,15 @@ def bench(benchmark, request, ctx) -> Bench:
 
 
 # ----------------------------------------------------------------------------------------------------
+@pytest.fixture
+def one_thread():
+    """torch on one CPU thread for the test (the call-overhead and decoding targets' setting)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # Speedups over the baselines, once every benchmark has run
 
 

@@ -46,14 +46,6 @@ def _ctranslate2_translator(model, pieces, ctx, tmp_path):
     return ctranslate2.Translator(out, device="cpu", inter_threads=1, intra_threads=1)
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("beam", [1, 4])
 @pytest.mark.parametrize("batch", [1, 32])
 def test_decoding(bench, ctx, size, batch, beam, tmp_path, one_thread):

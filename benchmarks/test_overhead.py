@@ -59,14 +59,6 @@ MAX_TURNS = 20_000
 GEN_SRC_LEN, GEN_TGT_LEN = 12, 12
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def default_backend(device: str) -> str:
     """The backend that backend=None runs on ``device`` (the label of the rows): FASTFORMER_BACKEND if
     set, else the automatic choice among the available backends (README, "API")."""
