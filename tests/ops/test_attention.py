@@ -269,7 +269,7 @@ MMA_CASES = [Case(2, 2, 7, 33, 16, "both"), Case(1, 2, 97, 113, 40, "padding"), 
              Case(1, 1, 33, 97, 64, "both", scale=0.3), Case(2, 2, 1, 33, 32, "causal")]
 
 
-@pytest.mark.skipif("cuda_sim" not in ALL_BACKENDS, reason="cuda_sim needs a C++ compiler")
+@pytest.mark.skipif("cuda_sim" not in ALL_BACKENDS, reason="cuda_sim is not among the tested backends (no C++ compiler, or FASTFORMER_TEST_BACKENDS)")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", MMA_CASES, ids=str)
 def test_cuda_sim_runs_the_simt_and_the_tensor_core_kernels(dtype, case):
@@ -288,7 +288,7 @@ def test_cuda_sim_runs_the_simt_and_the_tensor_core_kernels(dtype, case):
     assert any(not torch.equal(a, b) for a, b in zip(results[60], results[80])), "both runs took the same kernels"
 
 
-@pytest.mark.skipif("cuda_sim" not in ALL_BACKENDS, reason="cuda_sim needs a C++ compiler")
+@pytest.mark.skipif("cuda_sim" not in ALL_BACKENDS, reason="cuda_sim is not among the tested backends (no C++ compiler, or FASTFORMER_TEST_BACKENDS)")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_tensor_core_kernels_drop_what_the_simt_kernels_drop(dtype):
     """With dropout, both kernel generations match the float64 reference run with the same seed (the op
