@@ -52,8 +52,8 @@ def test_compiled_ops_take_permuted_inputs(backend):
         y = ops.layer_norm_residual(x.t(), residual.t(), weight, bias, backend=backend)
         return a, y
 
-    eager_outs, eager_grads = forward_backward(fn, [qkv, x, residual, weight, bias], upstream)
-    compiled_outs, compiled_grads = forward_backward(torch.compile(fn, fullgraph=True, dynamic=True), [qkv, x, residual, weight, bias],
-                                                     upstream)
+    inputs = [qkv, x, residual, weight, bias]
+    eager_outs, eager_grads = forward_backward(fn, inputs, upstream)
+    compiled_outs, compiled_grads = forward_backward(torch.compile(fn, fullgraph=True, dynamic=True), inputs, upstream)
     for c, e in zip(compiled_outs + compiled_grads, eager_outs + eager_grads):
         torch.testing.assert_close(c, e)

@@ -1,11 +1,13 @@
 // Launchers of the attention kernels: the tensor-core kernels of csrc/cuda/attention_mma.cuh for float16
 // and bfloat16 on compute capability 8.0 and newer, the SIMT kernels of csrc/cuda/attention.cuh for
-// float32 and for older GPUs; validation, outputs, dtype and head-dim dispatch. Semantics of csrc/cpu/attention.cpp; compiled by nvcc (backend "cuda") and as plain C++
-// against the CPU SIMT model (backend "cuda_sim", csrc/cuda_sim/binding.cpp).
+// float32 and for older GPUs; validation, outputs, dtype and head-dim dispatch. Semantics of
+// csrc/cpu/attention.cpp; compiled by nvcc (backend "cuda") and as plain C++ against the CPU SIMT model
+// (backend "cuda_sim", csrc/cuda_sim/binding.cpp).
 //
-// Forward: one launch, grid (ceil(Lq / kBlockM), B H). Backward: three launches on the stream, in order:
-// delta = rowsum(dO O) into a float32 (B, H, Lq) workspace (grid min(ceil(B H Lq / 8), 2^20)), then dK/dV (grid
-// (ceil(Lk / kBlock), B H)) and dQ (grid (ceil(Lq / kBlock), B H)), which both read delta.
+// Forward: one launch, grid (ceil(Lq / rows per block), B H). Backward: three launches on the stream, in
+// order: delta = rowsum(dO O) into a float32 (B, H, Lq) workspace (grid min(ceil(B H Lq / 8), 2^20)), then
+// dK/dV (grid (ceil(Lk / rows per block), B H)) and dQ (grid (ceil(Lq / rows per block), B H)), which both
+// read delta. Rows per block: the SIMT configs' kBlockM / kBlock, the tensor-core configs' kRows.
 // The head dim D picks the smallest instantiation D_MAX in {16, 32, 64, 128} that holds it.
 #include <algorithm>
 #include <cstdint>
@@ -82,30 +84,18 @@ void dispatch_head_dim(int64_t D, Fn&& fn) {
   }
 }
 
-// Element pairs can move as one load2/store2: D even and every tensor's data 2-element aligned.
-template <typename T>
-bool pairs_aligned(int64_t D, std::initializer_list<const void*> ptrs) {
-  if (D % 2 != 0) return false;
+// D a multiple of `elements` and every tensor's data `bytes`-aligned: `elements` consecutive elements of
+// a row move as one vector (pairs: load2/store2, `vec2`; 16-byte chunks: cp.async, `vec8`).
+bool vector_aligned(int64_t D, int64_t elements, size_t bytes, std::initializer_list<const void*> ptrs) {
+  if (D % elements != 0) return false;
   for (const void* p : ptrs) {
-    if (reinterpret_cast<uintptr_t>(p) % (2 * sizeof(T)) != 0) return false;
+    if (reinterpret_cast<uintptr_t>(p) % bytes != 0) return false;
   }
   return true;
 }
 
-// 16-byte chunks (cp.async, attention_mma.cuh): D a multiple of 8 and every tensor's data 16-byte aligned.
-bool chunks_aligned(int64_t D, std::initializer_list<const void*> ptrs) {
-  if (D % 8 != 0) return false;
-  for (const void* p : ptrs) {
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  }
-  return true;
-}
-
-// The tensor-core kernels take 16-bit inputs on sm_80 and newer; float32 and older GPUs take the SIMT ones.
-template <typename T>
-bool use_tensor_cores() {
-  return !std::is_same<T, float>::value && compute_capability() >= 80;
-}
+// The tensor-core kernels serve 16-bit inputs on sm_80 and newer (the callers rule out float32).
+bool tensor_cores() { return compute_capability() >= 80; }
 
 int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -136,8 +126,8 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const
     p.D = static_cast<int>(s.D);
     p.scale = static_cast<float>(scale);
     p.causal = causal;
-    p.vec2 = pairs_aligned<T>(s.D, {p.q, p.k, p.v, p.out});
-    p.vec8 = chunks_aligned(s.D, {p.q, p.k, p.v, p.out});
+    p.vec2 = vector_aligned(s.D, 2, 2 * sizeof(T), {p.q, p.k, p.v, p.out});
+    p.vec8 = vector_aligned(s.D, 8, 16, {p.q, p.k, p.v, p.out});
     p.dropout_p = static_cast<float>(dropout_p);
     p.dropout_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
     p.seed = static_cast<uint64_t>(seed);
@@ -145,7 +135,7 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const
       constexpr int D_MAX = decltype(d_max)::value;
       const unsigned bh = static_cast<unsigned>(s.B * s.H);
       if constexpr (!std::is_same<T, float>::value) {
-        if (use_tensor_cores<T>()) {
+        if (tensor_cores()) {
           using Cfg = AttentionFwdMmaConfig<D_MAX>;
           launch(attention_fwd_mma_kernel<T, D_MAX>, dim3(static_cast<unsigned>(ceil_div64(s.Lq, Cfg::kRows)), bh),
                  dim3(Cfg::kThreads), p);
@@ -201,8 +191,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
     p.D = static_cast<int>(s.D);
     p.scale = static_cast<float>(scale);
     p.causal = causal;
-    p.vec2 = pairs_aligned<T>(s.D, {p.q, p.k, p.v, p.out, p.dout, p.dq, p.dk, p.dv});
-    p.vec8 = chunks_aligned(s.D, {p.q, p.k, p.v, p.out, p.dout, p.dq, p.dk, p.dv});
+    p.vec2 = vector_aligned(s.D, 2, 2 * sizeof(T), {p.q, p.k, p.v, p.out, p.dout, p.dq, p.dk, p.dv});
+    p.vec8 = vector_aligned(s.D, 8, 16, {p.q, p.k, p.v, p.out, p.dout, p.dq, p.dk, p.dv});
     p.dropout_p = static_cast<float>(dropout_p);
     p.dropout_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
     p.seed = static_cast<uint64_t>(seed);
@@ -212,7 +202,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
       constexpr int D_MAX = decltype(d_max)::value;
       const unsigned bh = static_cast<unsigned>(s.B * s.H);
       if constexpr (!std::is_same<T, float>::value) {
-        if (use_tensor_cores<T>()) {
+        if (tensor_cores()) {
           using Cfg = AttentionBwdMmaConfig<D_MAX>;
           launch(attention_bwd_dkdv_mma_kernel<T, D_MAX>, dim3(static_cast<unsigned>(ceil_div64(s.Lk, Cfg::kRows)), bh),
                  dim3(Cfg::kThreads), p);

@@ -84,7 +84,8 @@ struct AttentionFwdParams {
   float scale;                   // scores are scale q . k
   bool causal;                   // bottom-right aligned: query i sees keys j <= i + Lk - Lq
   bool vec2;                     // D even and every pointer 2-element aligned: pairs move as load2/store2
-  bool vec8;                     // D % 8 == 0, 16-bit T, every pointer 16-byte aligned (attention_mma.cuh)
+  bool vec8;                     // D % 8 == 0 and every pointer 16-byte aligned: 16-byte cp.async chunks
+                                 // (read by the tensor-core kernels of attention_mma.cuh only)
   float dropout_p;               // probability of dropping an attention probability (0: no dropout)
   float dropout_scale;           // 1 / (1 - dropout_p)
   uint64_t seed;                 // Philox key of the dropout stream

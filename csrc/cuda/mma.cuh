@@ -176,7 +176,9 @@ inline void ldmatrix_compute(void* const* records) {
 
 }  // namespace mma_sim
 
-FF_DEVICE void cp_async16(void* dst, const void* src, int src_bytes) { ::fastformer::sim::cp_async(dst, src, 16, src_bytes); }
+FF_DEVICE void cp_async16(void* dst, const void* src, int src_bytes) {
+  ::fastformer::sim::cp_async(dst, src, 16, src_bytes);
+}
 FF_DEVICE void cp_async_commit() { ::fastformer::sim::cp_async_commit(); }
 template <int kPending>
 FF_DEVICE void cp_async_wait() {

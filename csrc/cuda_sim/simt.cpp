@@ -368,9 +368,10 @@ static void land(const AsyncCopy& c) {
 
 void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
   if (src_bytes < 0 || src_bytes > bytes) throw std::runtime_error("cuda_sim: cp.async src_bytes out of [0, bytes]");
-  if (reinterpret_cast<uintptr_t>(dst) % bytes != 0 || (src_bytes > 0 && reinterpret_cast<uintptr_t>(src) % bytes != 0)) {
-    throw std::runtime_error("cuda_sim: cp.async of " + std::to_string(bytes) + " bytes needs " + std::to_string(bytes) +
-                             "-byte aligned addresses");
+  const auto misaligned = [bytes](const void* p) { return reinterpret_cast<uintptr_t>(p) % bytes != 0; };
+  if (misaligned(dst) || (src_bytes > 0 && misaligned(src))) {
+    throw std::runtime_error("cuda_sim: cp.async of " + std::to_string(bytes) + " bytes needs " +
+                             std::to_string(bytes) + "-byte aligned addresses");
   }
   Fiber& f = running_fiber();
   const AsyncCopy copy{dst, src, bytes, src_bytes, -1};

@@ -53,28 +53,27 @@ _BWD_CANDIDATES = {64: [(64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 2), (128, 6
                    128: [(64, 64, 8, 1), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 1)]}
 
 
-def _candidates(kind: str) -> dict:
-    return _FWD_CANDIDATES if kind == "fwd" else _BWD_CANDIDATES
+# The autotuning key: argument names of the attention kernels (Triton adds the tensors' dtypes).
+_ATTENTION_KEY = ["L_BUCKET", "D", "HAS_KPM", "CAUSAL", "HAS_DROPOUT"]
 
 
-def attention_configs(kind: str) -> list:
-    """triton.Config candidates of the forward ("fwd") or backward ("bwd") attention kernels for every
-    head dim (``attention_config_pruner`` keeps those of the call's)."""
+def attention_autotune(kind: str):
+    """The triton.autotune decorator of the forward ("fwd") or backward ("bwd") attention kernels: every
+    candidate as a Config, pruned per call to those listed for its BLOCK_D (<= 64, or 128)."""
+    table = _FWD_CANDIDATES if kind == "fwd" else _BWD_CANDIDATES
     if INTERPRET:
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
-    shapes = dict.fromkeys(c for cands in _candidates(kind).values() for c in cands)
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in shapes]
+        configs = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
+    else:
+        shapes = dict.fromkeys(c for cands in table.values() for c in cands)
+        configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+                   for m, n, w, st in shapes]
 
-
-def attention_config_pruner(kind: str):
-    """The autotuner's early_config_prune: the candidates listed for the call's BLOCK_D (<= 64, or 128)."""
-    def prune(configs, named_args, **kwargs):
-        if INTERPRET:
-            return configs
-        wanted = set(_candidates(kind)[64 if kwargs["BLOCK_D"] <= 64 else 128])
+    def prune(configs, named_args, **kwargs):  # called only with more than one config: never interpreted
+        wanted = set(table[64 if kwargs["BLOCK_D"] <= 64 else 128])
         return [c for c in configs
                 if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
-    return prune
+
+    return triton.autotune(configs=configs, key=_ATTENTION_KEY, prune_configs_by={"early_config_prune": prune})
 
 
 def row_blocks(n: int) -> dict:

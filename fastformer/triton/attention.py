@@ -31,22 +31,13 @@ import triton.language as tl
 
 from fastformer.triton._common import (
     MAX_HEAD_DIM,
+    attention_autotune,
     attention_block_d,
-    attention_config_pruner,
-    attention_configs,
     check,
     dropout_keep,
     length_bucket,
     upcast_dot,
 )
-
-# The autotuning key: argument names (the dtypes of the tensors are added by Triton).
-_KEY = ["L_BUCKET", "D", "HAS_KPM", "CAUSAL", "HAS_DROPOUT"]
-
-
-def _autotune(kind: str):
-    return triton.autotune(configs=attention_configs(kind), key=_KEY,
-                           prune_configs_by={"early_config_prune": attention_config_pruner(kind)})
 
 
 @triton.jit
@@ -98,7 +89,7 @@ def _causal_key_end(tile, Lq, Lk, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
     return Lk
 
 
-@_autotune("fwd")
+@attention_autotune("fwd")
 @triton.jit
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr,  # (B, H, Lq, D), (B, H, Lk, D), (B, H, Lk, D)
@@ -186,7 +177,7 @@ def _backward_tile(q, do, k, v, kpm_row, lse, delta, offs_m, offs_n, bh, Lq, Lk,
     return prob_dropped, prob * (dp - delta[:, None])
 
 
-@_autotune("bwd")
+@attention_autotune("bwd")
 @triton.jit
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, kpm_ptr,  # as in the forward
@@ -225,7 +216,7 @@ def _attn_bwd_dkdv_kernel(
     tl.store(dv_ptr + out_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
 
-@_autotune("bwd")
+@attention_autotune("bwd")
 @triton.jit
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, kpm_ptr, do_ptr, lse_ptr, delta_ptr,  # as in the dK/dV kernel

@@ -48,7 +48,8 @@ def test_projection_takes_the_packed_kernel_up_to_its_row_limit():
 
 
 @pytest.mark.parametrize("args, message", [
-    (lambda: (torch.zeros(2, 8, dtype=torch.float64), pack_panels(torch.zeros(5, 8)), None, 5), "x must be a 2-D float32"),
+    (lambda: (torch.zeros(2, 8, dtype=torch.float64), pack_panels(torch.zeros(5, 8)), None, 5),
+     "x must be a 2-D float32"),
     (lambda: (torch.zeros(8), pack_panels(torch.zeros(5, 8)), None, 5), "x must be a 2-D float32"),
     (lambda: (torch.zeros(2, 8), pack_panels(torch.zeros(5, 9)), None, 5), "panels must be float32"),
     (lambda: (torch.zeros(2, 8), pack_panels(torch.zeros(5, 8)), None, 40), "panels must be float32"),
