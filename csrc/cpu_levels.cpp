@@ -17,11 +17,15 @@ namespace {
 
 const CpuKernels* g_kernels = nullptr;
 
-const CpuKernels& kernels() {
+}  // namespace
+
+const CpuKernels& cpu_kernels() {
   TORCH_CHECK(g_kernels != nullptr, "fastformer: no CPU kernels are loaded (fastformer/_ext.py installs them at "
               "import; import fastformer before calling torch.ops.fastformer)");
   return *g_kernels;
 }
+
+namespace {
 
 // ThroughTable<&CpuKernels::softmax_fwd>::call has softmax_fwd's signature and calls the loaded level's.
 template <auto Member>
@@ -29,7 +33,7 @@ struct ThroughTable;
 
 template <typename R, typename... Args, R (*CpuKernels::*Member)(Args...)>
 struct ThroughTable<Member> {
-  static R call(Args... args) { return (kernels().*Member)(args...); }
+  static R call(Args... args) { return (cpu_kernels().*Member)(args...); }
 };
 
 }  // namespace
@@ -66,7 +70,7 @@ Tensor packed_linear(const Tensor& x, const Tensor& panels, const c10::optional<
                       bias->scalar_type(), " ", bias->sizes());
   }
   const c10::optional<Tensor> b = bias.has_value() ? c10::optional<Tensor>(bias->contiguous()) : c10::nullopt;
-  return kernels().packed_linear(x.contiguous(), panels.contiguous(), b, n);
+  return cpu_kernels().packed_linear(x.contiguous(), panels.contiguous(), b, n);
 }
 
 std::string set_cpu_kernels(const pybind11::capsule& kernels) {

@@ -10,6 +10,10 @@ namespace fastformer {
 // The highest instruction-set level this CPU (and its OS) supports: "avx512", "avx2" or "default".
 std::string best_cpu_level();
 
+struct CpuKernels;
+// The kernel table of the loaded level (an error before fastformer/_ext.py installed one).
+const CpuKernels& cpu_kernels();
+
 // Installs the kernel table of a fastformer._cpu_<level> module (its `kernels` capsule); returns its level.
 std::string set_cpu_kernels(const pybind11::capsule& kernels);
 
@@ -17,5 +21,8 @@ std::string set_cpu_kernels(const pybind11::capsule& kernels);
 // loaded level's table; ValueError on bad arguments.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
                          int64_t n);
+
+// Binds fastformer._C.CpuDecoder, the incremental decoder's float32 CPU step (csrc/decoder.cpp).
+void bind_decoder(pybind11::module_& m);
 
 }  // namespace fastformer

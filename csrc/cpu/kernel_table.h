@@ -12,6 +12,7 @@
 
 #include <tuple>
 
+#include "cpu/decoder_step.h"
 #include "ops.h"
 
 namespace fastformer {
@@ -26,10 +27,17 @@ using at::Tensor;
 // y (M, n) = x (M, K) W^T + bias for a weight packed as panels (ceil(n / kPackedLinearPanel), K,
 // kPackedLinearPanel); float32, contiguous, arguments checked by the caller (csrc/cpu_levels.cpp).
 Tensor packed_linear(const Tensor& x, const Tensor& panels, const c10::optional<Tensor>& bias, int64_t n);
+// The same on raw pointers: y (M, n) row-major, x (M, K) row-major, bias nullptr for none.
+void packed_linear_rows(const float* x, int64_t M, int64_t K, const float* panels, const float* bias, float* y,
+                        int64_t n);
+
+// One step of the incremental decoder (csrc/cpu/decoder_step.cpp): writes step.logits and this step's
+// keys/values into the caches.
+void decoder_step(const DecoderStep& step);
 }  // namespace cpu
 
 // Bumped whenever the table's layout changes: a module of another layout is refused at import.
-constexpr int kCpuKernelsAbi = 2;
+constexpr int kCpuKernelsAbi = 3;
 constexpr const char* kCpuKernelsCapsule = "fastformer.cpu_kernels";
 
 struct CpuKernels {
@@ -42,6 +50,7 @@ struct CpuKernels {
   FASTFORMER_OPS(FASTFORMER_CPU_TABLE_ENTRY)
 #undef FASTFORMER_CPU_TABLE_ENTRY
   decltype(&cpu::packed_linear) packed_linear;  // the decoder's small-M projections (not an op)
+  decltype(&cpu::decoder_step) decoder_step;    // the incremental decoder's whole step (not an op)
 };
 
 }  // namespace fastformer

@@ -19,6 +19,7 @@ const fastformer::CpuKernels kTable = {
     FASTFORMER_OPS(FASTFORMER_CPU_TABLE_INIT)
 #undef FASTFORMER_CPU_TABLE_INIT
     &fastformer::cpu::packed_linear,
+    &fastformer::cpu::decoder_step,
 };
 
 }  // namespace

@@ -77,14 +77,10 @@ void row_group(int rows, const float* x, int64_t K, const float* panel, const fl
 
 }  // namespace
 
-Tensor packed_linear(const Tensor& x, const Tensor& panels, const c10::optional<Tensor>& bias, int64_t n) {
-  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
-  Tensor y = at::empty({M, n}, x.options());
-  if (M == 0 || n == 0) return y;
-  const float* xp = x.const_data_ptr<float>();
-  const float* wp = panels.const_data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
-  float* yp = y.mutable_data_ptr<float>();
+void packed_linear_rows(const float* x, int64_t M, int64_t K, const float* panels, const float* bias, float* y,
+                        int64_t n) {
+  if (M == 0 || n == 0) return;
+  const int64_t P = (n + kPackedLinearPanel - 1) / kPackedLinearPanel;
   // About 64 K-long panel rows of work per task before a second thread pays off.
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * M));
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
@@ -92,10 +88,17 @@ Tensor packed_linear(const Tensor& x, const Tensor& panels, const c10::optional<
       const int64_t n0 = p * kPackedLinearPanel, width = std::min<int64_t>(kPackedLinearPanel, n - n0);
       for (int64_t m0 = 0; m0 < M; m0 += kRowGroup) {
         const int rows = static_cast<int>(std::min<int64_t>(kRowGroup, M - m0));
-        row_group<kRowGroup>(rows, xp + m0 * K, K, wp + p * K * kPackedLinearPanel, bp, yp + m0 * n, n, n0, width);
+        row_group<kRowGroup>(rows, x + m0 * K, K, panels + p * K * kPackedLinearPanel, bias, y + m0 * n, n, n0,
+                             width);
       }
     }
   });
+}
+
+Tensor packed_linear(const Tensor& x, const Tensor& panels, const c10::optional<Tensor>& bias, int64_t n) {
+  Tensor y = at::empty({x.size(0), n}, x.options());
+  packed_linear_rows(x.const_data_ptr<float>(), x.size(0), x.size(1), panels.const_data_ptr<float>(),
+                     bias.has_value() ? bias->const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>(), n);
   return y;
 }
 

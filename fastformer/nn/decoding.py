@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fastformer import ops
+from fastformer import _dispatch, ops
 from fastformer._ext import C
 from fastformer.nn.layers import run_sublayers
 
@@ -160,17 +160,44 @@ class IncrementalDecoder:
             kv = layer.cross_kv(memory.reshape(B * S, d)).view(B, S, 2, self.H, self.Dh).permute(2, 0, 3, 1, 4)
             self.cross.append((kv[0].contiguous(), kv[1].contiguous()))
         self.src_padding = src_padding if bool(src_padding.any()) else None
+        self.turn, self.step_index = 0, 0
+        self.native = self._native(steps)
+        if self.native is not None:
+            return
         # Self-attention caches: per layer, two flat buffers for keys and two for values (B K H steps Dh
         # elements each), allocated at the first step in the dtype of the projections (autocast's).
         self.cache_size = B * beam_size * self.H * steps * self.Dh
         self.buffers: list[list[Tensor]] = [[] for _ in self.weights.layers]
         self.caches: list[Optional[tuple[Tensor, Tensor]]] = [None] * len(self.weights.layers)
-        self.turn, self.step_index = 0, 0
         self.parents: Optional[Tensor] = None  # rows of the last step that the live rows continue
+
+    def _native(self, steps: int):
+        """The whole step in C++ (``fastformer._C.CpuDecoder``, csrc/decoder.cpp) where it applies: float32
+        on the CPU through the cpu backend, no autocast, every projection packed; else None."""
+        model, cross_k = self.model, self.cross[0][0]
+        if (cross_k.device.type != "cpu" or cross_k.dtype != torch.float32 or torch.is_autocast_enabled("cpu")
+                or _dispatch.resolve("attention", model.backend, cross_k.device, torch.float32) != "cpu"):
+            return None
+        projections = [[p.qkv, p.self_out, p.cross_q, p.cross_out, p.fc1, p.fc2] for p in self.weights.layers]
+        if any(p.panels is None or p.bias is None for layer in projections for p in layer):
+            return None
+        layers = []
+        for prepared, layer in zip(self.weights.layers, projections):
+            layers += [t for p in layer for t in (p.panels, p.bias)]
+            layers += [t.detach() for norm in prepared.norms for t in (norm.weight, norm.bias)]
+        cfg, final = model.config, model.decoder.final_norm
+        norm_first = cfg.norm_first
+        return C.CpuDecoder(
+            layers, [t for kv in self.cross for t in kv], self.src_padding, model.embed.weight.detach(),
+            model.positions(steps, torch.float32, cross_k.device).contiguous(),
+            [final.weight.detach(), final.bias.detach()] if norm_first else [], self.weights.output.panels,
+            self.K, self.H, cfg.d_ff, norm_first, self.weights.layers[0].norms[0].eps, steps)
 
     def select(self, parents: Tensor, sentences: Optional[Tensor]) -> None:
         """The next step's live rows continue rows ``parents`` (N',) of this step; ``sentences`` (n',)
         are the indices, among this step's live sentences, of those still decoding (None: all)."""
+        if self.native is not None:
+            return self.native.select(parents, sentences)
         self.parents = parents
         if sentences is not None:
             self.cross = [(k.index_select(0, sentences), v.index_select(0, sentences)) for k, v in self.cross]
@@ -196,6 +223,9 @@ class IncrementalDecoder:
 
     def logits(self, tokens: Tensor) -> Tensor:
         """tokens (N, t + 1), bos first -> next-token logits (N, V) for position t."""
+        if self.native is not None:
+            self.step_index += 1
+            return self.native.logits(tokens[:, -1])
         N, t, H, Dh, d = tokens.shape[0], self.step_index, self.H, self.Dh, self.d
         n = N // self.K
         x = self.model._embed(tokens[:, -1:], offset=t).view(N, d)  # scaled embedding + position t

@@ -1,0 +1,174 @@
+// One step of the incremental decoder, all layers in one call: float32 on the CPU, for the N = n K live
+// rows of a beam search (fastformer/nn/decoding.py; the caller, csrc/decoder.cpp, owns the caches and
+// reorders them between steps). The same computation as Transformer.decode at one position with the cpu
+// ops, without the ~70 Python-level calls a step it took there (the whole of the step at a few rows).
+//
+// Per step, with x (N, d) the residual stream in a scratch buffer:
+//   x = embed[token] * sqrt(d) + sinusoid[t]
+//   per layer, three sublayers f (self-attention, cross-attention, feed-forward), post-norm
+//       x = LayerNorm(x + f(x)),
+//   or pre-norm (h = LayerNorm_0(x) first)
+//       x = x + f(h), h = LayerNorm_next(x)   (the next sublayer's norm, the final norm after the last)
+//   logits = out W_embed^T, out = x (post-norm) or h (pre-norm).
+// Sublayers:
+//   self-attention: qkv = in W_qkv^T + b (N, 3 d); k, v of position t go to the row's cache (N, H, T, Dh)
+//     at t; per (row, head) one query against its own t + 1 keys (nothing masked); out projection.
+//   cross-attention: q = in W_q^T + b; per (row, head) one query against the S keys of its sentence
+//     (row / K), padding masked (a fully masked row gives zeros); out projection.
+//   feed-forward: relu(in W_1^T + b_1) W_2^T + b_2.
+// Every projection is packed_linear_rows (the weight streamed once from its panels): at a few rows the step
+// is a stream of the decoder's weights and of the embedding. The attentions read the caches once.
+// Attention math per (row, head), scale = 1/sqrt(Dh): s_j = (q . k_j) scale, m = max_j s_j,
+// out = sum_j e^(s_j - m) v_j / sum_j e^(s_j - m), in float, over rows x heads split across threads.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "cpu/cpu_ops.h"
+#include "cpu/kernel_table.h"
+
+namespace fastformer::cpu {
+namespace {
+
+// rows of x (N, d): s = x + y (y nullptr: s = x), written back to x (the residual stream), and
+// out = (s - mean) / sqrt(var + eps) * weight + bias (two-pass variance, as the layer_norm_residual
+// kernel); out may be x.
+void add_layer_norm(float* x, const float* y, const float* weight, const float* bias, float* out, int64_t N,
+                    int64_t d, float eps) {
+  using Vec = at::vec::Vectorized<float>;
+  for (int64_t r = 0; r < N; ++r) {
+    float* s = x + r * d;
+    if (y != nullptr) {
+      const float* yr = y + r * d;
+      int64_t j = 0;
+      for (; j + Vec::size() <= d; j += Vec::size()) (Vec::loadu(s + j) + Vec::loadu(yr + j)).store(s + j);
+      for (; j < d; ++j) s[j] += yr[j];
+    }
+    const float mean = vec_sum(s, d) / static_cast<float>(d);
+    const Vec vmean(mean);
+    Vec vvar(0.0f);
+    int64_t j = 0;
+    for (; j + Vec::size() <= d; j += Vec::size()) {
+      const Vec c = Vec::loadu(s + j) - vmean;
+      vvar = at::vec::fmadd(c, c, vvar);
+    }
+    float var = at::vec::vec_reduce_all<float>([](Vec p, Vec q) { return p + q; }, vvar);
+    for (; j < d; ++j) var += (s[j] - mean) * (s[j] - mean);
+    const float rstd = 1.0f / std::sqrt(var / static_cast<float>(d) + eps);
+    float* o = out + r * d;
+    const Vec vrstd(rstd);
+    for (j = 0; j + Vec::size() <= d; j += Vec::size()) {
+      const Vec c = (Vec::loadu(s + j) - vmean) * vrstd;
+      at::vec::fmadd(c, Vec::loadu(weight + j), Vec::loadu(bias + j)).store(o + j);
+    }
+    for (; j < d; ++j) o[j] = (s[j] - mean) * rstd * weight[j] + bias[j];
+  }
+}
+
+void project(const float* x, int64_t M, int64_t K, const PackedProjection& w, float* y, int64_t n) {
+  packed_linear_rows(x, M, K, w.panels, w.bias, y, n);
+}
+
+// out (Dh) = softmax(q . keys^T scale, masked) values for one query against L keys/values (L, Dh);
+// mask (L,) true = ignored, or nullptr. scores: room for L floats. A fully masked row gives zeros.
+void attend(const float* q, const float* keys, const float* values, const bool* mask, int64_t L, int64_t Dh,
+            float scale, float* scores, float* out) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < L; ++j) {
+    scores[j] = mask != nullptr && mask[j] ? -std::numeric_limits<float>::infinity()
+                                           : vec_dot(q, keys + j * Dh, Dh) * scale;
+    m = nan_max(m, scores[j]);
+  }
+  std::fill(out, out + Dh, 0.0f);
+  if (m == -std::numeric_limits<float>::infinity()) return;  // every key masked
+  float sum = 0.0f;
+  for (int64_t j = 0; j < L; ++j) {
+    if (scores[j] == -std::numeric_limits<float>::infinity()) continue;
+    const float p = std::exp(scores[j] - m);
+    sum += p;
+    vec_axpy(p, values + j * Dh, out, Dh);
+  }
+  vec_scale(1.0f / sum, out, Dh);
+}
+
+}  // namespace
+
+void decoder_step(const DecoderStep& s) {
+  const int64_t N = s.rows, d = s.d_model, H = s.heads, Dh = s.head_dim, t = s.position, T = s.cache_len,
+                S = s.src_len, K = s.beams;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
+  std::vector<float> x(N * d), h(s.norm_first ? N * d : 0), qkv(N * 3 * d), a(N * d), y(N * d), u(N * s.d_ff);
+
+  for (int64_t r = 0; r < N; ++r) {
+    const float* e = s.embed + s.tokens[r] * d;
+    for (int64_t j = 0; j < d; ++j) x[r * d + j] = e[j] * s.embed_scale + s.position_row[j];
+  }
+  if (s.norm_first) {
+    const DecoderLayerStep& first = s.layers.front();
+    add_layer_norm(x.data(), nullptr, first.norm_weight[0], first.norm_bias[0], h.data(), N, d, s.eps);
+  }
+  float* in = s.norm_first ? h.data() : x.data();  // what each sublayer reads
+
+  // After sublayer `index` of layer `l` produced y: the residual and the next LayerNorm.
+  auto residual = [&](size_t l, int index) {
+    if (!s.norm_first) {
+      add_layer_norm(x.data(), y.data(), s.layers[l].norm_weight[index], s.layers[l].norm_bias[index], x.data(), N,
+                     d, s.eps);
+      return;
+    }
+    const bool last = index == 2 && l + 1 == s.layers.size();
+    const DecoderLayerStep& next = index < 2 ? s.layers[l] : s.layers[std::min(l + 1, s.layers.size() - 1)];
+    const float* w = last ? s.final_norm_weight : next.norm_weight[(index + 1) % 3];
+    const float* b = last ? s.final_norm_bias : next.norm_bias[(index + 1) % 3];
+    add_layer_norm(x.data(), y.data(), w, b, h.data(), N, d, s.eps);
+  };
+
+  for (size_t l = 0; l < s.layers.size(); ++l) {
+    const DecoderLayerStep& layer = s.layers[l];
+    // Self-attention: this position's k, v into the cache, then one query per (row, head).
+    project(in, N, d, layer.qkv, qkv.data(), 3 * d);
+    for (int64_t r = 0; r < N; ++r) {
+      for (int64_t hd = 0; hd < H; ++hd) {
+        const int64_t at = ((r * H + hd) * T + t) * Dh;
+        std::copy_n(qkv.data() + r * 3 * d + d + hd * Dh, Dh, layer.k_cache + at);
+        std::copy_n(qkv.data() + r * 3 * d + 2 * d + hd * Dh, Dh, layer.v_cache + at);
+      }
+    }
+    at::parallel_for(0, N * H, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(t + 1);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t r = i / H, hd = i % H, cache = i * T * Dh;
+        attend(qkv.data() + r * 3 * d + hd * Dh, layer.k_cache + cache, layer.v_cache + cache, nullptr, t + 1, Dh,
+               scale, scores.data(), a.data() + r * d + hd * Dh);
+      }
+    });
+    project(a.data(), N, d, layer.self_out, y.data(), d);
+    residual(l, 0);
+
+    // Cross-attention: the K beams of sentence r / K against that sentence's S keys.
+    project(in, N, d, layer.cross_q, qkv.data(), d);
+    at::parallel_for(0, N * H, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(S);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t r = i / H, hd = i % H, sentence = r / K, keys = (sentence * H + hd) * S * Dh;
+        attend(qkv.data() + r * d + hd * Dh, layer.cross_k + keys, layer.cross_v + keys,
+               s.src_padding != nullptr ? s.src_padding + sentence * S : nullptr, S, Dh, scale, scores.data(),
+               a.data() + r * d + hd * Dh);
+      }
+    });
+    project(a.data(), N, d, layer.cross_out, y.data(), d);
+    residual(l, 1);
+
+    // Feed-forward.
+    project(in, N, d, layer.fc1, u.data(), s.d_ff);
+    for (float& v : u) v = std::max(v, 0.0f);
+    project(u.data(), N, s.d_ff, layer.fc2, y.data(), d);
+    residual(l, 2);
+  }
+  project(in, N, d, s.output, s.logits, s.vocab);
+}
+
+}  // namespace fastformer::cpu

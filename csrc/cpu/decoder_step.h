@@ -1,0 +1,56 @@
+// One step of the incremental decoder on the CPU in float32 (csrc/cpu/decoder_step.cpp), the layout of its
+// arguments: raw pointers into tensors that fastformer._C's CpuDecoder (csrc/decoder.cpp) owns and checks.
+// Plain C++ types only, so the struct crosses from fastformer._C to the level modules as it is.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace fastformer {
+
+// A projection y = x W^T + b with W packed as column panels (packed_linear's layout).
+struct PackedProjection {
+  const float* panels;  // (ceil(out / kPackedLinearPanel), in, kPackedLinearPanel)
+  const float* bias;    // (out,) or nullptr
+};
+
+struct DecoderLayerStep {
+  PackedProjection qkv;        // d -> 3 d: q, k, v of the self-attention, each (H, Dh)
+  PackedProjection self_out;   // d -> d
+  PackedProjection cross_q;    // d -> d
+  PackedProjection cross_out;  // d -> d
+  PackedProjection fc1;        // d -> d_ff
+  PackedProjection fc2;        // d_ff -> d
+  const float* norm_weight[3];  // LayerNorms of the self-attention, cross-attention and feed-forward sublayers
+  const float* norm_bias[3];
+  const float* cross_k;  // (n, H, S, Dh): the encoder memory's keys, once per sentence
+  const float* cross_v;  // (n, H, S, Dh)
+  float* k_cache;        // (N, H, T, Dh): positions 0 .. t - 1 of each row already in place; t is written
+  float* v_cache;
+};
+
+struct DecoderStep {
+  int64_t rows;       // N = n K: beam k of live sentence i is row i K + k
+  int64_t beams;      // K
+  int64_t heads;      // H
+  int64_t head_dim;   // Dh
+  int64_t d_model;    // d = H Dh
+  int64_t d_ff;
+  int64_t vocab;      // V
+  int64_t src_len;    // S
+  int64_t position;   // t: the position decoded (the cache holds t earlier ones)
+  int64_t cache_len;  // T: positions a row of the cache has room for (> t)
+  bool norm_first;
+  float eps;
+  float embed_scale;           // sqrt(d)
+  const int64_t* tokens;       // (N,): the token at position t of each row
+  const float* embed;          // (V, d): the shared embedding
+  const float* position_row;   // (d,): the sinusoid of position t
+  const bool* src_padding;     // (n, S), true at padding; nullptr when no source has padding
+  std::vector<DecoderLayerStep> layers;
+  const float* final_norm_weight;  // pre-norm only (nullptr for post-norm)
+  const float* final_norm_bias;
+  PackedProjection output;     // the embedding as the output projection (no bias): d -> V
+  float* logits;               // (N, V), written
+};
+
+}  // namespace fastformer

@@ -1,0 +1,235 @@
+// fastformer._C.CpuDecoder: the incremental decoder of fastformer/nn/decoding.py as one C++ object, for
+// float32 on the CPU. It owns what lives across the steps of a beam search (the prepared weights, the
+// cross-attention keys/values of each sentence, the self-attention caches) and runs a step as one call of
+// the loaded level's decoder_step kernel (csrc/cpu/decoder_step.cpp).
+//
+// Self-attention caches: per layer, two buffers for keys and two for values, each (N0, H, T, Dh) with N0 the
+// first step's rows and T the positions decoded; the rows of a step sit at the front. Between steps the
+// live rows continue `parents` of the last step:
+//   - parents strictly increasing (greedy search, beams that keep their order, finished sentences
+//     leaving): rows move down in place (row i from row parents[i] >= i, in increasing i), none when
+//     parents[i] == i;
+//   - otherwise (beams that repeat or swap parents): the t cached positions of each row are gathered from
+//     its parent into the other buffer, which becomes the current one.
+// Either way t Dh floats a (row, head, layer) move once, and only for rows whose parent is another row.
+#include <torch/extension.h>
+
+#include <cstring>
+#include <vector>
+
+#include "cpu/kernel_table.h"
+#include "cpu_levels.h"
+
+namespace fastformer {
+namespace {
+
+constexpr int kProjections = 6;  // qkv, self_out, cross_q, cross_out, fc1, fc2
+constexpr int kLayerTensors = 2 * kProjections + 6;  // + weight and bias of three LayerNorms
+
+void check_float(const Tensor& t, std::vector<int64_t> shape, const std::string& name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                        t.sizes().vec() == shape,
+                    "fastformer CpuDecoder: ", name, " must be a contiguous float32 CPU tensor of shape ",
+                    c10::IntArrayRef(shape), ", got ", t.scalar_type(), " ", t.sizes(), " on ", t.device(),
+                    t.is_contiguous() ? "" : " (not contiguous)");
+}
+
+class CpuDecoder {
+ public:
+  // layers: per layer kLayerTensors tensors: the six projections as (panels, bias) pairs in the order of
+  // DecoderLayerStep, then the three LayerNorms' (weight, bias); cross: per layer (k, v), each
+  // (B, H, S, Dh); src_padding (B, S) bool or none; embed (V, d); positions (>= steps, d); final_norm
+  // (weight, bias) for pre-norm, empty for post-norm; output: the embedding's panels.
+  CpuDecoder(std::vector<Tensor> layers, std::vector<Tensor> cross, c10::optional<Tensor> src_padding,
+             Tensor embed, Tensor positions, std::vector<Tensor> final_norm, Tensor output, int64_t beams,
+             int64_t heads, int64_t d_ff, bool norm_first, double eps, int64_t steps)
+      : layers_(std::move(layers)), cross_(std::move(cross)), embed_(std::move(embed)),
+        positions_(std::move(positions)), final_norm_(std::move(final_norm)), output_(std::move(output)) {
+    constexpr int64_t P = kPackedLinearPanel;
+    TORCH_CHECK_VALUE(beams >= 1 && heads >= 1 && d_ff >= 1 && steps >= 1,
+                      "fastformer CpuDecoder: beams, heads, d_ff and steps must be >= 1");
+    TORCH_CHECK_VALUE(embed_.dim() == 2, "fastformer CpuDecoder: embed must be (V, d)");
+    const int64_t V = embed_.size(0), d = embed_.size(1);
+    TORCH_CHECK_VALUE(d % heads == 0, "fastformer CpuDecoder: d_model ", d, " is not divisible by ", heads, " heads");
+    TORCH_CHECK_VALUE(!layers_.empty() && layers_.size() % kLayerTensors == 0,
+                      "fastformer CpuDecoder: layers must hold ", kLayerTensors, " tensors a layer, got ",
+                      layers_.size());
+    const int64_t L = static_cast<int64_t>(layers_.size()) / kLayerTensors;
+    TORCH_CHECK_VALUE(static_cast<int64_t>(cross_.size()) == 2 * L,
+                      "fastformer CpuDecoder: cross must hold a (k, v) pair per layer");
+    TORCH_CHECK_VALUE(final_norm_.size() == (norm_first ? 2u : 0u),
+                      "fastformer CpuDecoder: final_norm is (weight, bias) for pre-norm, empty for post-norm");
+    check_float(embed_, {V, d}, "embed");
+    TORCH_CHECK_VALUE(positions_.dim() == 2 && positions_.size(0) >= steps,
+                      "fastformer CpuDecoder: positions must hold >= ", steps, " rows");
+    check_float(positions_, {positions_.size(0), d}, "positions");
+    check_float(output_, {(V + P - 1) / P, d, P}, "output panels");
+    const int64_t B = cross_[0].dim() == 4 ? cross_[0].size(0) : -1, S = cross_[0].dim() == 4 ? cross_[0].size(2) : -1;
+    const std::vector<std::pair<int64_t, int64_t>> dims = {{d, 3 * d}, {d, d}, {d, d}, {d, d}, {d, d_ff}, {d_ff, d}};
+    for (int64_t l = 0; l < L; ++l) {
+      const Tensor* t = &layers_[l * kLayerTensors];
+      const std::string layer = "layer " + std::to_string(l) + " ";
+      for (int p = 0; p < kProjections; ++p) {
+        const auto [in, out] = dims[p];
+        check_float(t[2 * p], {(out + P - 1) / P, in, P}, layer + "projection " + std::to_string(p) + " panels");
+        check_float(t[2 * p + 1], {out}, layer + "projection " + std::to_string(p) + " bias");
+      }
+      for (int i = 0; i < 6; ++i) check_float(t[2 * kProjections + i], {d}, layer + "LayerNorm parameter");
+      for (int i = 0; i < 2; ++i) check_float(cross_[2 * l + i], {B, heads, S, d / heads}, layer + "cross k/v");
+    }
+    for (const Tensor& t : final_norm_) check_float(t, {d}, "final LayerNorm parameter");
+    if (src_padding.has_value()) {
+      TORCH_CHECK_VALUE(src_padding->scalar_type() == at::kBool && src_padding->device().is_cpu() &&
+                            src_padding->sizes().vec() == std::vector<int64_t>({B, S}),
+                        "fastformer CpuDecoder: src_padding must be a bool CPU tensor (", B, ", ", S, ")");
+      src_padding_ = src_padding->contiguous();
+    }
+    step_.rows = B * beams;
+    step_.beams = beams;
+    step_.heads = heads;
+    step_.head_dim = d / heads;
+    step_.d_model = d;
+    step_.d_ff = d_ff;
+    step_.vocab = V;
+    step_.src_len = S;
+    step_.position = 0;
+    step_.cache_len = steps;
+    step_.norm_first = norm_first;
+    step_.eps = static_cast<float>(eps);
+    step_.embed_scale = static_cast<float>(std::sqrt(static_cast<double>(d)));
+    step_.embed = embed_.const_data_ptr<float>();
+    step_.final_norm_weight = norm_first ? final_norm_[0].const_data_ptr<float>() : nullptr;
+    step_.final_norm_bias = norm_first ? final_norm_[1].const_data_ptr<float>() : nullptr;
+    step_.output = {output_.const_data_ptr<float>(), nullptr};
+    step_.layers.resize(L);
+    for (int64_t l = 0; l < L; ++l) {
+      const Tensor* t = &layers_[l * kLayerTensors];
+      DecoderLayerStep& layer = step_.layers[l];
+      PackedProjection* projections[kProjections] = {&layer.qkv, &layer.self_out, &layer.cross_q,
+                                                     &layer.cross_out, &layer.fc1, &layer.fc2};
+      for (int p = 0; p < kProjections; ++p) {
+        *projections[p] = {t[2 * p].const_data_ptr<float>(), t[2 * p + 1].const_data_ptr<float>()};
+      }
+      for (int i = 0; i < 3; ++i) {
+        layer.norm_weight[i] = t[2 * kProjections + 2 * i].const_data_ptr<float>();
+        layer.norm_bias[i] = t[2 * kProjections + 2 * i + 1].const_data_ptr<float>();
+      }
+      // Four cache buffers a layer: keys and values, two turns each.
+      for (int i = 0; i < 4; ++i) caches_.push_back(at::empty({B * beams, heads, steps, d / heads}, embed_.options()));
+    }
+    point_at_cross();
+  }
+
+  // The next-token logits (N, V) of the live rows, whose token at this position is last_tokens (N,).
+  Tensor logits(const Tensor& last_tokens) {
+    TORCH_CHECK_VALUE(last_tokens.dim() == 1 && last_tokens.size(0) == step_.rows &&
+                          last_tokens.scalar_type() == at::kLong && last_tokens.device().is_cpu(),
+                      "fastformer CpuDecoder: last_tokens must be an int64 CPU tensor of shape (", step_.rows, ")");
+    TORCH_CHECK_VALUE(step_.position < step_.cache_len, "fastformer CpuDecoder: all ", step_.cache_len,
+                      " positions have been decoded");
+    const Tensor tokens = last_tokens.contiguous();
+    const int64_t* ids = tokens.const_data_ptr<int64_t>();
+    for (int64_t r = 0; r < step_.rows; ++r) {
+      TORCH_CHECK_VALUE(ids[r] >= 0 && ids[r] < step_.vocab, "fastformer CpuDecoder: token ", ids[r],
+                        " is outside [0, ", step_.vocab, ")");
+    }
+    Tensor logits = at::empty({step_.rows, step_.vocab}, embed_.options());
+    for (size_t l = 0; l < step_.layers.size(); ++l) {
+      step_.layers[l].k_cache = caches_[4 * l + turn_].mutable_data_ptr<float>();
+      step_.layers[l].v_cache = caches_[4 * l + 2 + turn_].mutable_data_ptr<float>();
+    }
+    step_.tokens = ids;
+    step_.position_row = positions_.const_data_ptr<float>() + step_.position * step_.d_model;
+    step_.logits = logits.mutable_data_ptr<float>();
+    cpu_kernels().decoder_step(step_);
+    step_.position += 1;
+    return logits;
+  }
+
+  // The next step's rows continue rows `parents` (N',) of this step; `sentences` (n',): the indices, among
+  // this step's live sentences, of those still decoding (none: all of them).
+  void select(const Tensor& parents, const c10::optional<Tensor>& sentences) {
+    TORCH_CHECK_VALUE(parents.dim() == 1 && parents.scalar_type() == at::kLong && parents.device().is_cpu(),
+                      "fastformer CpuDecoder: parents must be a 1-D int64 CPU tensor");
+    const int64_t N = step_.rows, next = parents.size(0);
+    const Tensor p = parents.contiguous();
+    const int64_t* from = p.const_data_ptr<int64_t>();
+    bool increasing = next <= N;
+    for (int64_t i = 0; i < next; ++i) {
+      TORCH_CHECK_VALUE(from[i] >= 0 && from[i] < N, "fastformer CpuDecoder: parent ", from[i], " is not a row of ",
+                        N);
+      increasing = increasing && (i == 0 || from[i] > from[i - 1]);
+    }
+    if (sentences.has_value()) {
+      const int64_t n = sentences->size(0);
+      TORCH_CHECK_VALUE(sentences->dim() == 1 && n * step_.beams == next,
+                        "fastformer CpuDecoder: ", next, " parents for ", n, " sentences of ", step_.beams, " beams");
+      for (Tensor& t : cross_) t = t.index_select(0, *sentences).contiguous();
+      if (src_padding_.has_value()) src_padding_ = src_padding_->index_select(0, *sentences).contiguous();
+      point_at_cross();
+    } else {
+      TORCH_CHECK_VALUE(next == N, "fastformer CpuDecoder: ", next, " parents for ", N,
+                        " rows with no sentence leaving");
+    }
+    // Move the t cached positions of each (row, head) of every layer from its parent's (see the header).
+    const int64_t t = step_.position, H = step_.heads, chunk = t * step_.head_dim;
+    const int64_t row = H * step_.cache_len * step_.head_dim;  // floats a row of a cache buffer
+    const int other = 1 - turn_;
+    for (size_t l = 0; l < step_.layers.size() && t > 0; ++l) {
+      for (int kv = 0; kv < 2; ++kv) {
+        float* src = caches_[4 * l + 2 * kv + turn_].mutable_data_ptr<float>();
+        float* dst = increasing ? src : caches_[4 * l + 2 * kv + other].mutable_data_ptr<float>();
+        for (int64_t i = 0; i < next; ++i) {
+          if (increasing && from[i] == i) continue;
+          for (int64_t hd = 0; hd < H; ++hd) {
+            const int64_t offset = hd * step_.cache_len * step_.head_dim;
+            std::memcpy(dst + i * row + offset, src + from[i] * row + offset, chunk * sizeof(float));
+          }
+        }
+      }
+    }
+    if (!increasing) turn_ = other;
+    step_.rows = next;
+  }
+
+  int64_t position() const { return step_.position; }
+
+ private:
+  void point_at_cross() {
+    for (size_t l = 0; l < step_.layers.size(); ++l) {
+      step_.layers[l].cross_k = cross_[2 * l].const_data_ptr<float>();
+      step_.layers[l].cross_v = cross_[2 * l + 1].const_data_ptr<float>();
+    }
+    step_.src_padding = src_padding_.has_value() ? src_padding_->const_data_ptr<bool>() : nullptr;
+  }
+
+  std::vector<Tensor> layers_, cross_;
+  c10::optional<Tensor> src_padding_;
+  Tensor embed_, positions_;
+  std::vector<Tensor> final_norm_;
+  Tensor output_;
+  std::vector<Tensor> caches_;  // per layer: k turn 0, k turn 1, v turn 0, v turn 1
+  int turn_ = 0;
+  DecoderStep step_{};
+};
+
+}  // namespace
+
+void bind_decoder(pybind11::module_& m) {
+  namespace py = pybind11;
+  py::class_<CpuDecoder>(m, "CpuDecoder",
+                         "The incremental decoder's state and step for float32 on the CPU (csrc/decoder.cpp); "
+                         "built by fastformer.nn.decoding.IncrementalDecoder")
+      .def(py::init<std::vector<Tensor>, std::vector<Tensor>, c10::optional<Tensor>, Tensor, Tensor,
+                    std::vector<Tensor>, Tensor, int64_t, int64_t, int64_t, bool, double, int64_t>(),
+           py::arg("layers"), py::arg("cross"), py::arg("src_padding"), py::arg("embed"), py::arg("positions"),
+           py::arg("final_norm"), py::arg("output"), py::arg("beams"), py::arg("heads"), py::arg("d_ff"),
+           py::arg("norm_first"), py::arg("eps"), py::arg("steps"))
+      .def("logits", &CpuDecoder::logits, py::arg("last_tokens"),
+           "next-token logits (N, V) of the live rows, given each row's token at this position (N,)")
+      .def("select", &CpuDecoder::select, py::arg("parents"), py::arg("sentences"),
+           "the next step's rows continue rows `parents` of this one; `sentences`: the live sentences kept (None: all)")
+      .def_property_readonly("position", &CpuDecoder::position, "the position the next step decodes");
+}
+
+}  // namespace fastformer
