@@ -97,7 +97,7 @@ def core_extension():
     with_cuda = want_cuda() and bool(cuda_sources)
     if want_cuda() and not cuda_sources:
         print("fastformer: CUDA requested but csrc/cuda/ holds no .cu sources yet; building the CPU kernels only")
-    sources = ["csrc/fastformer.cpp", "csrc/cpu_levels.cpp", "csrc/decoder.cpp"]
+    sources = ["csrc/fastformer.cpp", "csrc/cpu_levels.cpp", "csrc/decoder.cpp", "csrc/beam_search.cpp"]
     sources += sorted(glob.glob("csrc/autograd/*.cpp"))
     cxx = ["-O3", f'-DFASTFORMER_TORCH_VERSION="{torch.__version__}"']
     include_dirs = [os.path.join(ROOT, "csrc")]

@@ -25,4 +25,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, const c1
 // Binds fastformer._C.CpuDecoder, the incremental decoder's float32 CPU step (csrc/decoder.cpp).
 void bind_decoder(pybind11::module_& m);
 
+// Binds fastformer._C.BeamSearch, the beam search's bookkeeping (csrc/beam_search.cpp).
+void bind_beam_search(pybind11::module_& m);
+
 }  // namespace fastformer

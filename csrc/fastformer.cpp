@@ -51,6 +51,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y (M, n) = x (M, K) W^T + bias, float32 on the CPU, W packed as panels (ceil(n / PACKED_LINEAR_PANEL), K, "
         "PACKED_LINEAR_PANEL) of W^T's columns (zeros past n): the incremental decoder's projections at a few rows");
   fastformer::bind_decoder(m);
+  fastformer::bind_beam_search(m);
 #ifdef FASTFORMER_WITH_CUDA
   m.attr("WITH_CUDA") = true;
 #else

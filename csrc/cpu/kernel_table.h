@@ -34,6 +34,11 @@ void packed_linear_rows(const float* x, int64_t M, int64_t K, const float* panel
 // One step of the incremental decoder (csrc/cpu/decoder_step.cpp): writes step.logits and this step's
 // keys/values into the caches.
 void decoder_step(const DecoderStep& step);
+
+// The beam search's pass over the vocabulary (csrc/cpu/search_candidates.cpp): per row of logits (N, V),
+// lse (N) and the best `width` producible logits and their tokens (N, width); only_eos (N) or nullptr.
+void search_candidates(const float* logits, int64_t N, int64_t V, const bool* only_eos, int64_t pad, int64_t bos,
+                       int64_t eos, int64_t width, double* lse, float* top_values, int64_t* top_tokens);
 }  // namespace cpu
 
 // Bumped whenever the table's layout changes: a module of another layout is refused at import.
@@ -51,6 +56,7 @@ struct CpuKernels {
 #undef FASTFORMER_CPU_TABLE_ENTRY
   decltype(&cpu::packed_linear) packed_linear;  // the decoder's small-M projections (not an op)
   decltype(&cpu::decoder_step) decoder_step;    // the incremental decoder's whole step (not an op)
+  decltype(&cpu::search_candidates) search_candidates;  // the beam search's pass over the vocabulary
 };
 
 }  // namespace fastformer

@@ -20,6 +20,7 @@ const fastformer::CpuKernels kTable = {
 #undef FASTFORMER_CPU_TABLE_INIT
     &fastformer::cpu::packed_linear,
     &fastformer::cpu::decoder_step,
+    &fastformer::cpu::search_candidates,
 };
 
 }  // namespace

@@ -15,15 +15,21 @@ next-token logits of every live row and tells it which rows survive. Two stepper
     of the rows that survived (gathered by their parents, one pass) plus this step's key into the other
     buffer, whose first N H (t + 1) Dh elements are then a contiguous (N, H, t + 1, Dh) tensor: the
     beam reorder is one gather of the self-attention caches per step, with no allocation and no cat;
-  * about 12 PyTorch calls per layer a step, through the same fused ops as training.
+  * in float32 on the CPU through the cpu backend, the whole step is one C++ call
+    (``fastformer._C.CpuDecoder``, csrc/decoder.cpp, with the kernel csrc/cpu/decoder_step.cpp), which
+    keeps the caches as (N, H, T, Dh) buffers and moves rows in place when the parents allow it; elsewhere
+    (other dtypes, autocast, CUDA, the torch or triton backends) about 12 PyTorch calls per layer a step,
+    through the same fused ops as training.
 - ``FullRecompute`` (``use_cache=False``) recomputes the whole prefix with ``Transformer.decode`` at
   every step: the slow, obviously right path that tests and benchmarks compare against.
 
-The search works on the live rows only (rows of finished sentences leave the batch) and in the model's
-dtype: per row, the top 2K logits are taken first (log-softmax is monotonic in each row), then only those
-become log-probabilities, lp = logit - logsumexp(row), with the logsumexp's sum of exponentials and the
+The search (``fastformer._C.BeamSearch``, csrc/beam_search.cpp: its bookkeeping on the host, one call a
+step) works on the live rows only (rows of finished sentences leave the batch) and in the model's dtype:
+per row, the top 2K logits are taken first (log-softmax is monotonic in each row), then only those become
+log-probabilities, lp = logit - logsumexp(row), with the logsumexp's sum of exponentials and the
 hypothesis scores accumulated in float64: the same scores as a float64 log-softmax over the whole
-vocabulary, without converting (N, V) logits to float64.
+vocabulary, without converting (N, V) logits to float64. That pass over the vocabulary is one C++ kernel
+for float32 CPU logits (csrc/cpu/search_candidates.cpp) and ``search_candidates``'s torch ops elsewhere.
 
 Rules (pinned by tests/nn/test_model_decoding.py): a sentence of n source tokens may produce at most
 floor(a n + b) tokens before its eos, which is forced at the position after them; pad and bos are never
@@ -279,14 +285,37 @@ class FullRecompute:
 # The search
 
 
+def search_candidates(logits: Tensor, at_limit: Tensor, config, width: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The search's view of logits (N, V) on any device and dtype, with torch ops (float32 CPU logits take
+    the C++ kernel of csrc/cpu/search_candidates.cpp instead, the same rule): per row the log-sum-exp over
+    the whole vocabulary (pad and bos included, as a log-softmax; exponentials in the logits' dtype, float32
+    for half precision, their sum in float64) and the best ``width`` logits among the tokens the search may
+    produce (never pad or bos; only eos in rows ``at_limit``), with their tokens."""
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()  # half-precision logits (autocast): exponentials in float32
+    row_max = logits.amax(dim=1, keepdim=True)
+    lse = row_max.double().squeeze(1) + torch.exp(logits - row_max).sum(dim=1, dtype=torch.float64).log_()
+    logits = logits.clone()
+    logits[:, config.pad_id] = float("-inf")
+    logits[:, config.bos_id] = float("-inf")
+    if bool(at_limit.any()):  # the last allowed position of a sentence: only eos
+        eos = logits[at_limit, config.eos_id]
+        logits[at_limit] = float("-inf")
+        logits[at_limit, config.eos_id] = eos
+    top_logits, top_tokens = logits.topk(width, dim=1)
+    return lse, top_logits, top_tokens
+
+
 def beam_search(model, src: Tensor, K: int, alpha: float, a: float, b: float, use_cache: bool,
                 stepper=None) -> list[Hypotheses]:
     """Per sentence of src (B, S), its finished hypotheses (tokens without bos/eos, score), best first.
     The model must be in eval mode and grad disabled (``Transformer.beam_search`` sees to both).
     ``stepper(model, memory, src_padding, K, steps)`` may supply another decoder with the interface of
-    ``IncrementalDecoder`` (``logits``, ``select``): the benchmarks run a plain-PyTorch one this way."""
+    ``IncrementalDecoder`` (``logits``, ``select``): the benchmarks run a plain-PyTorch one this way.
+    The rules and the bookkeeping are ``fastformer._C.BeamSearch`` (csrc/beam_search.cpp); this loop asks
+    the stepper for logits and tells it which rows survive."""
     cfg = model.config
-    B, device, neg_inf = src.shape[0], src.device, float("-inf")
+    device = src.device
     memory, src_padding = model.encode(src)
     max_len = ((~src_padding).sum(1).double() * a + b).floor().long().clamp(min=0).tolist()
     steps = max(max_len) + 1
@@ -296,70 +325,15 @@ def beam_search(model, src: Tensor, K: int, alpha: float, a: float, b: float, us
         stepper = IncrementalDecoder(model, memory, src_padding, K, steps)
     else:
         stepper = FullRecompute(model, memory, src_padding, K)
-    active = list(range(B))  # live sentence i is sentence active[i] of the batch; its beams are rows i K .. i K + K - 1
-    tokens = torch.full((B * K, 1), cfg.bos_id, dtype=torch.long, device=device)  # (N, t + 1) prefixes
-    scores = torch.zeros(B * K, dtype=torch.float64, device=device)  # (N,) sums of log-probabilities
-    scores.view(B, K)[:, 1:] = neg_inf  # at step 0 every beam holds the same prefix: expand only the first
-    finished: list[Hypotheses] = [[] for _ in range(B)]
-    for step in range(steps):
-        logits = stepper.logits(tokens)  # (N, V)
-        if logits.dtype not in (torch.float32, torch.float64):
-            logits = logits.float()  # half-precision logits (autocast): exponentials in float32
-        N, V = logits.shape
-        # log-sum-exp of each row over the whole vocabulary (pad and bos included, as a log-softmax):
-        # exponentials in the logits' dtype, their sum in float64.
-        row_max = logits.amax(dim=1, keepdim=True)
-        lse = row_max.double().squeeze(1) + torch.exp(logits - row_max).sum(dim=1, dtype=torch.float64).log_()
-        logits[:, cfg.pad_id] = neg_inf
-        logits[:, cfg.bos_id] = neg_inf
-        limit_rows = [i * K + k for i, s in enumerate(active) if step >= max_len[s] for k in range(K)]
-        if limit_rows:  # the last allowed position of a sentence: only eos
-            at_limit = torch.tensor(limit_rows, device=device)
-            eos = logits.index_select(0, at_limit)[:, cfg.eos_id].clone()
-            logits.index_fill_(0, at_limit, neg_inf)
-            logits[at_limit, cfg.eos_id] = eos
-        # The best 2K of a sentence's K V candidates are among the best 2K of each of its rows.
-        width = min(2 * K, V)
-        top_logits, top_tokens = logits.topk(width, dim=1)  # (N, width)
-        candidates = scores[:, None] + (top_logits.double() - lse[:, None])  # (N, width) float64
-        n = N // K
-        best, best_index = candidates.view(n, K * width).topk(min(2 * K, K * width), dim=1)  # (n, 2K)
-        best_tokens = top_tokens.view(n, K * width).gather(1, best_index)
-        best_rows = best_index.div(width, rounding_mode="floor") + torch.arange(0, N, K, device=device)[:, None]
-        best, best_tokens, best_rows = best.tolist(), best_tokens.tolist(), best_rows.tolist()
-        penalty = ((5.0 + step + 1) / 6.0) ** alpha
-        still, kept, parents, next_tokens, next_scores = [], [], [], [], []
-        finished_rows = []  # (sentence, row, score) of hypotheses that end with this step's eos
-        for i, s in enumerate(active):
-            beams, ended = [], len(finished[s])
-            for rank, (score, token, row) in enumerate(zip(best[i], best_tokens[i], best_rows[i])):
-                if len(beams) == K or score == neg_inf:
-                    break
-                if token == cfg.eos_id:
-                    if rank < K:  # an eos among the best K candidates ends a hypothesis
-                        finished_rows.append((s, row, score / penalty))
-                        ended += 1
-                    continue
-                beams.append((row, token, score))
-            if ended >= K or step >= max_len[s] or not beams:
-                continue  # the sentence is done: its rows leave the batch
-            beams += [(beams[0][0], cfg.eos_id, neg_inf)] * (K - len(beams))  # idle beams
-            still.append(s)
-            kept.append(i)
-            for row, token, score in beams:
-                parents.append(row)
-                next_tokens.append(token)
-                next_scores.append(score)
-        if finished_rows:
-            prefixes = tokens[[row for _, row, _ in finished_rows], 1:].tolist()
-            for (s, _, score), prefix in zip(finished_rows, prefixes):
-                finished[s].append((prefix, score))
-        if not still:
+    search = C.BeamSearch(max_len, K, alpha, cfg.vocab_size, cfg.pad_id, cfg.bos_id, cfg.eos_id)
+    for _ in range(steps):
+        logits = stepper.logits(search.tokens().to(device))  # (N, V)
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:
+            going = search.step_logits(logits)
+        else:
+            going = search.step_candidates(*search_candidates(logits, search.at_limit().to(device), cfg, search.width))
+        if not going:
             break
-        parent_rows = torch.tensor(parents, dtype=torch.long, device=device)
-        tokens = torch.cat([tokens.index_select(0, parent_rows), torch.tensor(next_tokens, device=device)[:, None]],
-                           dim=1)
-        scores = torch.tensor(next_scores, dtype=torch.float64, device=device)
-        stepper.select(parent_rows, None if len(still) == len(active) else torch.tensor(kept, device=device))
-        active = still
-    return [sorted(hyps, key=lambda h: -h[1])[:K] for hyps in finished]
+        sentences = search.sentences
+        stepper.select(search.parents.to(device), None if sentences is None else sentences.to(device))
+    return search.hypotheses()

@@ -1,0 +1,107 @@
+// The beam search's pass over the vocabulary (csrc/beam_search.cpp calls it each step), float32 on the CPU:
+// per row of logits (N, V), in one read of the row (plus one for the maximum),
+//   lse = m + log(sum_j e^(l_j - m)),  m = max_j l_j   (every token; exponentials in float, summed in double:
+//                                                       a float64 log-softmax's normaliser)
+//   the `width` largest logits among the tokens the search may produce (pad and bos never; only eos in a
+//   row at its sentence's length limit), best first, ties to the lower token id; -inf entries (tokens
+//   not produced) fill the list when fewer than `width` tokens remain.
+// The top list is kept sorted; the maximum of each block of 4 vectors is compared with the list's last (the
+// threshold) and only a block above it is scanned for insertions, so after the first few blocks the scan is
+// 4 vector maxima and a reduction per 64 logits (AVX-512). Rows are split over threads.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "cpu/cpu_ops.h"
+#include "cpu/kernel_table.h"
+
+namespace fastformer::cpu {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Sorted (value desc, token asc) list of at most `width` entries.
+struct TopList {
+  float* values;
+  int64_t* tokens;
+  int64_t width, size = 0;
+
+  float threshold() const { return size < width ? kNegInf : values[width - 1]; }
+
+  // A token scanned in increasing id order: it goes after every entry of equal value.
+  void insert(float v, int64_t token) {
+    int64_t at = std::min(size, width - 1);
+    if (size == width && !(v > values[width - 1])) return;
+    while (at > 0 && values[at - 1] < v) {
+      values[at] = values[at - 1];
+      tokens[at] = tokens[at - 1];
+      --at;
+    }
+    values[at] = v;
+    tokens[at] = token;
+    size = std::min(size + 1, width);
+  }
+};
+
+double row_lse(const float* row, int64_t V) {
+  using Vec = at::vec::Vectorized<float>;
+  const float m = vec_max(row, V);
+  if (!std::isfinite(m)) return m;  // +inf/NaN: NaN or inf, as a log-softmax; -inf: an all -inf row
+  const Vec vm(m);
+  alignas(64) float e[Vec::size()];
+  double sums[4] = {0, 0, 0, 0};
+  int64_t j = 0;
+  for (; j + Vec::size() <= V; j += Vec::size()) {
+    (Vec::loadu(row + j) - vm).exp().store(e);
+    for (int i = 0; i < Vec::size(); ++i) sums[i % 4] += static_cast<double>(e[i]);
+  }
+  for (; j < V; ++j) sums[0] += static_cast<double>(std::exp(row[j] - m));
+  return static_cast<double>(m) + std::log((sums[0] + sums[1]) + (sums[2] + sums[3]));
+}
+
+}  // namespace
+
+void search_candidates(const float* logits, int64_t N, int64_t V, const bool* only_eos, int64_t pad, int64_t bos,
+                       int64_t eos, int64_t width, double* lse, float* top_values, int64_t* top_tokens) {
+  using Vec = at::vec::Vectorized<float>;
+  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = logits + r * V;
+      lse[r] = row_lse(row, V);
+      TopList top{top_values + r * width, top_tokens + r * width, width};
+      auto producible = [&](int64_t token) { return token != pad && token != bos; };
+      if (only_eos != nullptr && only_eos[r]) {
+        if (eos >= 0 && eos < V && row[eos] > kNegInf) top.insert(row[eos], eos);
+      } else {
+        constexpr int64_t kBlock = 4 * Vec::size();
+        int64_t j = 0;
+        for (; j + kBlock <= V; j += kBlock) {
+          const Vec block = at::vec::maximum(at::vec::maximum(Vec::loadu(row + j), Vec::loadu(row + j + Vec::size())),
+                                             at::vec::maximum(Vec::loadu(row + j + 2 * Vec::size()),
+                                                              Vec::loadu(row + j + 3 * Vec::size())));
+          const float block_max =
+              at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, block);
+          if (!(block_max > top.threshold())) continue;  // nothing here beats the list's last
+          for (int64_t i = j; i < j + kBlock; ++i) {
+            if (producible(i) && row[i] > kNegInf) top.insert(row[i], i);
+          }
+        }
+        for (; j < V; ++j) {
+          if (producible(j) && row[j] > kNegInf) top.insert(row[j], j);
+        }
+      }
+      // Fewer than width producible finite logits: -inf entries, on the lowest ids not listed.
+      for (int64_t token = 0; top.size < width && token < V; ++token) {
+        if (std::find(top.tokens, top.tokens + top.size, token) == top.tokens + top.size) {
+          top.values[top.size] = kNegInf;
+          top.tokens[top.size++] = token;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace fastformer::cpu
