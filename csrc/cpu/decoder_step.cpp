@@ -11,15 +11,18 @@
 //       x = x + f(h), h = LayerNorm_next(x)   (the next sublayer's norm, the final norm after the last)
 //   logits = out W_embed^T, out = x (post-norm) or h (pre-norm).
 // Sublayers:
-//   self-attention: qkv = in W_qkv^T + b (N, 3 d); k, v of position t go to the row's cache (N, H, T, Dh)
-//     at t; per (row, head) one query against its own t + 1 keys (nothing masked); out projection.
+//   self-attention: qkv = in W_qkv^T + b (N, 3 d); k, v of position t go to cache row r (N0, H, T, Dh)
+//     at t; per (row, head) one query against its own t + 1 keys (nothing masked), position j of row r
+//     read from cache row slots[r T + j] (the row that computed it: beams share their history without
+//     copying it); out projection.
 //   cross-attention: q = in W_q^T + b; per (row, head) one query against the S keys of its sentence
 //     (row / K), padding masked (a fully masked row gives zeros); out projection.
 //   feed-forward: relu(in W_1^T + b_1) W_2^T + b_2.
 // Every projection is packed_linear_rows (the weight streamed once from its panels): at a few rows the step
 // is a stream of the decoder's weights and of the embedding. The attentions read the caches once.
 // Attention math per (row, head), scale = 1/sqrt(Dh): s_j = (q . k_j) scale, m = max_j s_j,
-// out = sum_j e^(s_j - m) v_j / sum_j e^(s_j - m), in float, over rows x heads split across threads.
+// out = sum_j e^(s_j - m) v_j / sum_j e^(s_j - m), in float, over rows x heads split across threads; the
+// cache reads are t + 1 keys and values of Dh floats a (row, head), each contiguous.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -72,26 +75,55 @@ void project(const float* x, int64_t M, int64_t K, const PackedProjection& w, fl
   packed_linear_rows(x, M, K, w.panels, w.bias, y, n);
 }
 
-// out (Dh) = softmax(q . keys^T scale, masked) values for one query against L keys/values (L, Dh);
-// mask (L,) true = ignored, or nullptr. scores: room for L floats. A fully masked row gives zeros.
-void attend(const float* q, const float* keys, const float* values, const bool* mask, int64_t L, int64_t Dh,
-            float scale, float* scores, float* out) {
-  float m = -std::numeric_limits<float>::infinity();
+// out (Dh) = softmax(q . keys^T scale, masked) values for one query against L keys/values of Dh floats,
+// key j at key(j) and its value at value(j); mask (L,) true = ignored, or nullptr. scores: room for L
+// floats. A fully masked row gives zeros. The output accumulates in registers (NV vectors, NV Vec::size()
+// == Dh) or, for other head sizes, in out.
+template <int NV, typename KeyAt, typename ValueAt>
+void attend(const float* q, KeyAt key, ValueAt value, const bool* mask, int64_t L, int64_t Dh, float scale,
+            float* scores, float* out) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  float m = kNegInf;
   for (int64_t j = 0; j < L; ++j) {
-    scores[j] = mask != nullptr && mask[j] ? -std::numeric_limits<float>::infinity()
-                                           : vec_dot(q, keys + j * Dh, Dh) * scale;
+    scores[j] = mask != nullptr && mask[j] ? kNegInf : vec_dot(q, key(j), Dh) * scale;
     m = nan_max(m, scores[j]);
   }
-  std::fill(out, out + Dh, 0.0f);
-  if (m == -std::numeric_limits<float>::infinity()) return;  // every key masked
-  float sum = 0.0f;
-  for (int64_t j = 0; j < L; ++j) {
-    if (scores[j] == -std::numeric_limits<float>::infinity()) continue;
-    const float p = std::exp(scores[j] - m);
-    sum += p;
-    vec_axpy(p, values + j * Dh, out, Dh);
+  if (m == kNegInf) {  // every key masked
+    std::fill(out, out + Dh, 0.0f);
+    return;
   }
-  vec_scale(1.0f / sum, out, Dh);
+  at::vec::map([m](Vec v) { return (v - Vec(m)).exp(); }, scores, scores, L);  // e^(-inf) = 0: masked keys drop
+  const float inv = 1.0f / vec_sum(scores, L);
+  if constexpr (NV > 0) {
+    Vec acc[NV];
+    for (int v = 0; v < NV; ++v) acc[v] = Vec(0.0f);
+    for (int64_t j = 0; j < L; ++j) {
+      const Vec p(scores[j]);
+      const float* vj = value(j);
+      for (int v = 0; v < NV; ++v) acc[v] = at::vec::fmadd(p, Vec::loadu(vj + v * Vec::size()), acc[v]);
+    }
+    for (int v = 0; v < NV; ++v) (acc[v] * Vec(inv)).store(out + v * Vec::size());
+  } else {
+    std::fill(out, out + Dh, 0.0f);
+    for (int64_t j = 0; j < L; ++j) vec_axpy(scores[j], value(j), out, Dh);
+    vec_scale(inv, out, Dh);
+  }
+}
+
+// attend<NV> for the head size: registers for Dh = 1 .. 8 vectors, the generic loop otherwise.
+template <typename KeyAt, typename ValueAt>
+void attend_head(const float* q, KeyAt key, ValueAt value, const bool* mask, int64_t L, int64_t Dh, float scale,
+                 float* scores, float* out) {
+  using Vec = at::vec::Vectorized<float>;
+  const int64_t nv = Dh % Vec::size() == 0 ? Dh / Vec::size() : 0;
+  switch (nv) {
+    case 1: return attend<1>(q, key, value, mask, L, Dh, scale, scores, out);
+    case 2: return attend<2>(q, key, value, mask, L, Dh, scale, scores, out);
+    case 4: return attend<4>(q, key, value, mask, L, Dh, scale, scores, out);
+    case 8: return attend<8>(q, key, value, mask, L, Dh, scale, scores, out);
+    default: return attend<0>(q, key, value, mask, L, Dh, scale, scores, out);
+  }
 }
 
 }  // namespace
@@ -128,21 +160,25 @@ void decoder_step(const DecoderStep& s) {
 
   for (size_t l = 0; l < s.layers.size(); ++l) {
     const DecoderLayerStep& layer = s.layers[l];
-    // Self-attention: this position's k, v into the cache, then one query per (row, head).
+    // Self-attention: this position's k, v into cache row r, then one query per (row, head) against the
+    // row's t + 1 keys: position j < t of row r lives in cache row slots[r T + j], position t in row r.
     project(in, N, d, layer.qkv, qkv.data(), 3 * d);
     for (int64_t r = 0; r < N; ++r) {
       for (int64_t hd = 0; hd < H; ++hd) {
-        const int64_t at = ((r * H + hd) * T + t) * Dh;
-        std::copy_n(qkv.data() + r * 3 * d + d + hd * Dh, Dh, layer.k_cache + at);
-        std::copy_n(qkv.data() + r * 3 * d + 2 * d + hd * Dh, Dh, layer.v_cache + at);
+        const int64_t cell = ((r * H + hd) * T + t) * Dh;
+        std::copy_n(qkv.data() + r * 3 * d + d + hd * Dh, Dh, layer.k_cache + cell);
+        std::copy_n(qkv.data() + r * 3 * d + 2 * d + hd * Dh, Dh, layer.v_cache + cell);
       }
     }
     at::parallel_for(0, N * H, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(t + 1);
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t r = i / H, hd = i % H, cache = i * T * Dh;
-        attend(qkv.data() + r * 3 * d + hd * Dh, layer.k_cache + cache, layer.v_cache + cache, nullptr, t + 1, Dh,
-               scale, scores.data(), a.data() + r * d + hd * Dh);
+        const int64_t r = i / H, hd = i % H;
+        const int64_t* slot = s.slots + r * T;
+        auto offset = [&](int64_t j) { return (((j < t ? slot[j] : r) * H + hd) * T + j) * Dh; };
+        attend_head(qkv.data() + r * 3 * d + hd * Dh, [&](int64_t j) { return layer.k_cache + offset(j); },
+                    [&](int64_t j) { return layer.v_cache + offset(j); }, nullptr, t + 1, Dh, scale, scores.data(),
+                    a.data() + r * d + hd * Dh);
       }
     });
     project(a.data(), N, d, layer.self_out, y.data(), d);
@@ -153,10 +189,13 @@ void decoder_step(const DecoderStep& s) {
     at::parallel_for(0, N * H, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(S);
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t r = i / H, hd = i % H, sentence = r / K, keys = (sentence * H + hd) * S * Dh;
-        attend(qkv.data() + r * d + hd * Dh, layer.cross_k + keys, layer.cross_v + keys,
-               s.src_padding != nullptr ? s.src_padding + sentence * S : nullptr, S, Dh, scale, scores.data(),
-               a.data() + r * d + hd * Dh);
+        const int64_t r = i / H, hd = i % H, sentence = r / K;
+        const float* keys = layer.cross_k + (sentence * H + hd) * S * Dh;
+        const float* values = layer.cross_v + (sentence * H + hd) * S * Dh;
+        attend_head(qkv.data() + r * d + hd * Dh, [&](int64_t j) { return keys + j * Dh; },
+                    [&](int64_t j) { return values + j * Dh; },
+                    s.src_padding != nullptr ? s.src_padding + sentence * S : nullptr, S, Dh, scale, scores.data(),
+                    a.data() + r * d + hd * Dh);
       }
     });
     project(a.data(), N, d, layer.cross_out, y.data(), d);

@@ -24,8 +24,8 @@ struct DecoderLayerStep {
   const float* norm_bias[3];
   const float* cross_k;  // (n, H, S, Dh): the encoder memory's keys, once per sentence
   const float* cross_v;  // (n, H, S, Dh)
-  float* k_cache;        // (N, H, T, Dh): positions 0 .. t - 1 of each row already in place; t is written
-  float* v_cache;
+  float* k_cache;        // (N0, H, T, Dh): cache row c holds at position j what row c computed at step j;
+  float* v_cache;        // this step writes position t of rows 0 .. N - 1
 };
 
 struct DecoderStep {
@@ -43,6 +43,7 @@ struct DecoderStep {
   float eps;
   float embed_scale;           // sqrt(d)
   const int64_t* tokens;       // (N,): the token at position t of each row
+  const int64_t* slots;        // (N, T): position j < t of row r is in cache row slots[r T + j]
   const float* embed;          // (V, d): the shared embedding
   const float* position_row;   // (d,): the sinusoid of position t
   const bool* src_padding;     // (n, S), true at padding; nullptr when no source has padding

@@ -1,7 +1,7 @@
 // The beam search's pass over the vocabulary (csrc/beam_search.cpp calls it each step), float32 on the CPU:
 // per row of logits (N, V), in one read of the row (plus one for the maximum),
-//   lse = m + log(sum_j e^(l_j - m)),  m = max_j l_j   (every token; exponentials in float, summed in double:
-//                                                       a float64 log-softmax's normaliser)
+//   lse = m + log(sum_j e^(l_j - m)),  m = max_j l_j   (every token; exponentials in float, summed in float
+//                                                       over blocks of 256 (AVX-512) and the blocks in double)
 //   the `width` largest logits among the tokens the search may produce (pad and bos never; only eos in a
 //   row at its sentence's length limit), best first, ties to the lower token id; -inf entries (tokens
 //   not produced) fill the list when fewer than `width` tokens remain.
@@ -50,16 +50,18 @@ double row_lse(const float* row, int64_t V) {
   using Vec = at::vec::Vectorized<float>;
   const float m = vec_max(row, V);
   if (!std::isfinite(m)) return m;  // +inf/NaN: NaN or inf, as a log-softmax; -inf: an all -inf row
+  // Exponentials summed in float vectors over blocks of 16 vectors (each term <= 1), the blocks in double.
+  constexpr int64_t kBlock = 16 * Vec::size();
   const Vec vm(m);
-  alignas(64) float e[Vec::size()];
-  double sums[4] = {0, 0, 0, 0};
+  double sum = 0.0;
   int64_t j = 0;
-  for (; j + Vec::size() <= V; j += Vec::size()) {
-    (Vec::loadu(row + j) - vm).exp().store(e);
-    for (int i = 0; i < Vec::size(); ++i) sums[i % 4] += static_cast<double>(e[i]);
+  for (; j + kBlock <= V; j += kBlock) {
+    Vec acc(0.0f);
+    for (int64_t i = j; i < j + kBlock; i += Vec::size()) acc = acc + (Vec::loadu(row + i) - vm).exp();
+    sum += static_cast<double>(at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, acc));
   }
-  for (; j < V; ++j) sums[0] += static_cast<double>(std::exp(row[j] - m));
-  return static_cast<double>(m) + std::log((sums[0] + sums[1]) + (sums[2] + sums[3]));
+  for (; j < V; ++j) sum += static_cast<double>(std::exp(row[j] - m));
+  return static_cast<double>(m) + std::log(sum);
 }
 
 }  // namespace

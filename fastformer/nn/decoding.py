@@ -17,7 +17,8 @@ next-token logits of every live row and tells it which rows survive. Two stepper
     beam reorder is one gather of the self-attention caches per step, with no allocation and no cat;
   * in float32 on the CPU through the cpu backend, the whole step is one C++ call
     (``fastformer._C.CpuDecoder``, csrc/decoder.cpp, with the kernel csrc/cpu/decoder_step.cpp), which
-    keeps the caches as (N, H, T, Dh) buffers and moves rows in place when the parents allow it; elsewhere
+    keeps each layer's cache in one (N0, H, T, Dh) buffer whose entries never move (a table of slots says
+    which cache row holds each earlier position of a live row, so a beam reorder copies no key); elsewhere
     (other dtypes, autocast, CUDA, the torch or triton backends) about 12 PyTorch calls per layer a step,
     through the same fused ops as training.
 - ``FullRecompute`` (``use_cache=False``) recomputes the whole prefix with ``Transformer.decode`` at
