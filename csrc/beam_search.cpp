@@ -6,7 +6,8 @@
 //     vocabulary) and its best `width` = min(2 K, V) logits among the tokens it may produce (never pad or
 //     bos; only eos at a sentence's last allowed position, floor(a n + b)): step_logits computes them with
 //     the level's search_candidates kernel (float32 CPU logits), step_candidates takes them from elsewhere
-//     (fastformer/nn/decoding.py computes them with torch ops on any device);
+//     (fastformer/nn/decoding.py computes them with torch ops on any device; tied logits may then come in
+//     torch.topk's order rather than the kernel's lower-id-first);
 //   - candidate = score(row) + logit - lse, in float64; a sentence's best 2 K of its K width candidates,
 //     best first (ties to the lower row, then the better-ranked logit);
 //   - walking them: an eos among the best K ends a hypothesis with score / ((5 + len) / 6)^alpha, len
