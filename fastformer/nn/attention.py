@@ -7,6 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from fastformer import ops
+from fastformer.nn.linear import Linear
 
 
 class MultiHeadAttention(nn.Module):
@@ -29,11 +30,11 @@ class MultiHeadAttention(nn.Module):
         self.record_attention = False
         self.last_attention: Optional[Tensor] = None
         if cross:
-            self.q_proj = nn.Linear(d_model, d_model)
-            self.kv_proj = nn.Linear(d_model, 2 * d_model)
+            self.q_proj = Linear(d_model, d_model)
+            self.kv_proj = Linear(d_model, 2 * d_model)
         else:
-            self.qkv_proj = nn.Linear(d_model, 3 * d_model)
-        self.out_proj = nn.Linear(d_model, d_model)
+            self.qkv_proj = Linear(d_model, 3 * d_model)
+        self.out_proj = Linear(d_model, d_model)
         self.reset_parameters()
 
     def reset_parameters(self):

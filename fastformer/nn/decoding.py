@@ -7,7 +7,8 @@ next-token logits of every live row and tells it which rows survive. Two stepper
   decoder is:
   * projection weights prepared once per set of weights (``PreparedWeights``, cached on the model until
     a parameter changes): on the CPU in float32, packed into the column panels that fastformer's own
-    small-M kernel streams (``fastformer._C.packed_linear``), used up to PACKED_MAX_ROWS rows a step;
+    GEMM kernel streams (``fastformer._C.packed_linear``; fastformer/nn/linear.py keeps them, shared with
+    the model's own ``Linear`` layers);
   * cross-attention K/V computed once per sentence and shared by its beams: the K beams of a sentence
     are the K query rows of one attention call against that sentence's keys, never copied per beam and
     never reordered (only narrowed when sentences finish);
@@ -50,6 +51,7 @@ from torch import Tensor, nn
 from fastformer import _dispatch, ops
 from fastformer._ext import C
 from fastformer.nn.layers import run_sublayers
+from fastformer.nn.linear import packed_panels
 
 Hypotheses = list[tuple[list[int], float]]
 
@@ -58,30 +60,14 @@ Hypotheses = list[tuple[list[int], float]]
 # Weights in the layout the decoder step wants
 
 
-# Rows up to which a float32 CPU projection runs fastformer's packed kernel instead of the BLAS GEMM: a
-# decoding step's batch x beam (32 x 4 = 128 in the benchmarks), not the encoder memory's B x S rows.
-PACKED_MAX_ROWS = 256
-
-
-def pack_panels(weight: Tensor) -> Tensor:
-    """An (out, in) weight as the column panels of W^T that ``fastformer._C.packed_linear`` streams:
-    (ceil(out / P), in, P) contiguous, P = PACKED_LINEAR_PANEL, zeros past ``out``."""
-    P = C.PACKED_LINEAR_PANEL
-    out, inp = weight.shape
-    padded = weight.new_zeros((out + P - 1) // P * P, inp)
-    padded[:out] = weight
-    return padded.view(-1, P, inp).transpose(1, 2).contiguous()
-
-
 @dataclass
 class Projection:
-    """y = x W^T + b. On the CPU in float32, up to PACKED_MAX_ROWS rows (a decoding step's: batch x beam)
-    go through ``fastformer._C.packed_linear``, which streams W packed once into column panels
-    (csrc/cpu/packed_linear.cpp; against torch's BLAS GEMM see README "Decoding"). Other rows, dtypes and
-    devices take ``F.linear`` on the module's own weight (no copy)."""
+    """y = x W^T + b. On the CPU in float32 through ``fastformer._C.packed_linear`` on W packed once into
+    column panels (fastformer/nn/linear.py, which keeps them; against torch's BLAS GEMM see README
+    "Decoding"). Other dtypes and devices take ``F.linear`` on the module's own weight (no copy)."""
     weight: Tensor  # (out, in), the nn.Linear's
     bias: Optional[Tensor]  # (out,)
-    panels: Optional[Tensor]  # pack_panels(weight), or None where the packed kernel does not apply
+    panels: Optional[Tensor]  # packed_panels(weight), or None where the packed kernel does not apply
 
     @classmethod
     def of(cls, linear: nn.Linear) -> "Projection":
@@ -89,11 +75,10 @@ class Projection:
 
     @classmethod
     def of_weight(cls, weight: Tensor, bias: Optional[Tensor]) -> "Projection":
-        packable = weight.device.type == "cpu" and weight.dtype == torch.float32
-        return cls(weight, bias, pack_panels(weight) if packable else None)
+        return cls(weight, bias, packed_panels(weight))
 
     def __call__(self, x: Tensor) -> Tensor:  # (N, in) -> (N, out)
-        if self.panels is not None and x.dtype == torch.float32 and x.shape[0] <= PACKED_MAX_ROWS:
+        if self.panels is not None and x.dtype == torch.float32:
             return C.packed_linear(x, self.panels, self.bias, self.weight.shape[0])
         return F.linear(x, self.weight, self.bias)
 
@@ -126,8 +111,8 @@ def _weights_key(model) -> tuple:
 
 def prepared_weights(model) -> PreparedWeights:
     """The decoder's projections in GEMM layout, made once and reused until a parameter changes (kept in
-    ``model.__dict__``, outside the state dict; on the CPU in float32 it costs one more copy of the
-    decoder's weights and of the embedding matrix, the packed panels)."""
+    ``model.__dict__``, outside the state dict; on the CPU in float32 the packed panels of
+    fastformer/nn/linear.py, one more copy of the decoder's weights and of the embedding matrix)."""
     key = _weights_key(model)
     prepared = model.__dict__.get("_prepared_decoder")
     if prepared is not None and prepared.key == key:

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from fastformer import ops
 from fastformer.nn.attention import MultiHeadAttention
 from fastformer.nn.config import TransformerConfig
+from fastformer.nn.linear import Linear
 
 
 class FeedForward(nn.Module):
@@ -26,7 +27,7 @@ class FeedForward(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, activation_dropout: float = 0.0):
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+        self.fc1, self.fc2 = Linear(d_model, d_ff), Linear(d_ff, d_model)
         self.activation_dropout = activation_dropout
         for m in (self.fc1, self.fc2):
             nn.init.xavier_uniform_(m.weight)

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from fastformer.nn import decoding
 from fastformer.nn.config import TransformerConfig
 from fastformer.nn.layers import Decoder, Encoder
+from fastformer.nn.linear import linear
 
 
 def sinusoid_table(n_positions: int, d_model: int) -> Tensor:
@@ -88,7 +89,7 @@ class Transformer(nn.Module):
 
     def project(self, h: Tensor) -> Tensor:
         """Logits (..., vocab) of decoder states (..., d): the embedding matrix, transposed."""
-        return F.linear(h, self.embed.weight)
+        return linear(h, self.embed.weight)
 
     def forward(self, src: Tensor, tgt_in: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         """Logits (B, T, vocab); with a bool ``positions`` mask (B, T), only those positions' logits, (n, vocab)
