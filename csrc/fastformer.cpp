@@ -49,7 +49,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("PACKED_LINEAR_PANEL") = fastformer::kPackedLinearPanel;
   m.def("packed_linear", &fastformer::packed_linear, py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("n"),
         "y (M, n) = x (M, K) W^T + bias, float32 on the CPU, W packed as panels (ceil(n / PACKED_LINEAR_PANEL), K, "
-        "PACKED_LINEAR_PANEL) of W^T's columns (zeros past n): the incremental decoder's projections at a few rows");
+        "PACKED_LINEAR_PANEL) of W^T's columns (zeros past n): the model's projections at inference");
   fastformer::bind_decoder(m);
   fastformer::bind_beam_search(m);
 #ifdef FASTFORMER_WITH_CUDA
