@@ -2,8 +2,8 @@
 # One command that verifies a GPU machine, for anyone handed one: builds fastformer in place against the
 # machine's own torch (no network: pip install --no-build-isolation --no-deps -e .), then runs tests/gpu,
 # compute-sanitizer memcheck on the CUDA attention tests, the call-overhead benchmark, a short
-# `python -m fastformer.train --device cuda` (tokens/s, test BLEU) and the op benchmarks at the paper's
-# sizes (forward+backward), and writes one markdown report: device, driver, torch, commit, each step's
+# `python -m fastformer.train --device cuda` (tokens/s, test BLEU), the op benchmarks at the paper's
+# sizes (forward+backward) and the small model's decoding benchmark, and writes one markdown report: device, driver, torch, commit, each step's
 # status and time, and every figure with the command that made it.
 #
 #   tools/gpu_check.sh [REPORT]          # default REPORT: docs/gpu-report.md (runs/gpu-check.md without a GPU)
@@ -84,6 +84,9 @@ if ((GPU)); then
   step "benchmarks" 90 python -m pytest benchmarks/test_attention.py benchmarks/test_softmax.py \
     benchmarks/test_layer_norm_residual.py --bench-sizes paper -k "fwd+bwd" --benchmark-only -q \
     -p no:cacheprovider --benchmark-json "$LOGS/bench.json"
+  # Issue "Translation at CTranslate2's speed": generate on CUDA against the plain-PyTorch decoder (small model).
+  step "decoding" 60 python -m pytest benchmarks/test_decoding.py -k small --benchmark-only -q -p no:cacheprovider \
+    --benchmark-json "$LOGS/decoding.json"
 else
   step "build (CPU only)" 400 env FASTFORMER_FORCE_CUDA=0 MAX_JOBS="$(nproc)" pip install --no-build-isolation \
     --no-deps -e .
@@ -139,7 +142,7 @@ r = json.loads(sys.argv[1])
 print(f\"- train (\`python -m fastformer.train --device cuda --max-minutes $minutes --eval-every 0\`): {r['steps']} updates in {r['train_minutes']} training minutes, {r['tokens_per_s']:.0f} target tokens/s, precision {r['precision']}, test BLEU {r.get('test_bleu')} (chrF {r.get('test_chrf')}), peak RSS {r['peak_rss_gib']} GiB\")
 " "$result"
   fi
-  for json in overhead bench; do
+  for json in overhead bench decoding; do
     if [[ -s $LOGS/$json.json ]]; then
       echo
       echo "### ${json/bench/benchmarks (paper sizes, forward+backward)}"
