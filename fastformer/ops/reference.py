@@ -48,17 +48,30 @@ def philox4x32_10(seed: int, counter: torch.Tensor) -> list[torch.Tensor]:
     return [c0, c1, c2, c3]
 
 
+# Counters per slice of dropout_keep on the CPU: the ~250 int64 operations of Philox then run on 512 KiB
+# tensors that stay in cache (2.6x faster than one pass over the whole tensor at 12.8M elements, 2 threads
+# of the AVX-512 VM); on a GPU one slice (the launches would cost more than the traffic).
+_KEEP_SLICE = 1 << 16
+
+
 def dropout_keep(seed: int, numel: int, p: float, device=None) -> torch.Tensor:
     """Bool keep-mask of elements 0 .. numel-1 of a tensor dropped with probability p.
 
     Element i takes word i % 4 of Philox counter i // 4: one Philox evaluation per 4 elements, whose
-    (n/4, 4) words flatten to the elements in order."""
-    counters = torch.arange((numel + 3) // 4, dtype=torch.int64, device=device)
-    words = torch.stack(philox4x32_10(seed, counters), dim=-1).reshape(-1)[:numel]
-    x = torch.where(words >= 2**31, words - 2**32, words)  # reinterpret as int32
-    x = torch.where(x < 0, -x - 1, x)
-    u = x.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32)
-    return u >= torch.tensor(p, dtype=torch.float32)
+    (n/4, 4) words flatten to the elements in order. A word w becomes u = min(w, 2^32 - 1 - w) (csrc/philox.h's
+    int32 reinterpretation, negatives mirrored to -x - 1) times 2^-31; kept where u >= p."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    keep = torch.empty(numel, dtype=torch.bool, device=device)
+    counters = (numel + 3) // 4
+    step = _KEEP_SLICE if device.type == "cpu" else max(counters, 1)
+    scale = torch.tensor(4.6566127342e-10, dtype=torch.float32, device=device)
+    threshold = torch.tensor(p, dtype=torch.float32, device=device)
+    for first in range(0, counters, step):
+        counter = torch.arange(first, min(counters, first + step), dtype=torch.int64, device=device)
+        words = torch.stack(philox4x32_10(seed, counter), dim=-1).reshape(-1)[: numel - 4 * first]
+        u = torch.minimum(words, _MASK32 - words).to(torch.float32) * scale
+        keep[4 * first: 4 * first + words.numel()] = u >= threshold
+    return keep
 
 
 def _dropout_factor(seed: int, shape, p: float, dtype, device) -> torch.Tensor | None:
