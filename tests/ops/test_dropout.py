@@ -207,3 +207,19 @@ def test_backends_draw_the_seed_the_same_way(make):
     torch.manual_seed(11)
     untouched = torch.randint(0, 2**62, (4,))
     assert not torch.equal(after["torch"], untouched), "a dropout call must draw from torch's generator"
+
+
+def test_reference_mask_over_several_slices_matches_the_cpu_kernel():
+    """The torch reference computes its Philox mask in slices of reference._KEEP_SLICE counters on the CPU:
+    over 2.3 slices (odd row length, a partial last slice) its mask is the cpu kernel's (csrc/philox.h)."""
+    from fastformer.ops import reference
+    n = int(2.3 * 4 * reference._KEEP_SLICE)
+    x = torch.rand(n // 97, 97) + 0.5
+    residual, weight, bias = torch.zeros_like(x), torch.randn(97), torch.randn(97)
+    masks = []
+    for backend in ("torch", "cpu"):
+        torch.manual_seed(SEED)
+        _, s = ops.layer_norm_residual(x, residual, weight, bias, dropout_p=0.3, prenorm=True, backend=backend)
+        masks.append(s != 0)
+    assert torch.equal(masks[0], masks[1])
+    assert_kept_fraction(masks[0], 0.3)
