@@ -12,7 +12,6 @@
 // positions of every row and layer would: 12 MB a step at batch 32, beam 4 of the small model).
 #include <torch/extension.h>
 
-#include <cstring>
 #include <vector>
 
 #include "cpu/kernel_table.h"
@@ -179,8 +178,6 @@ class CpuDecoder {
     step_.rows = next;
   }
 
-  int64_t position() const { return step_.position; }
-
  private:
   void point_at_cross() {
     for (size_t l = 0; l < step_.layers.size(); ++l) {
@@ -215,8 +212,7 @@ void bind_decoder(pybind11::module_& m) {
       .def("logits", &CpuDecoder::logits, py::arg("last_tokens"),
            "next-token logits (N, V) of the live rows, given each row's token at this position (N,)")
       .def("select", &CpuDecoder::select, py::arg("parents"), py::arg("sentences"),
-           "the next step's rows continue rows `parents` of this one; `sentences`: the live sentences kept (None: all)")
-      .def_property_readonly("position", &CpuDecoder::position, "the position the next step decodes");
+           "the next step's rows continue rows `parents` of this one; `sentences`: the live sentences kept (None: all)");
 }
 
 }  // namespace fastformer

@@ -36,41 +36,6 @@
 namespace fastformer::cpu {
 namespace {
 
-// rows of x (N, d): s = x + y (y nullptr: s = x), written back to x (the residual stream), and
-// out = (s - mean) / sqrt(var + eps) * weight + bias (two-pass variance, as the layer_norm_residual
-// kernel); out may be x.
-void add_layer_norm(float* x, const float* y, const float* weight, const float* bias, float* out, int64_t N,
-                    int64_t d, float eps) {
-  using Vec = at::vec::Vectorized<float>;
-  for (int64_t r = 0; r < N; ++r) {
-    float* s = x + r * d;
-    if (y != nullptr) {
-      const float* yr = y + r * d;
-      int64_t j = 0;
-      for (; j + Vec::size() <= d; j += Vec::size()) (Vec::loadu(s + j) + Vec::loadu(yr + j)).store(s + j);
-      for (; j < d; ++j) s[j] += yr[j];
-    }
-    const float mean = vec_sum(s, d) / static_cast<float>(d);
-    const Vec vmean(mean);
-    Vec vvar(0.0f);
-    int64_t j = 0;
-    for (; j + Vec::size() <= d; j += Vec::size()) {
-      const Vec c = Vec::loadu(s + j) - vmean;
-      vvar = at::vec::fmadd(c, c, vvar);
-    }
-    float var = at::vec::vec_reduce_all<float>([](Vec p, Vec q) { return p + q; }, vvar);
-    for (; j < d; ++j) var += (s[j] - mean) * (s[j] - mean);
-    const float rstd = 1.0f / std::sqrt(var / static_cast<float>(d) + eps);
-    float* o = out + r * d;
-    const Vec vrstd(rstd);
-    for (j = 0; j + Vec::size() <= d; j += Vec::size()) {
-      const Vec c = (Vec::loadu(s + j) - vmean) * vrstd;
-      at::vec::fmadd(c, Vec::loadu(weight + j), Vec::loadu(bias + j)).store(o + j);
-    }
-    for (; j < d; ++j) o[j] = (s[j] - mean) * rstd * weight[j] + bias[j];
-  }
-}
-
 void project(const float* x, int64_t M, int64_t K, const PackedProjection& w, float* y, int64_t n) {
   packed_linear_rows(x, M, K, w.panels, w.bias, y, n);
 }
@@ -133,29 +98,34 @@ void decoder_step(const DecoderStep& s) {
                 S = s.src_len, K = s.beams;
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
   std::vector<float> x(N * d), h(s.norm_first ? N * d : 0), qkv(N * 3 * d), a(N * d), y(N * d), u(N * s.d_ff);
+  std::vector<float> stats(2 * N), scratch(s.norm_first ? 0 : N * d);  // mean, rstd; post-norm's s
 
   for (int64_t r = 0; r < N; ++r) {
     const float* e = s.embed + s.tokens[r] * d;
     for (int64_t j = 0; j < d; ++j) x[r * d + j] = e[j] * s.embed_scale + s.position_row[j];
   }
-  if (s.norm_first) {
+  // The LayerNorms are layer_norm_residual's kernel: LayerNorm(residual + branch).
+  auto layer_norm = [&](const float* branch, const float* weight, const float* bias, float* out, float* sum) {
+    layer_norm_residual_rows(branch, x.data(), weight, bias, out, sum, stats.data(), stats.data() + N, N, d, s.eps);
+  };
+  if (s.norm_first) {  // h = LayerNorm_0(x): the residual plus a zero branch (y, zeroed)
     const DecoderLayerStep& first = s.layers.front();
-    add_layer_norm(x.data(), nullptr, first.norm_weight[0], first.norm_bias[0], h.data(), N, d, s.eps);
+    layer_norm(y.data(), first.norm_weight[0], first.norm_bias[0], h.data(), x.data());
   }
   float* in = s.norm_first ? h.data() : x.data();  // what each sublayer reads
 
-  // After sublayer `index` of layer `l` produced y: the residual and the next LayerNorm.
+  // After sublayer `index` of layer `l` produced y: the residual and the next LayerNorm. Post-norm:
+  // x = LayerNorm(x + y). Pre-norm: x = x + y, h = LayerNorm_next(x).
   auto residual = [&](size_t l, int index) {
     if (!s.norm_first) {
-      add_layer_norm(x.data(), y.data(), s.layers[l].norm_weight[index], s.layers[l].norm_bias[index], x.data(), N,
-                     d, s.eps);
+      layer_norm(y.data(), s.layers[l].norm_weight[index], s.layers[l].norm_bias[index], x.data(), scratch.data());
       return;
     }
     const bool last = index == 2 && l + 1 == s.layers.size();
     const DecoderLayerStep& next = index < 2 ? s.layers[l] : s.layers[std::min(l + 1, s.layers.size() - 1)];
     const float* w = last ? s.final_norm_weight : next.norm_weight[(index + 1) % 3];
     const float* b = last ? s.final_norm_bias : next.norm_bias[(index + 1) % 3];
-    add_layer_norm(x.data(), y.data(), w, b, h.data(), N, d, s.eps);
+    layer_norm(y.data(), w, b, h.data(), x.data());
   };
 
   for (size_t l = 0; l < s.layers.size(); ++l) {

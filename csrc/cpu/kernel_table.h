@@ -31,6 +31,12 @@ Tensor packed_linear(const Tensor& x, const Tensor& panels, const c10::optional<
 void packed_linear_rows(const float* x, int64_t M, int64_t K, const float* panels, const float* bias, float* y,
                         int64_t n);
 
+// The forward of layer_norm_residual without dropout on raw float32 rows (csrc/cpu/layer_norm_residual.cpp):
+// s = residual + x and y = LayerNorm(s), mean and rstd (R,) written. Row by row each input row is read
+// before that row's outputs are written, so y or s may be the residual itself.
+void layer_norm_residual_rows(const float* x, const float* residual, const float* weight, const float* bias,
+                              float* y, float* s, float* mean, float* rstd, int64_t R, int64_t N, double eps);
+
 // One step of the incremental decoder (csrc/cpu/decoder_step.cpp): writes step.logits and this step's
 // keys/values into the caches.
 void decoder_step(const DecoderStep& step);

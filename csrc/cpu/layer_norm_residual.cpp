@@ -200,6 +200,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd(const Tensor&
   return {y, s, mean, rstd};
 }
 
+void layer_norm_residual_rows(const float* x, const float* residual, const float* weight, const float* bias,
+                              float* y, float* s, float* mean, float* rstd, int64_t R, int64_t N, double eps) {
+  layer_norm_residual_fwd_kernel<float>(x, residual, weight, bias, y, s, mean, rstd, R, N, eps, 0.0, 0);
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor& dy, const c10::optional<Tensor>& ds,
                                                                    const Tensor& s, const Tensor& weight,
                                                                    const Tensor& mean, const Tensor& rstd,

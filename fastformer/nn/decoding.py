@@ -12,7 +12,7 @@ next-token logits of every live row and tells it which rows survive. Two stepper
   * cross-attention K/V computed once per sentence and shared by its beams: the K beams of a sentence
     are the K query rows of one attention call against that sentence's keys, never copied per beam and
     never reordered (only narrowed when sentences finish);
-  * self-attention K/V in two preallocated buffers per layer that take turns: step t writes the cache
+  * (the Python step) self-attention K/V in two preallocated buffers per layer that take turns: step t writes the cache
     of the rows that survived (gathered by their parents, one pass) plus this step's key into the other
     buffer, whose first N H (t + 1) Dh elements are then a contiguous (N, H, t + 1, Dh) tensor: the
     beam reorder is one gather of the self-attention caches per step, with no allocation and no cat;
@@ -71,11 +71,12 @@ class Projection:
 
     @classmethod
     def of(cls, linear: nn.Linear) -> "Projection":
-        return cls.of_weight(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+        return cls.of_weight(linear.weight, linear.bias)
 
     @classmethod
     def of_weight(cls, weight: Tensor, bias: Optional[Tensor]) -> "Projection":
-        return cls(weight, bias, packed_panels(weight))
+        """``weight`` the parameter itself: its panels are the ones its ``Linear`` uses (one copy)."""
+        return cls(weight.detach(), None if bias is None else bias.detach(), packed_panels(weight))
 
     def __call__(self, x: Tensor) -> Tensor:  # (N, in) -> (N, out)
         if self.panels is not None and x.dtype == torch.float32:
@@ -124,7 +125,7 @@ def prepared_weights(model) -> PreparedWeights:
                                 Projection.of(layer.ffn.fc2),
                                 (layer.self_attn_norm, layer.cross_attn_norm, layer.ffn_norm))
                   for layer in model.decoder.layers]
-        prepared = PreparedWeights(layers, Projection.of_weight(model.embed.weight.detach(), None), key)
+        prepared = PreparedWeights(layers, Projection.of_weight(model.embed.weight, None), key)
     model.__dict__["_prepared_decoder"] = prepared
     return prepared
 
@@ -178,12 +179,11 @@ class IncrementalDecoder:
             layers += [t for p in layer for t in (p.panels, p.bias)]
             layers += [t.detach() for norm in prepared.norms for t in (norm.weight, norm.bias)]
         cfg, final = model.config, model.decoder.final_norm
-        norm_first = cfg.norm_first
         return C.CpuDecoder(
             layers, [t for kv in self.cross for t in kv], self.src_padding, model.embed.weight.detach(),
             model.positions(steps, torch.float32, cross_k.device).contiguous(),
-            [final.weight.detach(), final.bias.detach()] if norm_first else [], self.weights.output.panels,
-            self.K, self.H, cfg.d_ff, norm_first, self.weights.layers[0].norms[0].eps, steps)
+            [final.weight.detach(), final.bias.detach()] if cfg.norm_first else [], self.weights.output.panels,
+            self.K, self.H, cfg.d_ff, cfg.norm_first, self.weights.layers[0].norms[0].eps, steps)
 
     def select(self, parents: Tensor, sentences: Optional[Tensor]) -> None:
         """The next step's live rows continue rows ``parents`` (N',) of this step; ``sentences`` (n',)
@@ -276,12 +276,12 @@ def search_candidates(logits: Tensor, at_limit: Tensor, config, width: int) -> t
     the C++ kernel of csrc/cpu/search_candidates.cpp instead, the same rule): per row the log-sum-exp over
     the whole vocabulary (pad and bos included, as a log-softmax; exponentials in the logits' dtype, float32
     for half precision, their sum in float64) and the best ``width`` logits among the tokens the search may
-    produce (never pad or bos; only eos in rows ``at_limit``), with their tokens."""
+    produce (never pad or bos; only eos in rows ``at_limit``), with their tokens. Overwrites float32 and
+    float64 logits (the search's own, a fresh tensor each step)."""
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()  # half-precision logits (autocast): exponentials in float32
     row_max = logits.amax(dim=1, keepdim=True)
     lse = row_max.double().squeeze(1) + torch.exp(logits - row_max).sum(dim=1, dtype=torch.float64).log_()
-    logits = logits.clone()
     logits[:, config.pad_id] = float("-inf")
     logits[:, config.bos_id] = float("-inf")
     if bool(at_limit.any()):  # the last allowed position of a sentence: only eos

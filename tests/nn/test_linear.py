@@ -61,3 +61,13 @@ def test_panels_follow_in_place_updates():
 
 def test_state_dict_is_nn_linears():
     assert Linear(5, 3).state_dict().keys() == torch.nn.Linear(5, 3).state_dict().keys()
+
+
+def test_the_decoder_shares_the_panels_of_the_models_linear_layers():
+    """decoding.prepared_weights packs no second copy: its panels are those ``Linear`` and the logits use."""
+    from fastformer.nn import Transformer, TransformerConfig
+    from fastformer.nn.decoding import prepared_weights
+    model = Transformer(TransformerConfig.tiny()).eval()
+    prepared = prepared_weights(model)
+    assert prepared.layers[0].fc1.panels is packed_panels(model.decoder.layers[0].ffn.fc1.weight)
+    assert prepared.output.panels is packed_panels(model.embed.weight)
