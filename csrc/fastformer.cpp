@@ -40,7 +40,7 @@ std::vector<std::string> op_names() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fastformer fused kernels: attention, softmax, layer_norm_residual (C++ CPU and CUDA)";
+  m.doc() = "fastformer fused kernels: attention, softmax, layer_norm_residual, cross_entropy (C++ CPU and CUDA)";
   m.attr("TORCH_VERSION") = FASTFORMER_TORCH_VERSION;
   m.attr("OPS") = py::tuple(py::cast(op_names()));
   m.def("best_cpu_level", &fastformer::best_cpu_level,
@@ -68,4 +68,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("check_softmax", &fastformer::check_softmax, "checks ops.softmax's arguments");
   m.def("check_layer_norm_residual", &fastformer::check_layer_norm_residual,
         "checks ops.layer_norm_residual's arguments");
+  m.def("check_cross_entropy", &fastformer::check_cross_entropy, "checks ops.cross_entropy's arguments");
 }

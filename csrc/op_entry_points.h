@@ -25,3 +25,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor&
                                                                    const Tensor& s, const Tensor& weight,
                                                                    const Tensor& mean, const Tensor& rstd,
                                                                    double dropout_p, int64_t seed);
+
+// cross_entropy over the last dim of logits (..., V) for int64 target (...): returns per-row loss (label-
+// smoothed), nll and the row logsumexp lse, shaped like target, in the accumulation dtype; a row whose
+// target is ignore_index has loss = nll = 0. Backward: dlogits = (dloss + dnll) softmax(logits)
+// - ((1 - e) dloss + dnll) onehot(target) - e dloss / V, zero in ignored rows.
+std::tuple<Tensor, Tensor, Tensor> cross_entropy_fwd(const Tensor& logits, const Tensor& target,
+                                                     double label_smoothing, int64_t ignore_index);
+Tensor cross_entropy_bwd(const Tensor& dloss, const Tensor& dnll, const Tensor& logits, const Tensor& target,
+                         const Tensor& lse, double label_smoothing, int64_t ignore_index);

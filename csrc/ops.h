@@ -33,7 +33,12 @@
     "Tensor x, Tensor residual, Tensor weight, Tensor bias, float eps, float dropout_p, Tensor? seed",         \
     "(Tensor, Tensor, Tensor, Tensor)",                                                                        \
     "Tensor dy, Tensor? ds, Tensor s, Tensor weight, Tensor mean, Tensor rstd, float dropout_p, Tensor? seed", \
-    "(Tensor, Tensor, Tensor, Tensor)")
+    "(Tensor, Tensor, Tensor, Tensor)")                                                                       \
+  X(cross_entropy, "Tensor logits, Tensor target, float label_smoothing, int ignore_index",                    \
+    "(Tensor, Tensor, Tensor)",                                                                                \
+    "Tensor dloss, Tensor dnll, Tensor logits, Tensor target, Tensor lse, float label_smoothing, "             \
+    "int ignore_index",                                                                                        \
+    "Tensor")
 
 namespace fastformer {
 
@@ -147,6 +152,34 @@ inline void check_layer_norm_residual(const Tensor& x, const Tensor& residual, c
   check_dropout(dropout_p, op);
 }
 
+// logits (..., V) with V > 0; target (...) int64, each entry in [0, V) or ignore_index. The targets' range
+// is checked here, once per call (on a GPU that costs a reduction and a sync), so that no kernel is ever
+// asked for a logit that is not there; the kernels still never read one (an out-of-range target gives NaN).
+inline void check_cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing,
+                                int64_t ignore_index) {
+  check_floating(logits, "cross_entropy", "logits");
+  TORCH_CHECK_VALUE(logits.dim() >= 1 && logits.size(-1) > 0,
+                    "fastformer cross_entropy: logits must be (..., V) with V > 0 classes, got shape ", logits.sizes());
+  TORCH_CHECK_VALUE(target.scalar_type() == at::kLong, "fastformer cross_entropy: target must be int64 class "
+                    "indices, got ", target.scalar_type());
+  TORCH_CHECK_VALUE(target.device() == logits.device(), "fastformer cross_entropy: target is on ", target.device(),
+                    " but logits are on ", logits.device());
+  TORCH_CHECK_VALUE(target.sizes() == logits.sizes().slice(0, logits.dim() - 1),
+                    "fastformer cross_entropy: target must have logits' shape without the class dim, ",
+                    logits.sizes().slice(0, logits.dim() - 1), ", got ", target.sizes());
+  TORCH_CHECK_VALUE(std::isfinite(label_smoothing) && label_smoothing >= 0.0 && label_smoothing <= 1.0,
+                    "fastformer cross_entropy: label_smoothing must be a number in [0, 1], got ", label_smoothing);
+  if (target.numel() > 0) {
+    const int64_t V = logits.size(-1);
+    const Tensor bad = target.ne(ignore_index).logical_and_(target.lt(0).logical_or_(target.ge(V)));
+    if (bad.any().item<bool>()) {
+      const Tensor first = target.masked_select(bad).slice(0, 0, 1).cpu();
+      TORCH_CHECK_VALUE(false, "fastformer cross_entropy: target holds ", first.item<int64_t>(),
+                        ", outside the classes [0, ", V, ") and not ignore_index (", ignore_index, ")");
+    }
+  }
+}
+
 // The dropout seed a caller drew (a 0-dim int64 tensor), or 0 when there is none (no dropout).
 inline int64_t seed_value(const OptTensor& seed) { return seed.has_value() ? seed->item<int64_t>() : 0; }
 
@@ -205,6 +238,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd_op(const Tens
                                                                       double dropout_p, const OptTensor& seed) {
   return Impl(dy.contiguous(), contiguous(ds), s.contiguous(), weight.contiguous(), mean.contiguous(),
               rstd.contiguous(), dropout_p, seed_value(seed));
+}
+
+template <auto Impl>
+std::tuple<Tensor, Tensor, Tensor> cross_entropy_fwd_op(const Tensor& logits, const Tensor& target,
+                                                        double label_smoothing, int64_t ignore_index) {
+  check_cross_entropy(logits, target, label_smoothing, ignore_index);
+  return Impl(logits.contiguous(), target.contiguous(), label_smoothing, ignore_index);
+}
+
+template <auto Impl>
+Tensor cross_entropy_bwd_op(const Tensor& dloss, const Tensor& dnll, const Tensor& logits, const Tensor& target,
+                            const Tensor& lse, double label_smoothing, int64_t ignore_index) {
+  return Impl(dloss.contiguous(), dnll.contiguous(), logits.contiguous(), target.contiguous(), lse.contiguous(),
+              label_smoothing, ignore_index);
 }
 
 }  // namespace fastformer

@@ -48,7 +48,7 @@ void search_candidates(const float* logits, int64_t N, int64_t V, const bool* on
 }  // namespace cpu
 
 // Bumped whenever the table's layout changes: a module of another layout is refused at import.
-constexpr int kCpuKernelsAbi = 3;
+constexpr int kCpuKernelsAbi = 4;
 constexpr const char* kCpuKernelsCapsule = "fastformer.cpu_kernels";
 
 struct CpuKernels {

@@ -57,6 +57,58 @@ FF_DEVICE float warp_max(float x) {
   return x;
 }
 
+// 16-byte packs (128-bit loads and stores): kPack<T> elements, 4 floats or 8 halves. p must be 16-byte aligned.
+template <typename T>
+constexpr int kPack = 16 / static_cast<int>(sizeof(T));
+
+template <typename T>
+FF_DEVICE void load_pack(const T* p, float (&v)[kPack<T>]) {
+  const float4 raw = *reinterpret_cast<const float4*>(p);
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < kPack<T>; ++i) v[i] = to_float(e[i]);
+}
+
+template <typename T>
+FF_DEVICE void store_pack(T* p, const float (&v)[kPack<T>]) {
+  float4 raw;
+  T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < kPack<T>; ++i) e[i] = from_float<T>(v[i]);
+  *reinterpret_cast<float4*>(p) = raw;
+}
+
+// Online softmax state (softmax, cross_entropy): running max m and sum l of e^(a - m).
+struct SoftmaxOnline {
+  float m, l;
+};
+
+FF_DEVICE void softmax_online_add(SoftmaxOnline& s, float a) {
+  if (a > s.m) {  // the max grows (from -inf too: e^(-inf) = 0 and l is 0 then)
+    s.l = s.l * expf(s.m - a) + 1.0f;
+    s.m = a;
+  } else if (a != -ff_inf()) {
+    s.l += expf(a - s.m);
+  }
+}
+
+// Commutative bit for bit (max and + are), so butterfly partners agree. With m = -inf both l are 0, or NaN
+// (a NaN a added while m was -inf): a.l + b.l keeps that NaN.
+FF_DEVICE SoftmaxOnline softmax_online_merge(SoftmaxOnline a, SoftmaxOnline b) {
+  const float m = fmaxf(a.m, b.m);
+  if (m == -ff_inf()) return SoftmaxOnline{m, a.l + b.l};
+  return SoftmaxOnline{m, a.l * expf(a.m - m) + b.l * expf(b.m - m)};
+}
+
+FF_DEVICE SoftmaxOnline softmax_warp_merge(SoftmaxOnline s) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    const SoftmaxOnline o{__shfl_xor_sync(kFullMask, s.m, offset), __shfl_xor_sync(kFullMask, s.l, offset)};
+    s = softmax_online_merge(s, o);
+  }
+  return s;
+}
+
 // Sums kValues floats over the threads of the block (blockDim.x a multiple of 32, at most 1024): each warp
 // reduces by shuffles, lane 0 of each stages its sums in scratch, then every warp sums the staged values
 // in the same order, so all threads get the same result. scratch: the caller's __shared__

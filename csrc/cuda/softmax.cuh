@@ -180,37 +180,6 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kSoftmaxWarpRows * kWarpSize) softmax_bwd_warp_k
   softmax_warp_store(p.dx + row * n, n, lane, vec2, g);
 }
 
-// Online softmax state: running max m and sum l of e^(a - m).
-struct SoftmaxOnline {
-  float m, l;
-};
-
-FF_DEVICE void softmax_online_add(SoftmaxOnline& s, float a) {
-  if (a > s.m) {  // the max grows (from -inf too: e^(-inf) = 0 and l is 0 then)
-    s.l = s.l * expf(s.m - a) + 1.0f;
-    s.m = a;
-  } else if (a != -ff_inf()) {
-    s.l += expf(a - s.m);
-  }
-}
-
-// Commutative bit for bit (max and + are), so butterfly partners agree. With m = -inf both l are 0, or NaN
-// (a NaN a added while m was -inf): a.l + b.l keeps that NaN.
-FF_DEVICE SoftmaxOnline softmax_online_merge(SoftmaxOnline a, SoftmaxOnline b) {
-  const float m = fmaxf(a.m, b.m);
-  if (m == -ff_inf()) return SoftmaxOnline{m, a.l + b.l};
-  return SoftmaxOnline{m, a.l * expf(a.m - m) + b.l * expf(b.m - m)};
-}
-
-FF_DEVICE SoftmaxOnline softmax_warp_merge(SoftmaxOnline s) {
-#pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-    const SoftmaxOnline o{__shfl_xor_sync(kFullMask, s.m, offset), __shfl_xor_sync(kFullMask, s.l, offset)};
-    s = softmax_online_merge(s, o);
-  }
-  return s;
-}
-
 // a = scale * x, -inf where masked (block layout, one element).
 FF_DEVICE float softmax_masked(float x, const bool* mask, int64_t col_stride, int col, float scale) {
   return mask != nullptr && mask[col * col_stride] ? -ff_inf() : x * scale;

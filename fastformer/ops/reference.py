@@ -203,3 +203,35 @@ def layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p, seed):
     dweight = (dya * xhat).sum(rows) if rows else dya * xhat
     dbias = dya.sum(rows) if rows else dya.clone()
     return dx.to(s.dtype), d_s.to(s.dtype), dweight.to(s.dtype), dbias.to(s.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# cross_entropy
+
+
+def cross_entropy_fwd(logits, target, label_smoothing, ignore_index):
+    """Per row of logits (..., V): loss = (1 - e) nll + e (lse - mean x), nll = lse - x[target], lse; loss
+    and nll are 0 where target == ignore_index. A NaN or +inf logit makes the row's lse NaN."""
+    acc = _acc_dtype(logits.dtype)
+    x = logits.to(acc)
+    lse = torch.logsumexp(x, dim=-1)
+    lse = lse.masked_fill(torch.isposinf(x).any(-1), float("nan"))  # logsumexp gives +inf there
+    ignored = target == ignore_index
+    x_t = x.gather(-1, target.masked_fill(ignored, 0)[..., None])[..., 0]
+    nll = lse - x_t
+    loss = nll if label_smoothing == 0 else (1 - label_smoothing) * nll + label_smoothing * (lse - x.mean(-1))
+    return loss.masked_fill(ignored, 0.0), nll.masked_fill(ignored, 0.0), lse
+
+
+def cross_entropy_bwd(dloss, dnll, logits, target, lse, label_smoothing, ignore_index):
+    """dlogits = (dloss + dnll) softmax(x) - ((1 - e) dloss + dnll) onehot(target) - e dloss / V, zero
+    where target == ignore_index."""
+    acc = _acc_dtype(logits.dtype)
+    x = logits.to(acc)
+    V = x.shape[-1]
+    ignored = target == ignore_index
+    dloss, dnll = dloss.to(acc), dnll.to(acc)
+    dx = (dloss + dnll)[..., None] * torch.exp(x - lse[..., None]) - (label_smoothing * dloss / V)[..., None]
+    onehot = ((1 - label_smoothing) * dloss + dnll)[..., None]
+    dx = dx.scatter_add(-1, target.masked_fill(ignored, 0)[..., None], -onehot)
+    return dx.masked_fill(ignored[..., None], 0.0).to(logits.dtype)

@@ -1,0 +1,103 @@
+// Launchers of the cross_entropy kernels (csrc/cuda/cross_entropy.cuh): validate, allocate, launch a block
+// of kCrossEntropyThreads per row (grid R), 16-byte packs when V is a multiple of the pack and the rows are
+// 16-byte aligned.
+#include <climits>
+#include <cstdint>
+
+#include "cross_entropy.cuh"
+#include "cuda_ops.h"
+#include "launch.h"
+#include "ops.h"
+
+namespace fastformer::cuda {
+namespace {
+
+bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
+
+// V classes in rows of int, R rows in the grid's x dimension.
+void check_rows(int64_t R, int64_t V) {
+  TORCH_CHECK(V <= INT_MAX, "fastformer ", kBackend, " cross_entropy: ", V, " classes exceed the kernels' limit of ",
+              INT_MAX);
+  TORCH_CHECK(R <= INT_MAX, "fastformer ", kBackend, " cross_entropy: ", R, " rows exceed the kernels' limit of ",
+              INT_MAX);
+}
+
+// logits (R, V) of the kernels' dtypes, target (R) int64, the per-row tensors (R) float32: all on the device.
+void check_rows_of(const Tensor& logits, const Tensor& target, std::initializer_list<std::pair<const Tensor*, const char*>> rows) {
+  check_input(logits, "logits");
+  check_dtype(logits, "logits");
+  check_input(target, "target");
+  TORCH_CHECK(target.scalar_type() == at::kLong, "fastformer ", kBackend, " cross_entropy: target must be int64");
+  TORCH_CHECK(logits.dim() >= 1 && logits.size(-1) > 0 && logits.numel() == target.numel() * logits.size(-1),
+              "fastformer ", kBackend, " cross_entropy: logits ", logits.sizes(), " and target ", target.sizes(),
+              " do not match");
+  for (const auto& [t, name] : rows) {
+    check_input(*t, name);
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->sizes() == target.sizes(), "fastformer ", kBackend,
+                " cross_entropy: ", name, " must be float32 of target's shape ", target.sizes());
+  }
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor> cross_entropy_fwd(const Tensor& logits, const Tensor& target,
+                                                     double label_smoothing, int64_t ignore_index) {
+  check_rows_of(logits, target, {});
+  Tensor loss = at::empty(target.sizes(), logits.options().dtype(at::kFloat));
+  Tensor nll = at::empty_like(loss), lse = at::empty_like(loss);
+  const int64_t V = logits.size(-1), R = target.numel();
+  if (R == 0) return {loss, nll, lse};
+  check_rows(R, V);
+  DeviceScope scope(logits);
+  FF_DISPATCH_KERNEL_TYPES(logits.scalar_type(), "fastformer_cross_entropy_fwd_cuda", [&] {
+    using T = typename DeviceType<scalar_t>::type;
+    CrossEntropyFwdParams<T> p{};
+    p.logits = device_ptr<scalar_t>(logits);
+    p.target = target.const_data_ptr<int64_t>();
+    p.loss = loss.mutable_data_ptr<float>();
+    p.nll = nll.mutable_data_ptr<float>();
+    p.lse = lse.mutable_data_ptr<float>();
+    p.rows = R;
+    p.cols = static_cast<int>(V);
+    p.smoothing = static_cast<float>(label_smoothing);
+    p.ignore_index = ignore_index;
+    p.packs = V % kPack<T> == 0 && aligned16(logits);
+    launch(cross_entropy_fwd_kernel<T>, dim3(static_cast<unsigned>(R)), dim3(kCrossEntropyThreads), p);
+  });
+  return {loss, nll, lse};
+}
+
+Tensor cross_entropy_bwd(const Tensor& dloss, const Tensor& dnll, const Tensor& logits, const Tensor& target,
+                         const Tensor& lse, double label_smoothing, int64_t ignore_index) {
+  check_rows_of(logits, target, {{&dloss, "dloss"}, {&dnll, "dnll"}, {&lse, "lse"}});
+  Tensor dlogits = at::empty_like(logits);
+  const int64_t V = logits.size(-1), R = target.numel();
+  if (R == 0) return dlogits;
+  check_rows(R, V);
+  DeviceScope scope(logits);
+  FF_DISPATCH_KERNEL_TYPES(logits.scalar_type(), "fastformer_cross_entropy_bwd_cuda", [&] {
+    using T = typename DeviceType<scalar_t>::type;
+    CrossEntropyBwdParams<T> p{};
+    p.dloss = dloss.const_data_ptr<float>();
+    p.dnll = dnll.const_data_ptr<float>();
+    p.logits = device_ptr<scalar_t>(logits);
+    p.target = target.const_data_ptr<int64_t>();
+    p.lse = lse.const_data_ptr<float>();
+    p.dlogits = device_ptr_mut<scalar_t>(dlogits);
+    p.rows = R;
+    p.cols = static_cast<int>(V);
+    p.smoothing = static_cast<float>(label_smoothing);
+    p.ignore_index = ignore_index;
+    p.packs = V % kPack<T> == 0 && aligned16(logits) && aligned16(dlogits);
+    launch(cross_entropy_bwd_kernel<T>, dim3(static_cast<unsigned>(R)), dim3(kCrossEntropyThreads), p);
+  });
+  return dlogits;
+}
+
+}  // namespace fastformer::cuda
+
+#if defined(__CUDACC__)
+#include <torch/library.h>
+
+TORCH_LIBRARY_IMPL(fastformer, CUDA, m) { FASTFORMER_IMPL_OP(m, fastformer::cuda, cross_entropy); }
+#endif
