@@ -14,6 +14,7 @@ What runs
   test_attention.py            ops.attention with a key padding mask, (B, 8, L, 64), B = tokens / L
   test_softmax.py              ops.softmax over attention scores (B, 8, L, L) with the padding mask
   test_layer_norm_residual.py  ops.layer_norm_residual on (tokens, 512), dropout 0 and 0.1
+  test_cross_entropy.py        ops.cross_entropy over the vocabulary, (tokens, vocab) logits, smoothing 0.1
   test_training_step.py        forward + backward + Adam step of a whole Transformer (tokens/s)
   test_generate.py             Transformer.generate, beam 4, with and without the key/value cache (sentences/s)
   Each op runs forward ("fwd"), backward alone ("bwd", on a graph kept from one forward) and both
@@ -24,7 +25,8 @@ Implementations, side by side in one group per (op, shape, pass)
   tensors ``cpu`` and ``torch``; on CUDA tensors ``cuda``, ``triton`` and ``torch``. ``cuda_sim`` (test
   equipment) and ``triton`` on CPU tensors (its interpreter) never run here. Beside them the baselines
   each test module names in ``BASELINES``: the plain PyTorch composition the op replaces ("eager"
-  attention, "masked_fill+softmax", "add+dropout+layer_norm"), ``F.scaled_dot_product_attention``
+  attention, "masked_fill+softmax", "add+dropout+layer_norm", "log_softmax+gather"), ``F.cross_entropy``,
+  ``F.scaled_dot_product_attention``
   ("sdpa"), ``torch.nn.Transformer`` ("nn.Transformer"); for generate, the same backend without the cache.
 
 Sizes: ``--bench-sizes default|paper|smoke`` (or ``FASTFORMER_BENCH_SIZES=...``)
@@ -50,7 +52,7 @@ Derived figures in ``extra_info`` (from the median time)
   bytes, GB/s       the bytes the op must move: every input read once, every output written once
                     (counts in each test module); GB/s for every op.
   copy GB/s, fraction of copy
-                    for the memory-bound ops (softmax, layer_norm_residual): GB/s over the bandwidth of
+                    for the memory-bound ops (softmax, layer_norm_residual, cross_entropy): GB/s over the bandwidth of
                     a large device copy (bytes read + written) measured once per session, here. On a GPU
                     that copy is the device's attainable peak bandwidth.
   flops, TFLOP/s    attention only (counts in test_attention.py).

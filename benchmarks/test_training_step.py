@@ -4,9 +4,10 @@ beside torch.nn.Transformer of the same size.
 The batch: ``train_sentences`` random sentence pairs, source and target lengths uniform in
 [max/2, max] tokens, right-padded (the default sizes: 128 pairs of up to 32 tokens, at most 4,096 tokens a
 side, as ``python -m fastformer.train --max-tokens 4096`` batches). Both models compute the loss as
-fastformer.train does (``loss_sums``: label-smoothed cross-entropy over the non-pad target positions, only
-those projected to the vocabulary), take its mean over the target tokens, back-propagate it and take one
-Adam step. tokens/s counts the non-pad target tokens, as fastformer.train's log does.
+fastformer.train does (label-smoothed cross-entropy over the non-pad target positions, only those projected
+to the vocabulary: ``loss_sums`` with fastformer's fused ``ops.cross_entropy``, ``torch_loss_sums`` with
+PyTorch's ``F.cross_entropy`` for the baseline), take its mean over the target tokens, back-propagate it
+and take one Adam step. tokens/s counts the non-pad target tokens, as fastformer.train's log does.
 
 Precisions (``precision``, see conftest's Context.train_precisions): on CPU float32 and, where the CPU has
 bfloat16 dot products, bfloat16 autocast (fastformer.train's --precision auto there); on a GPU autocast
@@ -57,6 +58,14 @@ class TorchTransformer(nn.Module):
         return F.linear(h if positions is None else h[positions], self.embed.weight)
 
 
+def torch_loss_sums(model, src, tgt_in, tgt_out, pad_id, label_smoothing):
+    """The baseline's ``loss_sums``: the same positions, PyTorch's F.cross_entropy (float32 under autocast)."""
+    keep = tgt_out != pad_id
+    logits = model(src, tgt_in, positions=keep)
+    loss = F.cross_entropy(logits, tgt_out[keep], label_smoothing=label_smoothing, reduction="sum")
+    return loss, None, int(keep.sum())
+
+
 def test_training_step(bench, ctx, impl, precision):
     config, n, length = ctx.model_config(), ctx.sizes.train_sentences, ctx.sizes.train_max_len
     src = ctx.tokens(n, length // 2, length, config.pad_id, config.vocab_size)
@@ -69,7 +78,11 @@ def test_training_step(bench, ctx, impl, precision):
     def step():
         optimizer.zero_grad(set_to_none=True)
         with ctx.autocast(precision):
-            loss, _, tokens = loss_sums(model, src, tgt_in, tgt_out, config.pad_id, config.label_smoothing)
+            if impl in BASELINES:
+                loss, _, tokens = torch_loss_sums(model, src, tgt_in, tgt_out, config.pad_id, config.label_smoothing)
+            else:
+                loss, _, tokens = loss_sums(model, src, tgt_in, tgt_out, config.pad_id, config.label_smoothing,
+                                            backend=impl)
             (loss / tokens).backward()
         optimizer.step()
 

@@ -5,7 +5,7 @@
 
 One row per benchmark: op, shape, pass, backend (a fastformer backend or a PyTorch baseline), the
 median time, the derived figure (TFLOP/s for attention; GB/s and the fraction of the copy bandwidth
-measured in the same run for softmax and layer_norm_residual; tokens/s for the training step;
+measured in the same run for softmax, layer_norm_residual and cross_entropy; tokens/s for the training step;
 sentences/s for generate) and the speedup over each baseline of the same op, shape and pass (for
 generate: over the same backend without the cache), measured in the same run. A line above the table
 gives the machine and the settings of the run.

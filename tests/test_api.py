@@ -15,7 +15,7 @@ import fastformer
 
 TESTS = Path(__file__).resolve().parent  # the subprocess imports helpers.py from here
 
-# Runs the three ops forward and backward on CPU tensors after each step of STEPS (a list of
+# Runs the four ops forward and backward on CPU tensors after each step of STEPS (a list of
 # (label, statement before the calls, extra keyword arguments)), printing "<label> <op> <backend>"
 # for every fastformer op call.
 SCRIPT = """
@@ -27,11 +27,13 @@ def run(label, extra):
     q, k, v = (torch.randn(1, 2, 3, 8, requires_grad=True) for _ in range(3))
     x, r = (torch.randn(3, 8, requires_grad=True) for _ in range(2))
     w, b = torch.ones(8, requires_grad=True), torch.zeros(8, requires_grad=True)
+    t = torch.tensor([0, 7, -100])
     with RecordBackends() as rec:
         a = ops.attention(q, k, v, causal=True, **extra)
         s = ops.softmax(x, scale=2.0, **extra)
         y = ops.layer_norm_residual(x, r, w, b, **extra)
-        (a.sum() + (s * s).sum() + (y * y).sum()).backward()
+        c = ops.cross_entropy(x, t, label_smoothing=0.1, **extra)
+        (a.sum() + (s * s).sum() + (y * y).sum() + c.sum()).backward()
     for op, backend in rec.calls:
         print(label, op, backend)
 
@@ -47,6 +49,8 @@ ALL_OPS = {
     "softmax_bwd",
     "layer_norm_residual_fwd",
     "layer_norm_residual_bwd",
+    "cross_entropy_fwd",
+    "cross_entropy_bwd",
 }
 
 
@@ -117,5 +121,7 @@ def test_automatic_gpu_choice_respects_each_backends_limits(monkeypatch):
     lnr = _dispatch._gpu_automatic("layer_norm_residual", torch.device("cuda"), True)
     assert lnr(torch.empty(2, 512)) == "triton"
     assert lnr(torch.empty(2, MAX_N + 1)) == "cuda"
+    # cross_entropy has no row limit on either GPU backend: triton loops over any vocabulary.
+    assert _dispatch._gpu_automatic("cross_entropy", torch.device("cuda"), True)(torch.empty(2, 256000)) == "triton"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (6, 0))
     assert _dispatch._gpu_automatic("softmax", torch.device("cuda"), True)(torch.empty(2, 8)) == "cuda"

@@ -1,4 +1,4 @@
-"""torch.compile(fullgraph=True) traces through all three ops (no graph breaks) and matches eager."""
+"""torch.compile(fullgraph=True) traces through all four ops (no graph breaks) and matches eager."""
 import pytest
 import torch
 
@@ -57,3 +57,51 @@ def test_compiled_ops_take_permuted_inputs(backend):
     compiled_outs, compiled_grads = forward_backward(torch.compile(fn, fullgraph=True, dynamic=True), inputs, upstream)
     for c, e in zip(compiled_outs + compiled_grads, eager_outs + eager_grads):
         torch.testing.assert_close(c, e)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_compiled_cross_entropy_matches_eager(backend, dtype):
+    """The output layer and its loss as a training step makes them: logits = hidden @ W^T (B, T, V), a
+    transposed (non-contiguous) view; the label-smoothed loss averaged over the non-pad tokens plus the
+    nll for perplexity. The fake kernel's float32 losses of target's shape must be the real ones."""
+    torch._dynamo.reset()
+    B, T, E, V = 2, 7, 16, 97
+    target = torch.randint(0, V, (B, T))
+    target[1, T // 2:] = 0  # pad id 0
+    hidden = randn(B, T, E, dtype=dtype)
+    weight = randn(V, E, dtype=dtype, scale=0.5)
+    upstream = [torch.tensor(1.0), torch.tensor(0.5)]
+
+    def fn(hidden, weight):
+        logits = (weight @ hidden.transpose(1, 2)).transpose(1, 2)  # (B, T, V), classes strided
+        loss, nll = ops.cross_entropy(logits, target, label_smoothing=0.1, ignore_index=0, return_nll=True,
+                                      backend=backend)
+        count = (target != 0).sum()
+        return loss.sum() / count, nll.sum()
+
+    eager_outs, eager_grads = forward_backward(fn, [hidden, weight], upstream)
+    compiled_outs, compiled_grads = forward_backward(torch.compile(fn, fullgraph=True), [hidden, weight], upstream)
+    assert compiled_outs[0].dtype == torch.float32
+    for c, e in zip(compiled_outs + compiled_grads, eager_outs + eager_grads):
+        torch.testing.assert_close(c, e)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_compiled_cross_entropy_dynamic_shapes(backend):
+    """dynamic=True: one graph for several row counts and vocabularies, each equal to eager."""
+    torch._dynamo.reset()
+
+    def fn(logits, target):
+        return ops.cross_entropy(logits, target, label_smoothing=0.1, backend=backend)
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    for R, V in ((5, 33), (9, 40), (3, 1000)):
+        logits = randn(R, V, dtype=torch.float32)
+        target = torch.randint(0, V, (R,))
+        target[0] = -100
+        upstream = [randn(R, dtype=torch.float32)]
+        eager_outs, eager_grads = forward_backward(lambda x: fn(x, target), [logits], upstream)
+        compiled_outs, compiled_grads = forward_backward(lambda x: compiled(x, target), [logits], upstream)
+        for c, e in zip(compiled_outs + compiled_grads, eager_outs + eager_grads):
+            torch.testing.assert_close(c, e)

@@ -11,7 +11,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OURS = ("csrc", "fastformer", "tests", "benchmarks", "tools", "docs", ".ci")
 PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./{},<>-]*[\w}>])" % "|".join(re.escape(p) for p in OURS))
-OPS = ("attention", "softmax", "layer_norm_residual")
+OPS = ("attention", "softmax", "layer_norm_residual", "cross_entropy")
 # Made by the build or by a tool, named on purpose: the extension, the shipped sources, the GPU report
 # (tools/gpu_check.sh writes it on a GPU machine).
 BUILT = {"fastformer/_C.so", "fastformer/_csrc", "docs/gpu-report.md"}

@@ -20,7 +20,7 @@ def test_extension_matches_running_torch():
 def test_every_op_is_registered_in_cpp():
     # The op list comes from csrc/ops.h; each op has C++ CPU and autograd kernels, its _py twin C++
     # autograd and a Python implementation, and all four a fake kernel (registered by fastformer.ops).
-    assert OPS == ("attention", "softmax", "layer_norm_residual")
+    assert OPS == ("attention", "softmax", "layer_norm_residual", "cross_entropy")
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     for op in OPS:
         for phase in ("fwd", "bwd"):

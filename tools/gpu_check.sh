@@ -81,8 +81,8 @@ if ((GPU)); then
   minutes=$(python -c "print(round(max(0.5, min(3.0, ($DEADLINE - $SECONDS - 75 - 60) / 60)), 2))")
   step "train" $((DEADLINE - SECONDS - 60)) python -m fastformer.train --device cuda --max-minutes "$minutes" \
     --eval-every 0 --out "$LOGS/run"
-  step "benchmarks" 90 python -m pytest benchmarks/test_attention.py benchmarks/test_softmax.py \
-    benchmarks/test_layer_norm_residual.py --bench-sizes paper -k "fwd+bwd" --benchmark-only -q \
+  step "benchmarks" 110 python -m pytest benchmarks/test_attention.py benchmarks/test_softmax.py \
+    benchmarks/test_layer_norm_residual.py benchmarks/test_cross_entropy.py --bench-sizes paper -k "fwd+bwd" --benchmark-only -q \
     -p no:cacheprovider --benchmark-json "$LOGS/bench.json"
   # Issue "Translation at CTranslate2's speed": generate on CUDA against the plain-PyTorch decoder (small model).
   step "decoding" 60 python -m pytest benchmarks/test_decoding.py -k small --benchmark-only -q -p no:cacheprovider \

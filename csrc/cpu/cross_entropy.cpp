@@ -11,7 +11,7 @@
 // has lse = -inf and nll NaN (no distribution); a -inf logit elsewhere is a class of probability 0 (its
 // smoothing term makes the loss +inf when e > 0, as in PyTorch).
 // Backward, per row: g = dloss + dnll, dx = g e^(x - lse) - e dloss / V, and dx[t] -= (1 - e) dloss + dnll;
-// zeros where t == ignore_index. Reads x once and writes dx once: 2 V sizeof(T) per row.
+// zeros where t == ignore_index, NaN where lse is not finite (exp_u20 would turn e^NaN into +inf). Reads x once and writes dx once: 2 V sizeof(T) per row.
 // The targets' range is checked by the caller (csrc/ops.h); an out-of-range target still reads nothing: its
 // nll is NaN and backward skips its one-hot term.
 #include <ATen/Parallel.h>
@@ -101,6 +101,10 @@ void cross_entropy_bwd_kernel(const at::opmath_type<scalar_t>* dloss, const at::
       const int64_t t = target[r];
       if (t == ignore_index) {
         std::fill(dx_row, dx_row + V, scalar_t(0));
+        continue;
+      }
+      if (!std::isfinite(lse[r])) {  // a NaN or +inf logit (lse NaN), or only -inf ones (lse -inf): NaN row
+        std::fill(dx_row, dx_row + V, static_cast<scalar_t>(std::numeric_limits<acc_t>::quiet_NaN()));
         continue;
       }
       const acc_t* x = as_acc(logits + r * V, V, in_buf);

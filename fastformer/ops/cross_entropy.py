@@ -57,5 +57,9 @@ def cross_entropy(logits: Tensor, target: Tensor, *, label_smoothing: float = 0.
     float64 logits), whatever the logits' dtype; sum or average them as the task needs. ``return_nll=True``
     also returns the plain negative log-likelihood per row (the perplexity's numerator), from the same pass.
     """
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+        raise ValueError(f"fastformer cross_entropy: label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"fastformer cross_entropy: ignore_index must be an int, got {ignore_index!r}")
     loss, nll, _ = _dispatch.forward("cross_entropy", backend, logits)(logits, target, label_smoothing, ignore_index)
     return (loss, nll) if return_nll else loss

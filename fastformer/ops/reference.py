@@ -231,7 +231,8 @@ def cross_entropy_bwd(dloss, dnll, logits, target, lse, label_smoothing, ignore_
     V = x.shape[-1]
     ignored = target == ignore_index
     dloss, dnll = dloss.to(acc), dnll.to(acc)
-    dx = (dloss + dnll)[..., None] * torch.exp(x - lse[..., None]) - (label_smoothing * dloss / V)[..., None]
+    dx = torch.exp(x - lse[..., None])  # softmax(x); updated in place below (one (R, V) buffer)
+    dx.mul_((dloss + dnll)[..., None]).sub_((label_smoothing * dloss / V)[..., None])
     onehot = ((1 - label_smoothing) * dloss + dnll)[..., None]
-    dx = dx.scatter_add(-1, target.masked_fill(ignored, 0)[..., None], -onehot)
-    return dx.masked_fill(ignored[..., None], 0.0).to(logits.dtype)
+    dx.scatter_add_(-1, target.masked_fill(ignored, 0)[..., None], -onehot)
+    return dx.masked_fill_(ignored[..., None], 0.0).to(logits.dtype)

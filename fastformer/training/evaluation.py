@@ -26,7 +26,7 @@ def dev_loss(model, src_ids, tgt_ids, max_tokens, pad_id, device) -> float:
     total, count = 0.0, 0
     for batch in token_batches(src_ids, tgt_ids, max_tokens, shuffle=False):
         src, tgt_in, tgt_out = (t.to(device) for t in collate([src_ids[i] for i in batch], [tgt_ids[i] for i in batch]))
-        _, nll, n = loss_sums(model, src, tgt_in, tgt_out, pad_id, 0.0)
+        _, nll, n = loss_sums(model, src, tgt_in, tgt_out, pad_id, 0.0, backend=model.backend)
         total, count = total + float(nll), count + n
     model.train(was_training)
     return total / max(count, 1)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
+from fastformer import ops
 from fastformer.data import collate
 
 if TYPE_CHECKING:
@@ -20,18 +20,19 @@ def learning_rate(step: int, d_model: int, warmup: int, factor: float) -> float:
     return factor * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
 
 
-def loss_sums(model, src, tgt_in, tgt_out, pad_id: int,
-              label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor, int]:
+def loss_sums(model, src, tgt_in, tgt_out, pad_id: int, label_smoothing: float,
+              backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Label-smoothed cross-entropy and plain NLL summed over the non-pad target tokens, and their count.
 
-    Only non-pad positions go through the output projection (the largest matmul) and the log-softmax;
-    both losses come from one log-softmax: smoothed = (1 - e) nll + e mean_c(-log p_c), as torch's
-    cross_entropy(label_smoothing=e) defines it."""
+    Only non-pad positions go through the output projection (the largest matmul); both losses come from one
+    fused pass over their logits, ``ops.cross_entropy`` on ``backend`` (the model's): smoothed = (1 - e) nll
+    + e mean_c(-log p_c), as torch's cross_entropy(label_smoothing=e) defines it, without log-probabilities
+    in memory (the logits stay in the autocast dtype; the kernels accumulate in float32)."""
     keep = tgt_out != pad_id
-    lprobs = F.log_softmax(model(src, tgt_in, positions=keep).float(), dim=-1)  # (n, V)
-    nll = -lprobs.gather(1, tgt_out[keep][:, None]).sum()
-    loss = (1.0 - label_smoothing) * nll - label_smoothing * lprobs.mean(dim=-1).sum()
-    return loss, nll.detach(), int(keep.sum())
+    logits = model(src, tgt_in, positions=keep)  # (n, V)
+    loss, nll = ops.cross_entropy(logits, tgt_out[keep], label_smoothing=label_smoothing, return_nll=True,
+                                  backend=backend)
+    return loss.sum(), nll.detach().sum(), int(keep.sum())
 
 
 def train_step(run: Run) -> dict:
@@ -51,7 +52,8 @@ def train_step(run: Run) -> dict:
         last = tokens + int((tgt_out != config.pad_id).sum()) >= args.update_tokens / procs.world
         with procs.gradient_sync(run.train_model, sync=last), \
                 torch.autocast(procs.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype is not None):
-            loss, nll, n = loss_sums(run.train_model, src, tgt_in, tgt_out, config.pad_id, config.label_smoothing)
+            loss, nll, n = loss_sums(run.train_model, src, tgt_in, tgt_out, config.pad_id, config.label_smoothing,
+                                     backend=run.model.backend)
             run.scaler.scale(loss).backward()
         tokens, loss_sum, nll_sum = tokens + n, loss_sum + float(loss.detach()), nll_sum + float(nll)
         if last:

@@ -106,7 +106,35 @@ def attention_case():
     return run
 
 
-CASES = {"softmax": softmax_case, "layer_norm_residual": layer_norm_residual_case, "attention": attention_case}
+def cross_entropy_case():
+    # Rows of V = 97 (element by element, fewer logits than threads: some warps hold none), 2501 (element
+    # by element, several per thread), 2500 and 1000 (16-byte packs of floats). The forward's per-warp
+    # (max, sum) pairs and its sum of the logits cross warps only through block_sum's barriers (the kernel
+    # file has none of its own): label smoothing 0.1 makes the loss read that sum, and ignored rows
+    # (target -100) sit among the others.
+    cases = []
+    for rows, n in ((9, 97), (3, 2501), (5, 2500), (4, 1000)):
+        x = randn(rows, n, dtype=torch.float32, scale=3.0)
+        target = torch.randint(0, n, (rows,))
+        target[1] = -100
+        cases.append((x, target))
+
+    def run(backend, dtype):
+        out = []
+        for x, target in cases:
+            logits = x.to(dtype).clone().requires_grad_(True)
+            loss, nll = ops.cross_entropy(logits, target, label_smoothing=0.1, return_nll=True, backend=backend)
+            rows = loss.numel()
+            upstream = [torch.linspace(-1, 1, rows, dtype=loss.dtype), torch.linspace(1, 0.5, rows, dtype=loss.dtype)]
+            torch.autograd.backward([loss, nll], upstream)
+            out += [loss.detach(), nll.detach(), logits.grad]
+        return out
+
+    return run
+
+
+CASES = {"softmax": softmax_case, "layer_norm_residual": layer_norm_residual_case, "attention": attention_case,
+         "cross_entropy": cross_entropy_case}
 
 
 @pytest.mark.parametrize("file, line, users, dtype", barrier_sites())
@@ -130,3 +158,34 @@ def test_deleting_any_barrier_breaks_parity(file, line, users, dtype):
         cuda_sim.set_schedule_seed(before)
     assert hits > 0, f"no parity case of {users} reaches the barrier at {file}:{line}"
     assert any(caught), f"deleting the __syncthreads at {file}:{line} went unnoticed under seeds {SEEDS}"
+
+
+def test_cross_entropy_needs_block_sums_last_barrier():
+    """csrc/cuda/cross_entropy.cuh has no __syncthreads of its own, so no site above is its: its forward
+    kernel's cross-warp values (the per-warp (max, sum) pairs it stages in shared memory, the sum of the
+    logits in block_sum's scratch) are published by block_sum's barriers in common.cuh. Deleting block_sum's
+    last barrier (between the staging writes and the reads) must break cross_entropy's own parity, not only
+    another op's. (Its first barrier guards scratch's reuse by a second call: one call per block here.)"""
+    from fastformer import cuda_sim
+
+    lines = (cuda_sim.SOURCE_ROOT / "cuda" / "common.cuh").read_text().splitlines()
+    start = next(i for i, text in enumerate(lines) if re.search(r"\bvoid block_sum\(", text))
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("}"))
+    barriers = [i + 1 for i in range(start, end) if re.search(r"\b__syncthreads\(\)", lines[i].split("//")[0])]
+    assert len(barriers) == 2, f"block_sum should hold two barriers, found lines {barriers}"
+    run = CASES["cross_entropy"]()
+    reference = lambda: run("torch", torch.float64)  # noqa: E731
+    before = cuda_sim.schedule_seed()
+    caught = []
+    try:
+        cuda_sim.set_schedule_seed(SEEDS[0])
+        assert _parity(lambda: run("cuda_sim", torch.float32), reference, torch.float32), "unmutated must pass first"
+        with cuda_sim.barrier_deleted("cross_entropy", "cuda/common.cuh", barriers[-1]) as module:
+            for seed in SEEDS:
+                cuda_sim.set_schedule_seed(seed)
+                caught.append(not _parity(lambda: run("cuda_sim", torch.float32), reference, torch.float32))
+            hits = module.deleted_barrier_hits()
+    finally:
+        cuda_sim.set_schedule_seed(before)
+    assert hits > 0, f"cross_entropy's kernels never reach common.cuh:{barriers[-1]}"
+    assert any(caught), f"deleting common.cuh:{barriers[-1]} went unnoticed by cross_entropy under seeds {SEEDS}"

@@ -135,6 +135,62 @@ def test_layer_norm_residual(backend, dtype, case):
         assert_close(g, r, dtype, name)
 
 
+# (rows, V, label_smoothing, ignore_index): V multiples of 8 take the CUDA kernels' 16-byte packs.
+CE_CASES = [(1, 1, 0.0, -100), (7, 97, 0.1, -100), (4096, 512, 0.1, 0), (256, 1000, 0.0, -100), (33, 1025, 1.0, 0),
+            (300, 4099, 0.1, -100), (64, 32000, 0.1, 0), (16, 50257, 0.0, -100), (2, 250000, 0.1, -100)]
+
+
+@pytest.mark.parametrize("backend,dtype,case", params(CE_CASES))
+def test_cross_entropy(backend, dtype, case):
+    rows, V, e, ignore_index = case
+    x = randn(rows, V, dtype=dtype, scale=2.0)
+    target = torch.randint(0, V, (rows,))
+    target[torch.rand(rows) < 0.25] = ignore_index
+    if rows > 1:
+        target[0] = ignore_index
+    ups = [randn(rows, dtype=torch.float32) for _ in range(2)]
+
+    def fn(backend, t):
+        return lambda x: ops.cross_entropy(x, t, label_smoothing=e, ignore_index=ignore_index, return_nll=True,
+                                           backend=backend)
+
+    (loss, nll), (dx,) = forward_backward(fn(backend, target.cuda()), cuda([x]), cuda(ups))
+    (rloss, rnll), (rdx,) = forward_backward(fn("torch", target), upcast([x]), upcast(ups))
+    assert loss.dtype == nll.dtype == torch.float32  # whatever the logits' dtype
+    assert_close(loss.cpu(), rloss, torch.float32, "loss")
+    assert_close(nll.cpu(), rnll, torch.float32, "nll")
+    assert_close(dx.cpu(), rdx, dtype, "dx")
+    ignored = target == ignore_index
+    assert (loss.cpu()[ignored] == 0).all() and (dx.cpu()[ignored] == 0).all()
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("view", ["offset", "transposed"])
+def test_cross_entropy_misaligned_and_strided(backend, view):
+    # offset: contiguous rows one element past a 16-byte boundary, V a multiple of 8: the CUDA kernels must
+    # leave their 16-byte packs; transposed: a strided view (copied contiguous by the op).
+    rows, V = 33, 1000
+    x = randn(rows, V, dtype=torch.float16) if view == "offset" else randn(V, rows, dtype=torch.float16).t()
+    target = torch.randint(0, V, (rows,))
+    target[3] = -100
+    ups = [randn(rows, dtype=torch.float32) for _ in range(2)]
+
+    def fn(backend, t):
+        return lambda x: ops.cross_entropy(x, t, label_smoothing=0.1, return_nll=True, backend=backend)
+
+    if view == "offset":
+        gx = torch.empty(rows * V + 1, dtype=x.dtype, device="cuda")[1:].view(rows, V).copy_(x)
+        assert gx.is_contiguous() and gx.data_ptr() % 16 != 0
+    else:
+        gx = x.cuda()  # keeps the strides
+        assert not gx.is_contiguous()
+    (loss, nll), (dx,) = forward_backward(fn(backend, target.cuda()), [gx], cuda(ups))
+    (rloss, rnll), (rdx,) = forward_backward(fn("torch", target), upcast([x]), upcast(ups))
+    assert_close(loss.cpu(), rloss, torch.float32, "loss")
+    assert_close(nll.cpu(), rnll, torch.float32, "nll")
+    assert_close(dx.cpu(), rdx, torch.float16, "dx")
+
+
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_attention_dropout_matches_cpu_mask(backend):
     B, H, L, D = 2, 4, 97, 64
@@ -163,6 +219,11 @@ def test_bad_inputs_raise(backend):
         ops.attention(q.cpu(), q.cpu(), q.cpu(), backend=backend)
     with pytest.raises((ValueError, RuntimeError)):
         ops.softmax(q, mask=torch.zeros(3, dtype=torch.bool, device="cuda"), backend=backend)
+    logits, target = torch.randn(4, 10, device="cuda"), torch.tensor([0, 9, 10, -100], device="cuda")
+    with pytest.raises(ValueError, match="outside the classes"):
+        ops.cross_entropy(logits, target, backend=backend)  # 10 is not a class of V = 10
+    with pytest.raises(ValueError):
+        ops.cross_entropy(logits, target.cpu(), backend=backend)
     if backend == "cuda":
         with pytest.raises((ValueError, RuntimeError), match="128"):
             big = torch.randn(1, 1, 4, 160, device="cuda")

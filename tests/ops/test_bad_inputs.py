@@ -1,9 +1,11 @@
 """Bad input raises a Python exception on every backend (never a crash), and odd strides just work.
 
 The contract (README, "API"): wrong rank, mismatched shapes, devices or dtypes, a mask of the wrong shape or dtype, dropout_p
-outside [0, 1), non-finite eps and unknown backend names raise ValueError; a named backend that cannot run
-the inputs raises ValueError or RuntimeError naming the backend, with no silent fallback. Device mismatches
-use a "meta" tensor for one argument. Non-contiguous inputs give the same result as contiguous ones.
+outside [0, 1), non-finite eps, a target that is not int64 or holds a class outside [0, V) (other than
+ignore_index), label_smoothing outside [0, 1] and unknown backend names raise ValueError; a named backend
+that cannot run the inputs raises ValueError or RuntimeError naming the backend, with no silent fallback.
+Device mismatches use a "meta" tensor for one argument. Non-contiguous inputs give the same result as
+contiguous ones.
 """
 import re
 
@@ -57,6 +59,12 @@ def lnr_args():
     )
 
 
+def ce_args():
+    target = torch.randint(0, N, (ROWS, 3))
+    target[0, 1] = -100
+    return dict(logits=randn(ROWS, 3, N, dtype=F32), target=target, label_smoothing=0.1, return_nll=True)
+
+
 def attention(**changes):
     return with_changes(attention_args, ops.attention, changes)
 
@@ -67,6 +75,10 @@ def softmax(**changes):
 
 def lnr(**changes):
     return with_changes(lnr_args, ops.layer_norm_residual, changes)
+
+
+def ce(**changes):
+    return with_changes(ce_args, ops.cross_entropy, changes)
 
 
 VALUE = (ValueError,)
@@ -131,6 +143,26 @@ BAD = {
     "lnr-dropout_str": (lnr(dropout_p="0.1"), VALUE),
     "lnr-dropout_tensor": (lnr(dropout_p=torch.tensor(0.1)), VALUE),
     "lnr-int": (lnr(**{n: (lambda a, n=n: a[n].long()) for n in ("x", "residual", "weight", "bias")}), ANY),
+    # cross_entropy: logits (..., V), target (...) int64 in [0, V) or ignore_index
+    "ce-target_int32": (ce(target=lambda a: a["target"].int()), VALUE),
+    "ce-target_float": (ce(target=lambda a: a["target"].float()), VALUE),
+    "ce-target_bool": (ce(target=lambda a: a["target"] > 0), VALUE),
+    "ce-target_shape": (ce(target=lambda a: a["target"][:, :2]), VALUE),
+    "ce-target_rank": (ce(target=lambda a: a["target"][..., None]), VALUE),
+    "ce-target_flat": (ce(target=lambda a: a["target"].reshape(-1)), VALUE),  # same rows, not logits' shape
+    "ce-target_meta": (ce(target=meta("target")), VALUE),
+    "ce-logits_meta": (ce(logits=meta("logits")), VALUE),
+    "ce-int": (ce(logits=lambda a: a["logits"].long()), ANY),
+    "ce-no_classes": (ce(logits=torch.empty(ROWS, 3, 0)), VALUE),
+    "ce-logits_rank0": (ce(logits=torch.tensor(1.0), target=torch.tensor(0)), VALUE),
+    "ce-target_V": (ce(target=lambda a: a["target"].index_fill(0, torch.tensor([2]), N)), VALUE),
+    "ce-target_minus_one": (ce(target=lambda a: a["target"].index_fill(0, torch.tensor([3]), -1)), VALUE),
+    "ce-target_ignore_default": (ce(ignore_index=0, target=lambda a: a["target"].clamp(min=0).index_fill(
+        0, torch.tensor([1]), -100)), VALUE),  # -100 is out of range once ignore_index is 0
+    "ce-smoothing_negative": (ce(label_smoothing=-0.1), VALUE),
+    "ce-smoothing_above_one": (ce(label_smoothing=1.5), VALUE),
+    "ce-smoothing_nan": (ce(label_smoothing=float("nan")), VALUE),
+    "ce-smoothing_inf": (ce(label_smoothing=float("inf")), VALUE),
 }
 
 
@@ -142,7 +174,7 @@ def test_bad_input_raises(backend, name):
         call(backend)
 
 
-OPS = {"attention": attention(), "softmax": softmax(), "layer_norm_residual": lnr()}
+OPS = {"attention": attention(), "softmax": softmax(), "layer_norm_residual": lnr(), "cross_entropy": ce()}
 
 
 @pytest.mark.parametrize("op", list(OPS))
@@ -165,8 +197,9 @@ def cast_floats(args, dtype):
 @pytest.mark.parametrize("backend,dtype", CANNOT_RUN, ids=[f"{b}-{d}" for b, d in CANNOT_RUN])
 @pytest.mark.parametrize(
     "op,valid_args",
-    [(ops.attention, attention_args), (ops.softmax, softmax_args), (ops.layer_norm_residual, lnr_args)],
-    ids=["attention", "softmax", "layer_norm_residual"],
+    [(ops.attention, attention_args), (ops.softmax, softmax_args), (ops.layer_norm_residual, lnr_args),
+     (ops.cross_entropy, ce_args)],
+    ids=["attention", "softmax", "layer_norm_residual", "cross_entropy"],
 )
 def test_backend_that_cannot_run_the_inputs_raises(op, valid_args, backend, dtype):
     args = cast_floats(valid_args(), dtype)
@@ -242,6 +275,33 @@ def test_layer_norm_residual_noncontiguous(backend, dtype):
     assert_same_as_contiguous(fn, [x, residual, weight, bias], [dy, ds], backend, dtype)
 
 
+@pytest.mark.parametrize("backend,dtype", backend_dtypes(ALL_BACKENDS))
+def test_cross_entropy_noncontiguous(backend, dtype):
+    logits = randn(N, ROWS, dtype=dtype).t()  # (rows, V), last dim strided
+    sliced = randn(ROWS, 3, 2 * N, dtype=dtype)[..., 1::2]  # (rows, 3, V), stride 2 and an odd offset
+    target = torch.randint(0, N, (2 * ROWS,))[::2]
+    target[2] = -100
+    target3 = torch.randint(0, N, (3, ROWS)).t()
+    dloss, dnll = randn(2 * ROWS, dtype=F32)[1::2], randn(ROWS, dtype=F32)
+    dloss3, dnll3 = randn(3, ROWS, dtype=F32).t(), randn(ROWS, 3, dtype=F32)
+    if dtype == torch.float64:
+        dloss, dnll, dloss3, dnll3 = upcast([dloss, dnll, dloss3, dnll3])
+
+    def fn(target):
+        return lambda backend: lambda x: ops.cross_entropy(x, target, label_smoothing=0.1, return_nll=True,
+                                                           backend=backend)
+
+    # assert_same_as_contiguous compares the losses at the logits' dtype: they are float32 (float64).
+    for x, t, up in ((logits, target, [dloss, dnll]), (sliced, target3, [dloss3, dnll3])):
+        outs, grads = forward_backward(fn(t)(backend), [x], up)
+        c_outs, c_grads = forward_backward(fn(t.contiguous())(backend), [x.contiguous()], [u.contiguous() for u in up])
+        refs, ref_grads = forward_backward(fn(t)("torch"), upcast([x]), upcast(up))
+        acc = torch.float64 if dtype == torch.float64 else F32
+        for o, c, r, d in zip(outs + grads, c_outs + c_grads, refs + ref_grads, (acc, acc, dtype)):
+            assert_close(o, r, d, "non-contiguous vs reference")
+            torch.testing.assert_close(o, c, msg=lambda m: f"non-contiguous vs contiguous: {m}")
+
+
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_double_backward_raises(backend):
     # The backward kernels are not differentiable: create_graph=True must raise, not return zero
@@ -253,6 +313,7 @@ def test_double_backward_raises(backend):
         "attention": ops.attention(q, k, v, causal=True, backend=backend),
         "softmax": ops.softmax(x, backend=backend),
         "layer_norm_residual": ops.layer_norm_residual(x, x, weight, bias, backend=backend),
+        "cross_entropy": ops.cross_entropy(x, torch.tensor([0, 7, 3]), label_smoothing=0.1, backend=backend),
     }
     for op, out in outputs.items():
         with pytest.raises(RuntimeError, match=f"fastformer {op}: double backward"):

@@ -8,6 +8,10 @@
   K row (backward, dQ = dS K) is multiplied by a zero: each row of the result is then either its true
   value or NaN, so padded K/V must hold finite values (a cache allocated with torch.empty does not).
 - layer_norm_residual: a row holding NaN or +-inf is NaN; the other rows are untouched.
+- cross_entropy: a NaN or +inf logit makes the row's loss and nll NaN; a row of only -inf logits has NaN
+  nll (and loss); a -inf logit that is not the target is a class of probability 0: the loss stays finite
+  (the row without that class) when label_smoothing is 0 and is +inf when it is not (its smoothing term);
+  a -inf target logit gives +inf nll and loss. Ignored rows give 0 and a zero gradient, whatever they hold.
 - scale must be finite in the kernels' arithmetic (float32 for every dtype but float64); head dim 0 gives
   the empty result, as PyTorch's SDPA does.
 Backward follows by arithmetic: rows that saw a NaN get NaN gradients, the other rows stay exact.
@@ -160,3 +164,52 @@ def test_attention_head_dim_zero(backend, dtype, causal):
         [torch.empty(2, 3, 5, 0, dtype=dtype)])
     assert out.shape == (2, 3, 5, 0) and out.dtype == dtype
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+@pytest.mark.parametrize("backend,dtype", backend_dtypes(ALL_BACKENDS))
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("V", [1, 7, 97, 1000, 1025])
+def test_cross_entropy_nonfinite_logits(backend, dtype, smoothing, V):
+    # Row 0: NaN, row 1: +inf, row 2: -inf not at the target, row 3: all -inf, row 4: NaN in an ignored
+    # row, row 5: -inf at the target, row 6: untouched. The bad column moves with V so it falls in vector
+    # bodies, packs and tails alike. With V = 1 the only class is the target: no row 2.
+    col = (V * 5) // 7
+    x = randn(7, V, dtype=dtype, scale=2.0)
+    target = torch.randint(0, V, (7,))
+    target[[0, 1, 5]] = col
+    target[2] = (col + 1) % V
+    target[4] = -100
+    x[0, col], x[1, col], x[4, col], x[5, col] = NAN, INF, NAN, -INF
+    if V > 1:
+        x[2, col] = -INF
+    x[3] = -INF
+    upstream = [randn(7, dtype=torch.float64 if dtype == torch.float64 else torch.float32) for _ in range(2)]
+
+    def fn(backend):
+        return lambda x: ops.cross_entropy(x, target, label_smoothing=smoothing, return_nll=True, backend=backend)
+
+    (loss, nll), (dx,) = forward_backward(fn(backend), [x], upstream)
+    nan_rows = [0, 1, 3] if V > 1 else [0, 1, 3, 5]  # V = 1: row 5 is a row of only -inf
+    for row in nan_rows:
+        assert loss[row].isnan() and nll[row].isnan(), f"row {row}: a NaN, +inf or all -inf row must give NaN"
+    assert loss[4] == 0 and nll[4] == 0 and (dx[4] == 0).all(), "an ignored row must give 0, whatever it holds"
+    # Rows 2 (V > 1), 5 (V > 1) and 6 have finite gradients, those of the reference; rows 2 and 6 finite nll.
+    good = [2, 6] if V > 1 else [6]
+    (ref_loss, ref_nll), (ref_dx,) = forward_backward(fn("torch"), upcast([x]), upcast(upstream))
+    assert_close(nll[good], ref_nll[good], loss.dtype, "nll")
+    assert_close(dx[good], ref_dx[good], dtype, "dx")
+    assert_close(loss[6:], ref_loss[6:], loss.dtype, "loss")
+    if V > 1:
+        assert nll[5] == INF and loss[5] == INF, "a -inf target logit must give +inf"
+        assert_close(dx[5], ref_dx[5], dtype, "dx of the -inf target's row")
+        if smoothing == 0:
+            assert dx[2, col] == 0, "a -inf logit gets probability 0"
+            # Row 2 is the row without its -inf class.
+            keep = [c for c in range(V) if c != col]
+            clean_target = target[2:3] - (target[2:3] > col).long()
+            clean_nll = ops.cross_entropy(x[2:3, keep].double(), clean_target, backend="torch")
+            assert_close(loss[2:3], clean_nll, loss.dtype, "loss without the -inf class")
+        else:
+            assert loss[2] == INF, "a -inf logit's smoothing term makes the loss +inf"
+    for row in nan_rows:  # NaN in, NaN out: never an infinity or a finite number
+        assert dx[row].isnan().all(), f"row {row}: a row with NaN loss must get NaN gradients, got {dx[row]}"

@@ -81,3 +81,20 @@ def test_layer_norm_residual_ops(backend, with_ds, dropout_p):
     ds = randn(2, ROWS, N, dtype=F32) if with_ds else None
     bwd_args = (dy, ds, s, weight.detach(), mean, rstd, dropout_p, seed()) + tail
     torch.library.opcheck(bwd, bwd_args)
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_cross_entropy_ops(backend, dtype, label_smoothing):
+    logits = randn(2, ROWS, N, dtype=dtype)
+    target = torch.randint(0, N, (2, ROWS))
+    target[0, 1] = target[1, 4] = 0  # ignore_index 0: a pad id
+    fwd, tail = kernel_op("cross_entropy", "fwd", backend)
+    bwd, _ = kernel_op("cross_entropy", "bwd", backend)
+    torch.library.opcheck(fwd, (leaf(logits), target, label_smoothing, 0) + tail)
+
+    with torch.no_grad():
+        loss, nll, lse = fwd(logits, target, label_smoothing, 0, *tail)
+    dloss, dnll = randn(2, ROWS, dtype=F32), randn(2, ROWS, dtype=F32)
+    torch.library.opcheck(bwd, (dloss, dnll, logits.detach(), target, lse, label_smoothing, 0) + tail)
