@@ -62,7 +62,7 @@ template <typename T>
 constexpr int kPack = 16 / static_cast<int>(sizeof(T));
 
 template <typename T>
-FF_DEVICE void load_pack(const T* p, float (&v)[kPack<T>]) {
+FF_DEVICE void load_pack(const T* p, float* v) {  // v[0 .. kPack<T>)
   const float4 raw = *reinterpret_cast<const float4*>(p);
   const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
@@ -70,7 +70,7 @@ FF_DEVICE void load_pack(const T* p, float (&v)[kPack<T>]) {
 }
 
 template <typename T>
-FF_DEVICE void store_pack(T* p, const float (&v)[kPack<T>]) {
+FF_DEVICE void store_pack(T* p, const float* v) {
   float4 raw;
   T* e = reinterpret_cast<T*>(&raw);
 #pragma unroll

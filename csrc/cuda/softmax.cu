@@ -2,7 +2,8 @@
 //
 // N <= kSoftmaxWarpMaxN: warp per row, kPerLane = ceil(N / 32) rounded up to a power of two (1 .. 32),
 // grid ceil(R / 4) blocks of 4 warps. N > kSoftmaxWarpMaxN: block per row, grid R blocks of 256 threads.
-// half2/float2 pairs when N is even and every row pointer is 2-element aligned.
+// In the warp layout 16-byte runs when N is a multiple of the pack (4 floats, 8 halves) and the tensors are
+// 16-byte aligned; else half2/float2 pairs when N is even and every row pointer is 2-element aligned.
 #include <ATen/ExpandUtils.h>
 
 #include <climits>
@@ -19,6 +20,8 @@ namespace {
 bool aligned2(const Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % (2 * t.element_size()) == 0;
 }
+
+bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
 
 void check_rows(int64_t R, int64_t N) {
   TORCH_CHECK(N <= INT_MAX, "fastformer ", kBackend, " softmax: rows of ", N, " elements exceed the kernels' limit of ",
@@ -97,6 +100,7 @@ Tensor softmax_fwd(const Tensor& x, const c10::optional<Tensor>& mask, double sc
     p.cols = static_cast<int>(N);
     p.scale = static_cast<float>(scale);
     p.vec2 = N % 2 == 0 && aligned2(x) && aligned2(y);
+    p.packs = N % kPack<T> == 0 && aligned16(x) && aligned16(y);
     if (N > kSoftmaxWarpMaxN) {
       launch(softmax_fwd_block_kernel<T>, dim3(static_cast<unsigned>(R)), dim3(kSoftmaxBlockThreads), p);
     } else {
@@ -130,6 +134,7 @@ Tensor softmax_bwd(const Tensor& dy, const Tensor& y, double scale) {
     p.cols = static_cast<int>(N);
     p.scale = static_cast<float>(scale);
     p.vec2 = N % 2 == 0 && aligned2(dy) && aligned2(y) && aligned2(dx);
+    p.packs = N % kPack<T> == 0 && aligned16(dy) && aligned16(y) && aligned16(dx);
     if (N > kSoftmaxWarpMaxN) {
       launch(softmax_bwd_block_kernel<T>, dim3(static_cast<unsigned>(R)), dim3(kSoftmaxBlockThreads), p);
     } else {

@@ -16,9 +16,10 @@
 // Two layouts:
 //   warp per row (N <= 1024): blocks of kSoftmaxWarpRows warps, warp w of block b takes row
 //     b * kSoftmaxWarpRows + w. Lane l keeps kPerLane = ceil(N / 32) (rounded up to a power of two)
-//     values of the row in registers: columns 2 l + 64 i + {0, 1} (half2/float2 pairs, when N is even and
-//     the rows 2-element aligned) or l + 32 i (scalar); max and sums by butterfly shuffles. No shared
-//     memory. DRAM per row: forward reads x and writes y once (2 N sizeof(T), + N mask bytes), backward
+//     values of the row in registers, in runs of `width` columns: columns width l + 32 width i + [0, width)
+//     for its i-th run (softmax_warp_col), width = kPack<T> (16-byte loads: 4 floats, 8 halves; N a
+//     multiple of the pack, rows 16-byte aligned, kPerLane >= the pack), else 2 (half2/float2 pairs: N
+//     even, rows 2-element aligned), else 1; max and sums by butterfly shuffles. No shared memory. DRAM per row: forward reads x and writes y once (2 N sizeof(T), + N mask bytes), backward
 //     reads y and dy and writes dx once (3 N sizeof(T)).
 //   block per row (N > 1024): kSoftmaxBlockThreads threads stride over the row. Forward keeps an online
 //     (max m, sum l of e^(a - m)) pair per thread (l = l e^(m - m') + e^(a - m') when the max grows),
@@ -55,6 +56,7 @@ struct SoftmaxFwdParams {
   int cols;          // N
   float scale;       // multiplier applied to x before the softmax
   bool vec2;         // N even and x, y aligned to 2 elements: pairs are loaded/stored as half2/float2
+  bool packs;        // N a multiple of kPack<T> and x, y 16-byte aligned: the warp layout's 16-byte runs
 };
 
 template <typename T>
@@ -66,6 +68,7 @@ struct SoftmaxBwdParams {
   int cols;     // N
   float scale;  // the forward's scale
   bool vec2;    // N even and dy, y, dx aligned to 2 elements
+  bool packs;   // N a multiple of kPack<T> and dy, y, dx 16-byte aligned
 };
 
 // Row r's mask: base + sum_d (index of r along leading dim d) * strides[d].
@@ -81,18 +84,35 @@ FF_DEVICE const bool* softmax_mask_row(const SoftmaxMask& m, int64_t r) {
   return m.base + offset;
 }
 
-// Column of a lane's value i in the warp layout: pairs 2 lane + 64 (i / 2) + i % 2, or lane + 32 i.
-FF_DEVICE int softmax_warp_col(int i, int lane, bool vec2) {
-  return vec2 ? 2 * lane + 2 * kWarpSize * (i / 2) + i % 2 : lane + kWarpSize * i;
+// Column of a lane's value i in the warp layout, in runs of `width` (1, 2 or kPack<T>) columns.
+FF_DEVICE int softmax_warp_col(int i, int lane, int width) {
+  return width * lane + width * kWarpSize * (i / width) + i % width;
+}
+
+// The run width of the warp layout for kPerLane values of T per lane (see the file comment).
+template <typename T, int kPerLane>
+FF_DEVICE int softmax_warp_width(bool packs, bool vec2) {
+  return kPerLane >= kPack<T> && packs ? kPack<T> : kPerLane >= 2 && vec2 ? 2 : 1;
 }
 
 // Loads a lane's kPerLane values of a row as float (columns >= n read as 0).
 template <int kPerLane, typename T>
-FF_DEVICE void softmax_warp_load(const T* row, int n, int lane, bool vec2, float (&v)[kPerLane]) {
-  if (vec2) {
+FF_DEVICE void softmax_warp_load(const T* row, int n, int lane, int width, float (&v)[kPerLane]) {
+  if (width == kPack<T>) {
+#pragma unroll
+    for (int i = 0; i < kPerLane; i += kPack<T>) {
+      const int col = softmax_warp_col(i, lane, kPack<T>);
+      if (col < n) {
+        load_pack(row + col, v + i);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kPack<T>; ++j) v[i + j] = 0.0f;
+      }
+    }
+  } else if (width == 2) {
 #pragma unroll
     for (int i = 0; i < kPerLane; i += 2) {
-      const int col = softmax_warp_col(i, lane, true);
+      const int col = softmax_warp_col(i, lane, 2);
       const float2 t = col < n ? load2(row + col) : float2{0.0f, 0.0f};
       v[i] = t.x;
       v[i + 1] = t.y;
@@ -100,7 +120,7 @@ FF_DEVICE void softmax_warp_load(const T* row, int n, int lane, bool vec2, float
   } else {
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
-      const int col = softmax_warp_col(i, lane, false);
+      const int col = softmax_warp_col(i, lane, 1);
       v[i] = col < n ? to_float(row[col]) : 0.0f;
     }
   }
@@ -108,17 +128,23 @@ FF_DEVICE void softmax_warp_load(const T* row, int n, int lane, bool vec2, float
 
 // Stores a lane's kPerLane values (columns < n).
 template <int kPerLane, typename T>
-FF_DEVICE void softmax_warp_store(T* row, int n, int lane, bool vec2, const float (&v)[kPerLane]) {
-  if (vec2) {
+FF_DEVICE void softmax_warp_store(T* row, int n, int lane, int width, const float (&v)[kPerLane]) {
+  if (width == kPack<T>) {
+#pragma unroll
+    for (int i = 0; i < kPerLane; i += kPack<T>) {
+      const int col = softmax_warp_col(i, lane, kPack<T>);
+      if (col < n) store_pack(row + col, v + i);
+    }
+  } else if (width == 2) {
 #pragma unroll
     for (int i = 0; i < kPerLane; i += 2) {
-      const int col = softmax_warp_col(i, lane, true);
+      const int col = softmax_warp_col(i, lane, 2);
       if (col < n) store2(row + col, float2{v[i], v[i + 1]});
     }
   } else {
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
-      const int col = softmax_warp_col(i, lane, false);
+      const int col = softmax_warp_col(i, lane, 1);
       if (col < n) row[col] = from_float<T>(v[i]);
     }
   }
@@ -131,15 +157,15 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kSoftmaxWarpRows * kWarpSize) softmax_fwd_warp_k
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kSoftmaxWarpRows + threadIdx.x / kWarpSize;
   if (row >= p.rows) return;  // the whole warp: no shuffle is left waiting
   const int n = p.cols;
-  const bool vec2 = kPerLane >= 2 && p.vec2;
+  const int width = softmax_warp_width<T, kPerLane>(p.packs, p.vec2);
   const float neg_inf = -ff_inf();
   float v[kPerLane];
-  softmax_warp_load(p.x + row * n, n, lane, vec2, v);
+  softmax_warp_load(p.x + row * n, n, lane, width, v);
   const bool* mask = p.mask.base != nullptr ? softmax_mask_row(p.mask, row) : nullptr;
   float m = neg_inf;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {  // a = scale x, -inf where masked or past the row's end
-    const int col = softmax_warp_col(i, lane, vec2);
+    const int col = softmax_warp_col(i, lane, width);
     const bool dead = col >= n || (mask != nullptr && mask[col * p.mask.col_stride]);
     v[i] = dead ? neg_inf : v[i] * p.scale;
     m = fmaxf(m, v[i]);
@@ -157,7 +183,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kSoftmaxWarpRows * kWarpSize) softmax_fwd_warp_k
   const float inv = l == 0.0f ? 0.0f : 1.0f / l;  // l NaN: inv NaN, and so is every y
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) v[i] *= inv;
-  softmax_warp_store(p.y + row * n, n, lane, vec2, v);
+  softmax_warp_store(p.y + row * n, n, lane, width, v);
 }
 
 // Backward, warp per row: y and dy in registers, dx = scale y (dy - sum(dy y)).
@@ -167,17 +193,17 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kSoftmaxWarpRows * kWarpSize) softmax_bwd_warp_k
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kSoftmaxWarpRows + threadIdx.x / kWarpSize;
   if (row >= p.rows) return;  // the whole warp
   const int n = p.cols;
-  const bool vec2 = kPerLane >= 2 && p.vec2;
+  const int width = softmax_warp_width<T, kPerLane>(p.packs, p.vec2);
   float y[kPerLane], g[kPerLane];
-  softmax_warp_load(p.y + row * n, n, lane, vec2, y);
-  softmax_warp_load(p.dy + row * n, n, lane, vec2, g);
+  softmax_warp_load(p.y + row * n, n, lane, width, y);
+  softmax_warp_load(p.dy + row * n, n, lane, width, g);
   float dot = 0.0f;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) dot += y[i] * g[i];
   dot = warp_sum(dot);
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) g[i] = p.scale * y[i] * (g[i] - dot);
-  softmax_warp_store(p.dx + row * n, n, lane, vec2, g);
+  softmax_warp_store(p.dx + row * n, n, lane, width, g);
 }
 
 // a = scale * x, -inf where masked (block layout, one element).
