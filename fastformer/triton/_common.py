@@ -92,3 +92,26 @@ def dropout_keep(seed, index, p):
     x = r.to(tl.int32, bitcast=True)
     x = tl.where(x < 0, -x - 1, x)
     return x.to(tl.float32) * 4.6566127342e-10 >= p
+
+
+@triton.jit
+def online_softmax_step(m, l, bad, a):
+    """One chunk of an online softmax, per lane: the running max m and sum l of e^(a - m) take the chunk's
+    values a (-inf where masked or past the row); a NaN or +inf value sets the lane's ``bad`` flag and
+    counts as -inf (the caller turns the row NaN), so m stays finite. Returns (m, l, bad)."""
+    unbounded = (a != a) | (a == float("inf"))
+    bad = bad | unbounded.to(tl.int32)
+    a = tl.where(unbounded, float("-inf"), a)
+    m_new = tl.maximum(m, a)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    l = l * tl.exp(m - m_safe) + tl.exp(a - m_safe)
+    return m_new, l, bad
+
+
+@triton.jit
+def online_softmax_total(m, l):
+    """The lanes' (m, l) merged: (the row max, or 0 when every value was -inf; the row's sum of
+    e^(a - that max))."""
+    row_max = tl.max(m, 0)
+    row_max_safe = tl.where(row_max == float("-inf"), 0.0, row_max)
+    return row_max_safe, tl.sum(l * tl.exp(m - row_max_safe), 0)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastformer.triton._common import check, row_blocks
+from fastformer.triton._common import check, online_softmax_step, online_softmax_total, row_blocks
 
 
 @triton.jit
@@ -42,16 +42,8 @@ def _cross_entropy_fwd_kernel(
         inside = cols < V
         x = tl.load(x_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
         sx += tl.where(inside, x, 0.0)
-        unbounded = (x != x) | (x == float("inf"))
-        bad = bad | unbounded.to(tl.int32)
-        x = tl.where(unbounded, float("-inf"), x)  # keeps m finite; lse is set to NaN below
-        m_new = tl.maximum(m, x)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l = l * tl.exp(m - m_safe) + tl.exp(x - m_safe)
-        m = m_new
-    row_max = tl.max(m, 0)
-    row_max_safe = tl.where(row_max == float("-inf"), 0.0, row_max)
-    total = tl.sum(l * tl.exp(m - row_max_safe), 0)
+        m, l, bad = online_softmax_step(m, l, bad, x)  # NaN / +inf count as -inf; lse is set to NaN below
+    row_max_safe, total = online_softmax_total(m, l)
     lse = tl.where(total > 0, row_max_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
     lse = tl.where(tl.max(bad, 0) > 0, float("nan"), lse)
     t = tl.load(target_ptr + row)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastformer.triton._common import check, row_blocks
+from fastformer.triton._common import check, online_softmax_step, online_softmax_total, row_blocks
 
 
 @triton.jit
@@ -56,16 +56,8 @@ def _softmax_fwd_kernel(
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         a = _masked_scaled(x_row, mask_row, mask_col_stride, cols, N, scale, HAS_MASK)
-        unbounded = (a != a) | (a == float("inf"))
-        bad = bad | unbounded.to(tl.int32)
-        a = tl.where(unbounded, float("-inf"), a)  # keeps m finite; the row is set to NaN below
-        m_new = tl.maximum(m, a)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l = l * tl.exp(m - m_safe) + tl.exp(a - m_safe)
-        m = m_new
-    row_max = tl.max(m, 0)
-    row_max_safe = tl.where(row_max == float("-inf"), 0.0, row_max)
-    total = tl.sum(l * tl.exp(m - row_max_safe), 0)
+        m, l, bad = online_softmax_step(m, l, bad, a)  # NaN / +inf count as -inf; the row is set to NaN below
+    row_max_safe, total = online_softmax_total(m, l)
     inv = tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)  # fully masked row: zeros
     # A NaN or +inf logit that is not masked makes every y of the row NaN (torch.softmax does the same).
     row_max_safe = tl.where(tl.max(bad, 0) > 0, float("nan"), row_max_safe)
