@@ -12,8 +12,6 @@
 namespace fastformer::cuda {
 namespace {
 
-bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
-
 // V classes in rows of int, R rows in the grid's x dimension.
 void check_rows(int64_t R, int64_t V) {
   TORCH_CHECK(V <= INT_MAX, "fastformer ", kBackend, " cross_entropy: ", V, " classes exceed the kernels' limit of ",

@@ -7,6 +7,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <cstdint>
 #include <utility>
 
 #include "compat.h"
@@ -63,6 +64,12 @@ inline void check_dtype(const at::Tensor& t, const char* name) {
   }
 #endif
 }
+
+// Whether t's data starts at a multiple of two elements (half2/float2 pairs) or of 16 bytes (kPack runs).
+inline bool aligned2(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % (2 * t.element_size()) == 0;
+}
+inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
 
 // Makes the inputs' device current for the launches in scope (a no-op in the CPU model).
 struct DeviceScope {

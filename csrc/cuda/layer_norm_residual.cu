@@ -15,10 +15,6 @@
 namespace fastformer::cuda {
 namespace {
 
-bool aligned2(const Tensor& t) {
-  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % (2 * t.element_size()) == 0;
-}
-
 // A (..., N) tensor matching `like` (x or s) in shape and dtype.
 void check_rows_like(const Tensor& t, const Tensor& like, const char* name, const char* like_name) {
   check_input(t, name);

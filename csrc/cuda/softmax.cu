@@ -17,12 +17,6 @@
 namespace fastformer::cuda {
 namespace {
 
-bool aligned2(const Tensor& t) {
-  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % (2 * t.element_size()) == 0;
-}
-
-bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
-
 void check_rows(int64_t R, int64_t N) {
   TORCH_CHECK(N <= INT_MAX, "fastformer ", kBackend, " softmax: rows of ", N, " elements exceed the kernels' limit of ",
               INT_MAX);
