@@ -51,7 +51,8 @@ def on_cpu(tensors):
 
 # The slow backends' work budget per case: attention B H Lq Lk D multiply-adds (B 2, H 2, 33 x 33 keys,
 # D 64), softmax and layer_norm_residual elements.
-SLOW_WORK = {"attention": 2 * 2 * 33 * 33 * 64, "softmax": 16 * 4099, "layer_norm_residual": 16 * 4099}
+SLOW_WORK = {"attention": 2 * 2 * 33 * 33 * 64, "softmax": 16 * 4099, "layer_norm_residual": 16 * 4099,
+             "cross_entropy": 16 * 4099}
 
 # (op, backend, dtype name) -> largest error / bound over the matrix.
 RESULTS: dict[tuple[str, str, str], float] = defaultdict(float)
