@@ -2,7 +2,8 @@
 # One command that verifies a GPU machine, for anyone handed one: builds fastformer in place against the
 # machine's own torch (no network: pip install --no-build-isolation --no-deps -e .), then runs tests/gpu,
 # compute-sanitizer memcheck on the CUDA attention tests, the call-overhead benchmark, a short
-# `python -m fastformer.train --device cuda` (tokens/s, test BLEU), the op benchmarks at the paper's
+# `python -m fastformer.train --device cuda` (tokens/s, test BLEU), a torch.profiler table of the paper-size
+# training step beside nn.Transformer's (tools/profile_step.py), the op benchmarks at the paper's
 # sizes (forward+backward) and the small model's decoding benchmark, and writes one markdown report: device, driver, torch, commit, each step's
 # status and time, and every figure with the command that made it.
 #
@@ -76,6 +77,7 @@ if ((GPU)); then
   fi
   step "call overhead" 45 python -m pytest benchmarks/test_overhead.py --benchmark-only -q -p no:cacheprovider \
     --benchmark-json "$LOGS/overhead.json"
+  step "profile" 60 python tools/profile_step.py --device cuda --out "$LOGS/profile.md"
   # The training run: 3 minutes of training, less when less time is left (tokenizer, corpus and the test
   # translation need about 75 s besides).
   minutes=$(python -c "print(round(max(0.5, min(3.0, ($DEADLINE - $SECONDS - 75 - 60) / 60)), 2))")
@@ -141,6 +143,10 @@ import json, sys
 r = json.loads(sys.argv[1])
 print(f\"- train (\`python -m fastformer.train --device cuda --max-minutes $minutes --eval-every 0\`): {r['steps']} updates in {r['train_minutes']} training minutes, {r['tokens_per_s']:.0f} target tokens/s, precision {r['precision']}, test BLEU {r.get('test_bleu')} (chrF {r.get('test_chrf')}), peak RSS {r['peak_rss_gib']} GiB\")
 " "$result"
+  fi
+  if [[ -s $LOGS/profile.md ]]; then
+    echo
+    sed 's/^## /### /' "$LOGS/profile.md"
   fi
   for json in overhead bench decoding; do
     if [[ -s $LOGS/$json.json ]]; then
