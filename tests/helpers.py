@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastformer
@@ -155,3 +156,16 @@ class RecordBackends(TorchDispatchMode):
             else:
                 self.calls.append((op, args[0].device.type))
         return func(*args, **kwargs)
+
+
+def torch_cross_entropy(logits, target, smoothing, ignore_index):
+    """(loss with ``smoothing``, nll) per row by PyTorch's F.cross_entropy(reduction="none"), in the logits'
+    dtype: the eager counterpart of ops.cross_entropy(..., return_nll=True)."""
+    V = logits.shape[-1]
+    flat, flat_target = logits.reshape(-1, V), target.reshape(-1)
+
+    def ce(e):
+        return F.cross_entropy(flat, flat_target, reduction="none", label_smoothing=e,
+                               ignore_index=ignore_index).reshape(target.shape)
+
+    return ce(smoothing), ce(0.0)

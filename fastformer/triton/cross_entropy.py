@@ -112,7 +112,7 @@ def cross_entropy_bwd(dloss: torch.Tensor, dnll: torch.Tensor, logits: torch.Ten
     R, V = target.numel(), logits.shape[-1]
     if R:
         cfg = row_blocks(V)
-        _cross_entropy_bwd_kernel[(R,)](dloss.float().contiguous(), dnll.float().contiguous(), logits,
+        _cross_entropy_bwd_kernel[(R,)](dloss.contiguous(), dnll.contiguous(), logits,
                                         target.contiguous(), lse.contiguous(), dlogits, V, float(label_smoothing),
                                         ignore_index, BLOCK_V=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
     return dlogits

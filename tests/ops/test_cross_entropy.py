@@ -13,11 +13,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fastformer import ops
 from helpers import (ALL_BACKENDS, FLOAT64_BACKENDS, SLOW_LIMITS, backend_dtype_cases, backend_dtypes, forward_backward,
-                     randn, upcast)
+                     randn, torch_cross_entropy, upcast)
 from tolerances import assert_close
 
 
@@ -105,23 +104,12 @@ def ce_fn(backend, case, target):
                                             ignore_index=case.ignore_index, return_nll=True, backend=backend)
 
 
-def torch_cross_entropy(logits, target, case):
-    """(loss with the case's smoothing, nll) by torch.nn.functional.cross_entropy(reduction="none")."""
-    V = logits.shape[-1]
-    flat, flat_target = logits.reshape(-1, V), target.reshape(-1)
-
-    def ce(e):
-        return F.cross_entropy(flat, flat_target, reduction="none", label_smoothing=e,
-                               ignore_index=case.ignore_index).reshape(target.shape)
-
-    return ce(case.smoothing), ce(0.0)
-
-
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_torch_reference_matches_torch_functional(case):
     logits, target, upstream = make_inputs(case, torch.float64)
     outs, (dlogits,) = forward_backward(ce_fn("torch", case, target), [logits], upstream)
-    expected, (expected_dlogits,) = forward_backward(lambda x: torch_cross_entropy(x, target, case), [logits], upstream)
+    expected, (expected_dlogits,) = forward_backward(
+        lambda x: torch_cross_entropy(x, target, case.smoothing, case.ignore_index), [logits], upstream)
     for name, o, e in zip(("loss", "nll"), outs, expected):
         assert_close(o, e, torch.float64, name)
     assert_close(dlogits, expected_dlogits, torch.float64, "dlogits")

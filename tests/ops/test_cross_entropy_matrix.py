@@ -19,10 +19,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fastformer import ops
-from helpers import dtype_name, forward_backward, randn, upcast
+from helpers import dtype_name, forward_backward, randn, torch_cross_entropy, upcast
 from matrix import check, matrix_params, on_cpu, on_device
 
 
@@ -166,18 +165,6 @@ def make_logits(case, dtype):
     return randn(*case.shape, dtype=dtype, scale=case.scalar)
 
 
-def eager_cross_entropy(logits, target, case):
-    """(loss with the case's smoothing, nll) by F.cross_entropy(reduction="none") in the logits' dtype."""
-    V = logits.shape[-1]
-    flat, flat_target = logits.reshape(-1, V), target.reshape(-1)
-
-    def ce(e):
-        return F.cross_entropy(flat, flat_target, reduction="none", label_smoothing=e,
-                               ignore_index=case.ignore_index).reshape(target.shape)
-
-    return ce(case.smoothing), ce(0.0)
-
-
 @pytest.mark.parametrize("backend,dtype,case", matrix_params("cross_entropy", CASES))
 def test_cross_entropy_matrix(backend, dtype, case):
     logits, target = make_logits(case, dtype), make_target(case)
@@ -193,14 +180,15 @@ def test_cross_entropy_matrix(backend, dtype, case):
     outs, (dlogits,) = (on_cpu(t) for t in forward_backward(run(backend, *on_device([target])), on_device([logits]),
                                                             on_device([u.to(acc) for u in upstream])))
     ref_outs, (ref_dlogits,) = forward_backward(run("torch", target), upcast([logits]), upcast(upstream))
-    _, (eager_dlogits,) = forward_backward(lambda x: eager_cross_entropy(x, target, case), [logits], upstream)
+    _, (eager_dlogits,) = forward_backward(
+        lambda x: torch_cross_entropy(x, target, case.smoothing, case.ignore_index), [logits], upstream)
     # loss and nll are float32 (float64) whatever the logits' dtype, so check() judges them at that dtype:
     # its floor in float32 ulps, and against eager computing the float32 losses PyTorch's way (F.cross_entropy
     # on logits.float(): the composition the peers test against), on the same rounded logits, which float32
     # holds exactly. That is stricter than eager in half (a half loss errs by up to half an ulp of half) and
     # the same as eager in the dtype for float32 and float64 logits. Their ratios are kept apart from the
     # gradients' under "cross_entropy[<logits' dtype>]".
-    eager_outs = eager_cross_entropy(logits.to(acc), target, case)
+    eager_outs = torch_cross_entropy(logits.to(acc), target, case.smoothing, case.ignore_index)
     # The condition of a cross-entropy at its logits, as of a softmax: max(1, max |x|) over the rows that count
     # (lse and x[t] are known to |x| ulp whatever the order of the arithmetic, and e^(x - lse) carries it).
     counted = (target != case.ignore_index)[..., None]
