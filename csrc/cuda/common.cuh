@@ -1,5 +1,5 @@
-// Device helpers shared by the kernels of csrc/cuda/: element conversion, vector loads, warp and block
-// reductions. Compiles under nvcc, NVRTC and the CPU SIMT model (compat.h).
+// Device helpers shared by the kernels of csrc/cuda/: element conversion, vector loads, the warp-row
+// register layout, warp and block reductions. Compiles under nvcc, NVRTC and the CPU SIMT model (compat.h).
 #pragma once
 #include "compat.h"
 #include "../philox.h"
@@ -76,6 +76,109 @@ FF_DEVICE void store_pack(T* p, const float* v) {
 #pragma unroll
   for (int i = 0; i < kPack<T>; ++i) e[i] = from_float<T>(v[i]);
   *reinterpret_cast<float4*>(p) = raw;
+}
+
+// The warp-row register layout (softmax and layer_norm_residual, rows of N <= 32 kPerLane): a warp holds
+// a row, lane l keeps kPerLane values in registers, in runs of `width` consecutive columns: value i of
+// lane l is column width l + 32 width (i / width) + i % width. width = kPack<T> (16-byte loads and
+// stores) when N is a multiple of the pack, the rows are 16-byte aligned and a lane holds at least a
+// pack; else 2 (half2/float2 pairs) when N is even and the rows 2-element aligned; else 1. Columns >= N
+// exist only in registers (read as 0, never stored). Each load or store instruction of the warp moves
+// 32 width consecutive elements: fully coalesced at every width.
+FF_DEVICE int warp_row_col(int i, int lane, int width) {
+  return width * lane + width * kWarpSize * (i / width) + i % width;
+}
+
+// The run width for kPerLane values of T per lane; packs / vec2: the launcher's alignment findings.
+template <typename T, int kPerLane>
+FF_DEVICE int warp_row_width(bool packs, bool vec2) {
+  return kPerLane >= kPack<T> && packs ? kPack<T> : kPerLane >= 2 && vec2 ? 2 : 1;
+}
+
+// Loads a lane's kPerLane values of a row as float (columns >= n read as 0).
+template <int kPerLane, typename T>
+FF_DEVICE void warp_row_load(const T* row, int n, int lane, int width, float (&v)[kPerLane]) {
+  if (width == kPack<T>) {
+#pragma unroll
+    for (int i = 0; i < kPerLane; i += kPack<T>) {
+      const int col = warp_row_col(i, lane, kPack<T>);
+      if (col < n) {
+        load_pack(row + col, v + i);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kPack<T>; ++j) v[i + j] = 0.0f;
+      }
+    }
+  } else if (width == 2) {
+#pragma unroll
+    for (int i = 0; i < kPerLane; i += 2) {
+      const int col = warp_row_col(i, lane, 2);
+      const float2 t = col < n ? load2(row + col) : float2{0.0f, 0.0f};
+      v[i] = t.x;
+      v[i + 1] = t.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int col = warp_row_col(i, lane, 1);
+      v[i] = col < n ? to_float(row[col]) : 0.0f;
+    }
+  }
+}
+
+// Stores a lane's kPerLane values (columns < n), rounded to T.
+template <int kPerLane, typename T>
+FF_DEVICE void warp_row_store(T* row, int n, int lane, int width, const float (&v)[kPerLane]) {
+  if (width == kPack<T>) {
+#pragma unroll
+    for (int i = 0; i < kPerLane; i += kPack<T>) {
+      const int col = warp_row_col(i, lane, kPack<T>);
+      if (col < n) store_pack(row + col, v + i);
+    }
+  } else if (width == 2) {
+#pragma unroll
+    for (int i = 0; i < kPerLane; i += 2) {
+      const int col = warp_row_col(i, lane, 2);
+      if (col < n) store2(row + col, float2{v[i], v[i + 1]});
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int col = warp_row_col(i, lane, 1);
+      if (col < n) row[col] = from_float<T>(v[i]);
+    }
+  }
+}
+
+// Keep-factors (csrc/philox.h dropout_factor: 1/(1-p) kept, 0 dropped) of a lane's kPerLane values in the
+// warp-row layout, value i being element base + warp_row_col(i) of the dropped tensor. One Philox call
+// yields the words of 4 consecutive elements: runs of 4 or more (base and the runs' columns are multiples
+// of 4 then) take one call per 4 values, pairs one call per pair, single values one call each.
+template <int kPerLane>
+FF_DEVICE void warp_row_dropout(uint64_t seed, int64_t base, int lane, int width, float p, float inv_keep,
+                                float (&r)[kPerLane]) {
+  if (width >= 4) {
+#pragma unroll
+    for (int i = 0; i < kPerLane; i += 4) {
+      const Philox4 w = philox4x32_10(seed, static_cast<uint64_t>(base + warp_row_col(i, lane, width)) >> 2);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) r[i + k] = philox_uniform(w.w[k]) >= p ? inv_keep : 0.0f;
+    }
+  } else if (width == 2) {
+#pragma unroll
+    for (int i = 0; i < kPerLane; i += 2) {
+      const uint64_t e = static_cast<uint64_t>(base + warp_row_col(i, lane, 2));
+      const Philox4 w = philox4x32_10(seed, e >> 2);
+      const bool high = (e & 2) != 0;
+      r[i] = philox_uniform(high ? w.w[2] : w.w[0]) >= p ? inv_keep : 0.0f;
+      r[i + 1] = philox_uniform(high ? w.w[3] : w.w[1]) >= p ? inv_keep : 0.0f;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      r[i] = dropout_factor(seed, static_cast<uint64_t>(base + warp_row_col(i, lane, 1)), p, inv_keep);
+    }
+  }
 }
 
 // Online softmax state (softmax, cross_entropy): running max m and sum l of e^(a - m).

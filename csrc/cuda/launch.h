@@ -114,6 +114,19 @@ inline void launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, Args&&.
 #endif
 }
 
+// The warp-row layout (common.cuh): launches kernel<T, kPerLane> for the smallest kPerLane in
+// {1, 2, 4, ..., 32} with 32 kPerLane >= cols (the caller keeps cols <= 1024).
+template <typename P, typename K1, typename K2, typename K4, typename K8, typename K16, typename K32>
+inline void launch_per_lane(int cols, dim3 grid, dim3 block, const P& p, K1 k1, K2 k2, K4 k4, K8 k8, K16 k16, K32 k32) {
+  const int per_lane = (cols + 31) / 32;
+  if (per_lane <= 1) launch(k1, grid, block, p);
+  else if (per_lane <= 2) launch(k2, grid, block, p);
+  else if (per_lane <= 4) launch(k4, grid, block, p);
+  else if (per_lane <= 8) launch(k8, grid, block, p);
+  else if (per_lane <= 16) launch(k16, grid, block, p);
+  else launch(k32, grid, block, p);
+}
+
 // AT_DISPATCH over the dtypes the kernels store (float, half, bfloat16): scalar_t is the at:: type.
 #define FF_DISPATCH_KERNEL_TYPES(TYPE, NAME, ...)                                    \
   AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)          \

@@ -1,7 +1,9 @@
 // Launchers of the layer_norm_residual kernels (csrc/cuda/layer_norm_residual.cuh): validate, allocate,
-// pick the layout (a warp per row for N <= kLnrWarpMaxN, a block of kLnrThreads per row above) and, for
-// backward, size the deterministic two-stage dweight/dbias reduction.
-// half2/float2 pairs when N is even and every row pointer is 2-element aligned.
+// pick the layout (a warp per row for N <= kLnrWarpMaxN, kPerLane = ceil(N / 32) rounded up to a power of
+// two; a block of kLnrThreads per row above) and, for backward, size the deterministic two-stage
+// dweight/dbias reduction. 16-byte packs (warp layout) when N is a multiple of the pack and every tensor
+// is 16-byte aligned; half2/float2 pairs when N is even and every row pointer is 2-element aligned.
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -98,12 +100,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd(const Tensor&
     p.seed = static_cast<uint64_t>(seed);
     p.vec2 = N % 2 == 0 && aligned2(x) && aligned2(residual) && aligned2(weight) && aligned2(bias) && aligned2(y) &&
              aligned2(s);
+    p.packs = N % kPack<T> == 0 && aligned16(x) && aligned16(residual) && aligned16(weight) && aligned16(bias) &&
+              aligned16(y) && aligned16(s);
     if (N <= kLnrWarpMaxN) {
-      constexpr int kRowsPerBlock = kLnrThreads / kWarpSize;
-      const dim3 grid(static_cast<unsigned>((R + kRowsPerBlock - 1) / kRowsPerBlock));
-      launch(layer_norm_residual_fwd_kernel<T, kWarpSize>, grid, dim3(kLnrThreads), p);
+      const dim3 grid(static_cast<unsigned>((R + kLnrWarpRows - 1) / kLnrWarpRows));
+      launch_per_lane(p.cols, grid, dim3(kLnrThreads), p, layer_norm_residual_fwd_warp_kernel<T, 1>,
+                      layer_norm_residual_fwd_warp_kernel<T, 2>, layer_norm_residual_fwd_warp_kernel<T, 4>,
+                      layer_norm_residual_fwd_warp_kernel<T, 8>, layer_norm_residual_fwd_warp_kernel<T, 16>,
+                      layer_norm_residual_fwd_warp_kernel<T, 32>);
     } else {
-      launch(layer_norm_residual_fwd_kernel<T, kLnrThreads>, dim3(static_cast<unsigned>(R)), dim3(kLnrThreads), p);
+      launch(layer_norm_residual_fwd_block_kernel<T>, dim3(static_cast<unsigned>(R)), dim3(kLnrThreads), p);
     }
   });
   return {y, s, mean, rstd};
@@ -129,13 +135,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor&
   if (R == 0) return {dx, dres, at::zeros_like(weight), at::zeros_like(weight)};
   check_size(R, N);
   DeviceScope scope(s);
-  // Stage 1 layout: rows per block (one chunk per row group), at most kLnrBwdMaxBlocks blocks.
+  // Stage 1: P chunks of chunk_rows rows, one per block; the split depends on R and N only.
   const bool warp_rows = N <= kLnrWarpMaxN;
-  const int64_t groups = warp_rows ? kLnrThreads / kWarpSize : 1;
-  const int64_t max_partials = kLnrBwdMaxBlocks * groups;
-  const int64_t chunk_rows = (R + max_partials - 1) / max_partials;
+  const int64_t max_partials = warp_rows ? kLnrBwdWarpMaxBlocks : kLnrBwdBlockMaxBlocks;
+  const int64_t min_rows = warp_rows ? kLnrBwdWarpMinRows : 1;
+  const int64_t chunk_rows = std::max(min_rows, (R + max_partials - 1) / max_partials);
   const int64_t partials = (R + chunk_rows - 1) / chunk_rows;
-  const dim3 grid(static_cast<unsigned>((partials + groups - 1) / groups));
+  const dim3 grid(static_cast<unsigned>(partials));
   const auto f32 = s.options().dtype(at::kFloat);
   Tensor partial_dw = at::empty({partials, N}, f32), partial_db = at::empty({partials, N}, f32);
   Tensor dweight = at::empty_like(weight), dbias = at::empty_like(weight);
@@ -155,23 +161,27 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor&
     p.rows = R;
     p.cols = static_cast<int>(N);
     p.chunk_rows = chunk_rows;
-    p.partials = static_cast<int>(partials);
     p.dropout_p = static_cast<float>(dropout_p);
     p.inv_keep = 1.0f / (1.0f - p.dropout_p);
     p.seed = static_cast<uint64_t>(seed);
     p.vec2 = N % 2 == 0 && aligned2(dy) && (!ds.has_value() || aligned2(*ds)) && aligned2(s) && aligned2(weight) &&
              aligned2(dx) && aligned2(dres);
+    p.packs = N % kPack<T> == 0 && aligned16(dy) && (!ds.has_value() || aligned16(*ds)) && aligned16(s) &&
+              aligned16(weight) && aligned16(dx) && aligned16(dres);
     if (warp_rows) {
-      launch(layer_norm_residual_bwd_kernel<T, kWarpSize>, grid, dim3(kLnrThreads), p);
+      launch_per_lane(p.cols, grid, dim3(kLnrThreads), p, layer_norm_residual_bwd_warp_kernel<T, 1>,
+                      layer_norm_residual_bwd_warp_kernel<T, 2>, layer_norm_residual_bwd_warp_kernel<T, 4>,
+                      layer_norm_residual_bwd_warp_kernel<T, 8>, layer_norm_residual_bwd_warp_kernel<T, 16>,
+                      layer_norm_residual_bwd_warp_kernel<T, 32>);
     } else {
-      launch(layer_norm_residual_bwd_kernel<T, kLnrThreads>, grid, dim3(kLnrThreads), p);
+      launch(layer_norm_residual_bwd_block_kernel<T>, grid, dim3(kLnrThreads), p);
     }
     LnrReduceParams<T> q{};
     q.partial_dw = p.partial_dw;
     q.partial_db = p.partial_db;
     q.dweight = device_ptr_mut<scalar_t>(dweight);
     q.dbias = device_ptr_mut<scalar_t>(dbias);
-    q.partials = p.partials;
+    q.partials = static_cast<int>(partials);
     q.cols = p.cols;
     launch(layer_norm_residual_bwd_reduce_kernel<T>, dim3(static_cast<unsigned>((N + kWarpSize - 1) / kWarpSize)),
            dim3(kLnrReduceStripes * kWarpSize), q);

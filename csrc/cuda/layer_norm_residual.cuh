@@ -1,44 +1,50 @@
 // y = LayerNorm(residual + dropout(x)) over the last dim on the GPU, forward and backward (kernels;
-// launchers in layer_norm_residual.cu).
+// launchers in layer_norm_residual.cu). x, residual, s, y are R contiguous rows of N; fp32 math.
 //
-// Rows (R rows of N, contiguous) are handled by groups of kThreadsPerRow threads: a warp per row (32,
-// kLnrThreads / 32 rows per block) for N <= kLnrWarpMaxN, the whole block per row (kLnrThreads) above.
-// Thread t of a group takes the pairs of columns 2 t + 2 G i, 2 t + 2 G i + 1 (half2/float2 loads, when N is
-// even and every row 2-element aligned) or the columns t + G i (scalar), G = kThreadsPerRow; any N >= 1.
-//
-// Forward, per row (fp32 math):
-//   s = residual + x * r   (r = dropout_factor(seed, row * N + col, p, 1/(1-p)) of csrc/philox.h),
-//                          rounded to T and stored; the statistics are those of the rounded s, so
-//                          backward's xhat, rebuilt from the saved s, matches the forward's exactly;
-//   mean, M2 by Welford per thread, merged over the group with the parallel Welford merge (Chan et al.)
-//     in a fixed tree order (warp shuffles, then the block's warps through shared memory, 8 x 3 floats);
-//   rstd = 1 / sqrt(M2 / N + eps);  y = (s - mean) rstd w + b   (a second sweep rereads s, which this
-//   thread wrote, from L1/L2).
-// DRAM per row: reads x, residual, writes s, y: 4 N sizeof(T) (+ 8 bytes of mean, rstd; w, b cached).
-//
+// Forward, per row:
+//   s = residual + x * r   (r = dropout_factor(seed, row * N + col, p, 1/(1-p)) of csrc/philox.h), rounded
+//                          to T and stored; the statistics are those of the rounded s, so backward's xhat,
+//                          rebuilt from the saved s, matches the forward's exactly;
+//   mean, rstd = 1 / sqrt(var + eps) (biased variance);  y = (s - mean) rstd w + b.
 // Backward, per row, with xhat = (s - mean) rstd and g = dy w:
 //   ds_total = rstd (g - mean(g) - xhat mean(g xhat)) + ds   (ds: gradient of the s output, optional)
 //   dresidual = ds_total, dx = ds_total r
-// sweep 1 reads s, dy for the two row sums (group reduction), sweep 2 rereads them (L1/L2) and writes dx,
-// dresidual: 4 N sizeof(T) from DRAM (+ N sizeof(T) for ds).
-// dweight = sum_rows dy xhat and dbias = sum_rows dy, deterministically and without atomics, in two
-// stages: (1) the rows are cut into P contiguous chunks, one per row group of a fixed grid (at most
-// kLnrBwdMaxBlocks blocks, independent of the device); a group owns its columns for all the rows of its
-// chunk and accumulates dy xhat and dy into its own float32 row of partial_dw / partial_db (P, N), zeroed
-// first (a read-modify-write of 2 N floats per row, mostly L2 hits: the workspace is P N 8 bytes);
-// (2) layer_norm_residual_bwd_reduce_kernel sums the P partials of each column in a fixed order and writes
-// dweight, dbias in T. The summation order depends on R and N only (not on the device or on timing), so
-// every run gives the same bits.
+//   dweight = sum_rows dy xhat, dbias = sum_rows dy: deterministic, without atomics, in two stages. (1) The
+//   rows are cut into P contiguous chunks, one per block of a grid whose size depends on R and N only (not
+//   on the device); each block writes the sums over its chunk as row b of partial_dw / partial_db (P, N)
+//   float32. (2) layer_norm_residual_bwd_reduce_kernel sums the P partials of each column in a fixed order
+//   and writes dweight, dbias in T. Every run gives the same bits.
+//
+// Two layouts:
+//   warp per row (N <= kLnrWarpMaxN, the paper's 512 and 1024): the warp-row register layout of common.cuh
+//     (lane l keeps kPerLane = ceil(N / 32), rounded up to a power of two, values of the row in registers,
+//     in runs of 16-byte packs, half2/float2 pairs or single elements). Forward: one load of x and
+//     residual, the row's sum and then sum (s - mean)^2 from the registers (two-pass variance, no
+//     cancellation), one store of s and y; Philox once per 4 elements (a run of a pack or 4 elements).
+//     DRAM per row 4 N sizeof(T) (+ 8 bytes of mean, rstd; w, b cached), with no second sweep.
+//     Backward: block b (kLnrWarpRows warps) owns chunk b; warp w takes its rows w, w + 8, ...: one load
+//     of s, dy (and ds), the two row sums by shuffles, one store of dx and dresidual (4 N sizeof(T) per
+//     row, + N for ds); each lane accumulates dy xhat and dy for its columns in registers over its rows,
+//     and the block's warps add theirs in warp order through shared memory (lnr_block_column_sum) into
+//     one partial row: P N 8 bytes written once.
+//   block per row (N > kLnrWarpMaxN): kLnrThreads threads stride over the row in pairs (half2/float2, when
+//     N is even and the rows 2-element aligned) or elements. Forward: sweep 1 writes s and keeps a Welford
+//     (count, mean, M2) per thread, merged over the block in a fixed order (Chan et al.); sweep 2 rereads
+//     s (L2) and writes y. Backward: sweep 1 for the two row sums (block_sum), sweep 2 rereads s, dy and
+//     writes dx, dresidual; the block's partial row is read-modified-written per row (mostly L2 hits).
 #pragma once
 #include "common.cuh"
 
 namespace fastformer {
 namespace cuda {
 
-constexpr int kLnrThreads = 256;         // threads per block, both layouts
-constexpr int kLnrWarpMaxN = 1024;       // a warp per row up to this N, the whole block per row above
-constexpr int kLnrBwdMaxBlocks = 128;    // stage-1 backward grid cap (so P <= 128 * rows per block)
-constexpr int kLnrReduceStripes = 8;     // stage 2: a block sums 32 columns, each over 8 stripes of partials
+constexpr int kLnrThreads = 256;                    // threads per block, both layouts
+constexpr int kLnrWarpRows = kLnrThreads / kWarpSize;  // warps (rows at a time) per block, warp layout
+constexpr int kLnrWarpMaxN = 1024;                  // a warp per row up to this N (32 values per lane)
+constexpr int kLnrBwdWarpMinRows = 4 * kLnrWarpRows;  // backward chunk, warp layout: at least 4 rows a warp
+constexpr int kLnrBwdWarpMaxBlocks = 512;           // ... and at most this many chunks (P N 8 bytes of partials)
+constexpr int kLnrBwdBlockMaxBlocks = 128;          // backward chunks, block layout
+constexpr int kLnrReduceStripes = 8;                // stage 2: a block sums 32 columns, each over 8 stripes
 
 template <typename T>
 struct LnrFwdParams {
@@ -57,6 +63,7 @@ struct LnrFwdParams {
   float inv_keep;     // 1 / (1 - p)
   uint64_t seed;      // dropout seed
   bool vec2;          // N even and every row pointer 2-element aligned: half2/float2 pairs
+  bool packs;         // N a multiple of kPack<T> and every pointer 16-byte aligned (warp layout)
 };
 
 template <typename T>
@@ -69,16 +76,16 @@ struct LnrBwdParams {
   const float* rstd;    // (R,) saved
   T* dx;                // (R, N) output
   T* dresidual;         // (R, N) output
-  float* partial_dw;    // (P, N) stage-1 output: row p = sum over chunk p of dy xhat
-  float* partial_db;    // (P, N) stage-1 output: row p = sum over chunk p of dy
+  float* partial_dw;    // (P, N) stage-1 output: row b = sum over chunk b of dy xhat
+  float* partial_db;    // (P, N) stage-1 output: row b = sum over chunk b of dy
   int64_t rows;         // R
   int cols;             // N
-  int64_t chunk_rows;   // rows per chunk (the last chunk may be shorter)
-  int partials;         // P = ceil(R / chunk_rows)
+  int64_t chunk_rows;   // rows per chunk (the last chunk may be shorter); P = gridDim.x chunks
   float dropout_p;
   float inv_keep;
   uint64_t seed;
   bool vec2;            // N even and every row pointer 2-element aligned
+  bool packs;           // N a multiple of kPack<T> and every pointer 16-byte aligned (warp layout)
 };
 
 template <typename T>
@@ -90,6 +97,133 @@ struct LnrReduceParams {
   int partials;             // P
   int cols;                 // N
 };
+
+// ---------------------------------------------------------------------------------------------------
+// Warp layout: a warp per row, the row in registers.
+
+// Forward: warp w of block b takes row b * kLnrWarpRows + w.
+template <typename T, int kPerLane>
+FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_fwd_warp_kernel(const LnrFwdParams<T> p) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kLnrWarpRows + threadIdx.x / kWarpSize;
+  if (row >= p.rows) return;  // the whole warp: no shuffle is left waiting
+  const int n = p.cols;
+  const int64_t base = row * n;
+  const int width = warp_row_width<T, kPerLane>(p.packs, p.vec2);
+  float v[kPerLane], u[kPerLane];
+  warp_row_load(p.x + base, n, lane, width, v);
+  warp_row_load(p.residual + base, n, lane, width, u);
+  if (p.dropout_p > 0.0f) {
+    float r[kPerLane];
+    warp_row_dropout(p.seed, base, lane, width, p.dropout_p, p.inv_keep, r);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) v[i] *= r[i];
+  }
+  // s = residual + x r, rounded to T (columns past the row's end: 0 + 0 = 0).
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    v[i] = to_float(from_float<T>(u[i] + v[i]));
+    sum += v[i];
+  }
+  warp_row_store(p.s + base, n, lane, width, v);  // exact: the values are already values of T
+  const float inv_n = 1.0f / static_cast<float>(n);
+  const float mean = warp_sum(sum) * inv_n;
+  float m2 = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const float d = warp_row_col(i, lane, width) < n ? v[i] - mean : 0.0f;
+    m2 += d * d;
+  }
+  const float rstd = 1.0f / sqrtf(warp_sum(m2) * inv_n + p.eps);
+  if (lane == 0) {
+    p.mean[row] = mean;
+    p.rstd[row] = rstd;
+  }
+  // y = (s - mean) rstd w + b
+  warp_row_load(p.weight, n, lane, width, u);
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) v[i] = (v[i] - mean) * rstd * u[i];
+  warp_row_load(p.bias, n, lane, width, u);
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) v[i] += u[i];
+  warp_row_store(p.y + base, n, lane, width, v);
+}
+
+// out[col] = sum over the block's warps w = 0, 1, ... (in that order) of warp w's value at col, for
+// col < n; v: a lane's kPerLane values in the warp-row layout. stage: the caller's __shared__
+// float[kLnrWarpRows][32 kPerLane]. All threads of the block must call it (two __syncthreads).
+template <int kPerLane>
+FF_DEVICE void lnr_block_column_sum(const float (&v)[kPerLane], float (*stage)[kWarpSize * kPerLane], int n,
+                                    int width, float* out) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) stage[warp][warp_row_col(i, lane, width)] = v[i];
+  __syncthreads();
+  for (int col = threadIdx.x; col < n; col += kLnrThreads) {
+    float t = stage[0][col];
+#pragma unroll
+    for (int w = 1; w < kLnrWarpRows; ++w) t += stage[w][col];
+    out[col] = t;
+  }
+  __syncthreads();  // every reader is done: the stage may be refilled
+}
+
+// Backward stage 1: block b owns chunk b, the rows [b chunk_rows, min(R, (b + 1) chunk_rows)); warp w
+// takes the chunk's rows w, w + kLnrWarpRows, ...; the block writes row b of partial_dw / partial_db.
+template <typename T, int kPerLane>
+FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_warp_kernel(const LnrBwdParams<T> p) {
+  __shared__ float stage[kLnrWarpRows][kWarpSize * kPerLane];
+  const int lane = threadIdx.x % kWarpSize;
+  const int n = p.cols;
+  const int width = warp_row_width<T, kPerLane>(p.packs, p.vec2);
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * p.chunk_rows;
+  const int64_t last = first + p.chunk_rows < p.rows ? first + p.chunk_rows : p.rows;
+  const float inv_n = 1.0f / static_cast<float>(n);
+  float dw[kPerLane], db[kPerLane];  // this lane's columns of sum dy xhat, sum dy over its rows
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) dw[i] = db[i] = 0.0f;
+  for (int64_t row = first + threadIdx.x / kWarpSize; row < last; row += kLnrWarpRows) {
+    const int64_t base = row * n;
+    float x[kPerLane], g[kPerLane], w[kPerLane];  // x: s, then xhat, then ds_total
+    warp_row_load(p.s + base, n, lane, width, x);
+    warp_row_load(p.dy + base, n, lane, width, g);
+    warp_row_load(p.weight, n, lane, width, w);
+    const float mu = p.mean[row], rs = p.rstd[row];
+    // The row sums of g = dy w and g xhat; the partials (columns past the end hold dy = 0: they add 0).
+    float sum_g = 0.0f, sum_gx = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      x[i] = (x[i] - mu) * rs;
+      dw[i] += g[i] * x[i];
+      db[i] += g[i];
+      g[i] *= w[i];
+      sum_g += g[i];
+      sum_gx += g[i] * x[i];
+    }
+    const float mean_g = warp_sum(sum_g) * inv_n, mean_gx = warp_sum(sum_gx) * inv_n;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) x[i] = rs * (g[i] - mean_g - x[i] * mean_gx);
+    if (p.ds != nullptr) {
+      warp_row_load(p.ds + base, n, lane, width, g);
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) x[i] += g[i];
+    }
+    warp_row_store(p.dresidual + base, n, lane, width, x);
+    if (p.dropout_p > 0.0f) {
+      warp_row_dropout(p.seed, base, lane, width, p.dropout_p, p.inv_keep, g);
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) x[i] *= g[i];
+    }
+    warp_row_store(p.dx + base, n, lane, width, x);
+  }
+  const int64_t part = static_cast<int64_t>(blockIdx.x) * n;
+  lnr_block_column_sum(dw, stage, n, width, p.partial_dw + part);
+  lnr_block_column_sum(db, stage, n, width, p.partial_db + part);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Block layout: a block of kLnrThreads per row, sweeping the row in pairs or elements.
 
 // Keep-factors of elements i and i + 1 for an even i (csrc/philox.h dropout_factor of each): both words
 // come from the one Philox call of counter i >> 2.
@@ -120,12 +254,10 @@ FF_DEVICE Welford welford_merge(const Welford& a, const Welford& b) {
   return Welford{n, a.mean + d * fb, a.m2 + b.m2 + d * d * a.n * fb};
 }
 
-// Merges the Welford states of a row's group; every thread of the group gets the same result.
-// Warp: butterfly where both partners merge (lower lanes, upper lanes), so they agree bit for bit.
-// Block (kThreadsPerRow == kLnrThreads): lane 0 of each warp stages its state in shared memory, then every
-// thread merges the warps' states in order 0, 1, ...
-template <int kThreadsPerRow>
-FF_DEVICE Welford lnr_group_welford(Welford w, Welford* stage) {
+// Merges the Welford states of the block's threads; every thread gets the same result. Warp: butterfly
+// where both partners merge (lower lanes, upper lanes), so they agree bit for bit; then lane 0 of each
+// warp stages its state in shared memory, and every thread merges the warps' states in order 0, 1, ...
+FF_DEVICE Welford lnr_block_welford(Welford w, Welford* stage) {
   const int lane = threadIdx.x % kWarpSize;
 #pragma unroll
   for (int offset = 1; offset < kWarpSize; offset *= 2) {
@@ -133,37 +265,20 @@ FF_DEVICE Welford lnr_group_welford(Welford w, Welford* stage) {
                     __shfl_xor_sync(kFullMask, w.m2, offset)};
     w = (lane & offset) != 0 ? welford_merge(o, w) : welford_merge(w, o);
   }
-  if (kThreadsPerRow > kWarpSize) {
-    if (lane == 0) stage[threadIdx.x / kWarpSize] = w;
-    __syncthreads();
-    w = stage[0];
+  if (lane == 0) stage[threadIdx.x / kWarpSize] = w;
+  __syncthreads();
+  w = stage[0];
 #pragma unroll
-    for (int k = 1; k < kThreadsPerRow / kWarpSize; ++k) w = welford_merge(w, stage[k]);
-  }
+  for (int k = 1; k < kLnrThreads / kWarpSize; ++k) w = welford_merge(w, stage[k]);
   return w;
 }
 
-// Sums kValues floats over a row's group (every thread of the group gets the same sums).
-template <int kThreadsPerRow, int kValues>
-FF_DEVICE void lnr_group_sum(float (&v)[kValues], float (*scratch)[kWarpSize]) {
-  if (kThreadsPerRow > kWarpSize) {
-    block_sum(v, scratch);
-  } else {
-#pragma unroll
-    for (int i = 0; i < kValues; ++i) v[i] = warp_sum(v[i]);
-  }
-}
-
-// Forward: one row per group of kThreadsPerRow threads, row = blockIdx.x * (kLnrThreads / kThreadsPerRow) + group.
-template <typename T, int kThreadsPerRow>
-FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_fwd_kernel(const LnrFwdParams<T> p) {
-  __shared__ Welford stage[kLnrThreads / kWarpSize];  // block layout: one state per warp
-  constexpr int kRowsPerBlock = kLnrThreads / kThreadsPerRow;
-  const int t = threadIdx.x % kThreadsPerRow;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kThreadsPerRow;
-  // The whole group leaves together: a warp (no barrier in that layout), or, in the block layout, the
-  // whole block (never: the grid has exactly R blocks there).
-  if (row >= p.rows) return;
+// Forward: row blockIdx.x.
+template <typename T>
+FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_fwd_block_kernel(const LnrFwdParams<T> p) {
+  __shared__ Welford stage[kLnrThreads / kWarpSize];  // one state per warp
+  const int t = threadIdx.x;
+  const int64_t row = blockIdx.x;
   const int n = p.cols;
   const int64_t base = row * n;
   const T* x = p.x + base;
@@ -174,7 +289,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_fwd_kernel(cons
   // Sweep 1: s = residual + x r, rounded to T and stored; Welford over the rounded values.
   Welford w{0.0f, 0.0f, 0.0f};
   if (p.vec2) {
-    for (int col = 2 * t; col < n; col += 2 * kThreadsPerRow) {
+    for (int col = 2 * t; col < n; col += 2 * kLnrThreads) {
       float2 xv = load2(x + col);
       const float2 rv = load2(res + col);
       if (drop) {
@@ -188,7 +303,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_fwd_kernel(cons
       welford_add(w, sb);
     }
   } else {
-    for (int col = t; col < n; col += kThreadsPerRow) {
+    for (int col = t; col < n; col += kLnrThreads) {
       float xv = to_float(x[col]);
       if (drop) xv *= dropout_factor(p.seed, static_cast<uint64_t>(base + col), p.dropout_p, p.inv_keep);
       const T sv = from_float<T>(to_float(res[col]) + xv);
@@ -196,7 +311,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_fwd_kernel(cons
       welford_add(w, to_float(sv));
     }
   }
-  w = lnr_group_welford<kThreadsPerRow>(w, stage);
+  w = lnr_block_welford(w, stage);
   const float mean = w.mean;
   const float rstd = 1.0f / sqrtf(w.m2 / static_cast<float>(n) + p.eps);
   if (t == 0) {
@@ -205,42 +320,38 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_fwd_kernel(cons
   }
   // Sweep 2: y = (s - mean) rstd w + b from the stored s.
   if (p.vec2) {
-    for (int col = 2 * t; col < n; col += 2 * kThreadsPerRow) {
+    for (int col = 2 * t; col < n; col += 2 * kLnrThreads) {
       const float2 sv = load2(s + col), wv = load2(p.weight + col), bv = load2(p.bias + col);
       store2(y + col, float2{(sv.x - mean) * rstd * wv.x + bv.x, (sv.y - mean) * rstd * wv.y + bv.y});
     }
   } else {
-    for (int col = t; col < n; col += kThreadsPerRow) {
+    for (int col = t; col < n; col += kLnrThreads) {
       y[col] = from_float<T>((to_float(s[col]) - mean) * rstd * to_float(p.weight[col]) + to_float(p.bias[col]));
     }
   }
 }
 
-// Backward stage 1: row group g of block b owns chunk c = b * (kLnrThreads / kThreadsPerRow) + g, the rows
-// [c chunk_rows, min(R, (c + 1) chunk_rows)), one after the other; writes their dx, dresidual and row c of
-// partial_dw / partial_db.
-template <typename T, int kThreadsPerRow>
-FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_kernel(const LnrBwdParams<T> p) {
-  __shared__ float scratch[2][kWarpSize];  // block layout: the two row sums per warp
-  constexpr int kRowsPerBlock = kLnrThreads / kThreadsPerRow;
-  const int t = threadIdx.x % kThreadsPerRow;
-  const int chunk = blockIdx.x * kRowsPerBlock + threadIdx.x / kThreadsPerRow;
+// Backward stage 1: block b owns chunk b, the rows [b chunk_rows, min(R, (b + 1) chunk_rows)), one after
+// the other; writes their dx, dresidual and row b of partial_dw / partial_db.
+template <typename T>
+FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_block_kernel(const LnrBwdParams<T> p) {
+  __shared__ float scratch[2][kWarpSize];  // the two row sums per warp
+  const int t = threadIdx.x;
   const int n = p.cols;
-  // Groups past the last chunk get no rows (only in the warp layout: the block layout has P blocks).
-  const int64_t first = chunk < p.partials ? chunk * p.chunk_rows : p.rows;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * p.chunk_rows;
   const int64_t last = first + p.chunk_rows < p.rows ? first + p.chunk_rows : p.rows;
-  float* part_dw = p.partial_dw + static_cast<int64_t>(chunk) * n;
-  float* part_db = p.partial_db + static_cast<int64_t>(chunk) * n;
+  float* part_dw = p.partial_dw + static_cast<int64_t>(blockIdx.x) * n;
+  float* part_db = p.partial_db + static_cast<int64_t>(blockIdx.x) * n;
   const bool drop = p.dropout_p > 0.0f;
   const float inv_n = 1.0f / static_cast<float>(n);
   // The chunk's partial sums start at zero; each thread clears the columns it accumulates below.
-  if (first < last && p.vec2) {
-    for (int col = 2 * t; col < n; col += 2 * kThreadsPerRow) {
+  if (p.vec2) {
+    for (int col = 2 * t; col < n; col += 2 * kLnrThreads) {
       store2(part_dw + col, float2{0.0f, 0.0f});
       store2(part_db + col, float2{0.0f, 0.0f});
     }
-  } else if (first < last) {
-    for (int col = t; col < n; col += kThreadsPerRow) {
+  } else {
+    for (int col = t; col < n; col += kLnrThreads) {
       part_dw[col] = 0.0f;
       part_db[col] = 0.0f;
     }
@@ -256,7 +367,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_kernel(cons
     // Sweep 1: sums of g and g xhat; partial dweight += dy xhat, dbias += dy.
     float sums[2] = {0.0f, 0.0f};
     if (p.vec2) {
-      for (int col = 2 * t; col < n; col += 2 * kThreadsPerRow) {
+      for (int col = 2 * t; col < n; col += 2 * kLnrThreads) {
         const float2 sv = load2(s + col), gv = load2(dy + col), wv = load2(p.weight + col);
         const float xa = (sv.x - mu) * rs, xb = (sv.y - mu) * rs;
         const float ga = gv.x * wv.x, gb = gv.y * wv.y;
@@ -267,7 +378,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_kernel(cons
         store2(part_db + col, float2{pb.x + gv.x, pb.y + gv.y});
       }
     } else {
-      for (int col = t; col < n; col += kThreadsPerRow) {
+      for (int col = t; col < n; col += kLnrThreads) {
         const float xhat = (to_float(s[col]) - mu) * rs, gv = to_float(dy[col]);
         const float g = gv * to_float(p.weight[col]);
         sums[0] += g;
@@ -276,11 +387,11 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_kernel(cons
         part_db[col] += gv;
       }
     }
-    lnr_group_sum<kThreadsPerRow>(sums, scratch);
+    block_sum(sums, scratch);
     const float mean_g = sums[0] * inv_n, mean_gx = sums[1] * inv_n;
     // Sweep 2: ds_total = rstd (g - mean(g) - xhat mean(g xhat)) + ds; dresidual = ds_total, dx = ds_total r.
     if (p.vec2) {
-      for (int col = 2 * t; col < n; col += 2 * kThreadsPerRow) {
+      for (int col = 2 * t; col < n; col += 2 * kLnrThreads) {
         const float2 sv = load2(s + col), gv = load2(dy + col), wv = load2(p.weight + col);
         float d0 = rs * (gv.x * wv.x - mean_g - (sv.x - mu) * rs * mean_gx);
         float d1 = rs * (gv.y * wv.y - mean_g - (sv.y - mu) * rs * mean_gx);
@@ -298,7 +409,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_kernel(cons
         store2(dx + col, float2{d0, d1});
       }
     } else {
-      for (int col = t; col < n; col += kThreadsPerRow) {
+      for (int col = t; col < n; col += kLnrThreads) {
         const float xhat = (to_float(s[col]) - mu) * rs;
         float d = rs * (to_float(dy[col]) * to_float(p.weight[col]) - mean_g - xhat * mean_gx);
         if (ds != nullptr) d += to_float(ds[col]);
@@ -309,6 +420,9 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_kernel(cons
     }
   }
 }
+
+// ---------------------------------------------------------------------------------------------------
+// Both layouts.
 
 // Backward stage 2: dweight[col] = sum_c partial_dw[c, col] (dbias alike), c in a fixed order.
 // Block b (kLnrReduceStripes warps) takes columns 32 b .. 32 b + 31, lane = column: warp k sums the partials
@@ -346,8 +460,12 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrReduceStripes * kWarpSize) layer_norm_residu
 }  // namespace cuda
 }  // namespace fastformer
 
-// instantiations: layer_norm_residual_fwd_kernel<float, 32> layer_norm_residual_fwd_kernel<__half, 32> layer_norm_residual_fwd_kernel<__nv_bfloat16, 32>
-// instantiations: layer_norm_residual_fwd_kernel<float, 256> layer_norm_residual_fwd_kernel<__half, 256> layer_norm_residual_fwd_kernel<__nv_bfloat16, 256>
-// instantiations: layer_norm_residual_bwd_kernel<float, 32> layer_norm_residual_bwd_kernel<__half, 32> layer_norm_residual_bwd_kernel<__nv_bfloat16, 32>
-// instantiations: layer_norm_residual_bwd_kernel<float, 256> layer_norm_residual_bwd_kernel<__half, 256> layer_norm_residual_bwd_kernel<__nv_bfloat16, 256>
+// instantiations: layer_norm_residual_fwd_warp_kernel<float, 1> layer_norm_residual_fwd_warp_kernel<float, 2> layer_norm_residual_fwd_warp_kernel<float, 4> layer_norm_residual_fwd_warp_kernel<float, 8> layer_norm_residual_fwd_warp_kernel<float, 16> layer_norm_residual_fwd_warp_kernel<float, 32>
+// instantiations: layer_norm_residual_fwd_warp_kernel<__half, 1> layer_norm_residual_fwd_warp_kernel<__half, 2> layer_norm_residual_fwd_warp_kernel<__half, 4> layer_norm_residual_fwd_warp_kernel<__half, 8> layer_norm_residual_fwd_warp_kernel<__half, 16> layer_norm_residual_fwd_warp_kernel<__half, 32>
+// instantiations: layer_norm_residual_fwd_warp_kernel<__nv_bfloat16, 1> layer_norm_residual_fwd_warp_kernel<__nv_bfloat16, 2> layer_norm_residual_fwd_warp_kernel<__nv_bfloat16, 4> layer_norm_residual_fwd_warp_kernel<__nv_bfloat16, 8> layer_norm_residual_fwd_warp_kernel<__nv_bfloat16, 16> layer_norm_residual_fwd_warp_kernel<__nv_bfloat16, 32>
+// instantiations: layer_norm_residual_bwd_warp_kernel<float, 1> layer_norm_residual_bwd_warp_kernel<float, 2> layer_norm_residual_bwd_warp_kernel<float, 4> layer_norm_residual_bwd_warp_kernel<float, 8> layer_norm_residual_bwd_warp_kernel<float, 16> layer_norm_residual_bwd_warp_kernel<float, 32>
+// instantiations: layer_norm_residual_bwd_warp_kernel<__half, 1> layer_norm_residual_bwd_warp_kernel<__half, 2> layer_norm_residual_bwd_warp_kernel<__half, 4> layer_norm_residual_bwd_warp_kernel<__half, 8> layer_norm_residual_bwd_warp_kernel<__half, 16> layer_norm_residual_bwd_warp_kernel<__half, 32>
+// instantiations: layer_norm_residual_bwd_warp_kernel<__nv_bfloat16, 1> layer_norm_residual_bwd_warp_kernel<__nv_bfloat16, 2> layer_norm_residual_bwd_warp_kernel<__nv_bfloat16, 4> layer_norm_residual_bwd_warp_kernel<__nv_bfloat16, 8> layer_norm_residual_bwd_warp_kernel<__nv_bfloat16, 16> layer_norm_residual_bwd_warp_kernel<__nv_bfloat16, 32>
+// instantiations: layer_norm_residual_fwd_block_kernel<float> layer_norm_residual_fwd_block_kernel<__half> layer_norm_residual_fwd_block_kernel<__nv_bfloat16>
+// instantiations: layer_norm_residual_bwd_block_kernel<float> layer_norm_residual_bwd_block_kernel<__half> layer_norm_residual_bwd_block_kernel<__nv_bfloat16>
 // instantiations: layer_norm_residual_bwd_reduce_kernel<float> layer_norm_residual_bwd_reduce_kernel<__half> layer_norm_residual_bwd_reduce_kernel<__nv_bfloat16>

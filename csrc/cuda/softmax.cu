@@ -47,19 +47,8 @@ SoftmaxMask mask_layout(const Tensor& x, const Tensor& expanded) {
   return m;
 }
 
-// kernel<T, kPerLane> for the smallest kPerLane in {1, 2, 4, ..., 32} with 32 kPerLane >= N.
-template <typename P, typename K1, typename K2, typename K4, typename K8, typename K16, typename K32>
-void launch_warp(const P& p, K1 k1, K2 k2, K4 k4, K8 k8, K16 k16, K32 k32) {
-  const dim3 grid(static_cast<unsigned>((p.rows + kSoftmaxWarpRows - 1) / kSoftmaxWarpRows));
-  const dim3 block(kSoftmaxWarpRows * kWarpSize);
-  const int per_lane = (p.cols + kWarpSize - 1) / kWarpSize;
-  if (per_lane <= 1) launch(k1, grid, block, p);
-  else if (per_lane <= 2) launch(k2, grid, block, p);
-  else if (per_lane <= 4) launch(k4, grid, block, p);
-  else if (per_lane <= 8) launch(k8, grid, block, p);
-  else if (per_lane <= 16) launch(k16, grid, block, p);
-  else launch(k32, grid, block, p);
-}
+// The warp layout's grid: kSoftmaxWarpRows rows (warps) per block.
+dim3 warp_grid(int64_t R) { return dim3(static_cast<unsigned>((R + kSoftmaxWarpRows - 1) / kSoftmaxWarpRows)); }
 
 }  // namespace
 
@@ -98,8 +87,9 @@ Tensor softmax_fwd(const Tensor& x, const c10::optional<Tensor>& mask, double sc
     if (N > kSoftmaxWarpMaxN) {
       launch(softmax_fwd_block_kernel<T>, dim3(static_cast<unsigned>(R)), dim3(kSoftmaxBlockThreads), p);
     } else {
-      launch_warp(p, softmax_fwd_warp_kernel<T, 1>, softmax_fwd_warp_kernel<T, 2>, softmax_fwd_warp_kernel<T, 4>,
-                  softmax_fwd_warp_kernel<T, 8>, softmax_fwd_warp_kernel<T, 16>, softmax_fwd_warp_kernel<T, 32>);
+      launch_per_lane(p.cols, warp_grid(R), dim3(kSoftmaxWarpRows * kWarpSize), p, softmax_fwd_warp_kernel<T, 1>,
+                      softmax_fwd_warp_kernel<T, 2>, softmax_fwd_warp_kernel<T, 4>, softmax_fwd_warp_kernel<T, 8>,
+                      softmax_fwd_warp_kernel<T, 16>, softmax_fwd_warp_kernel<T, 32>);
     }
   });
   return y;
@@ -132,8 +122,9 @@ Tensor softmax_bwd(const Tensor& dy, const Tensor& y, double scale) {
     if (N > kSoftmaxWarpMaxN) {
       launch(softmax_bwd_block_kernel<T>, dim3(static_cast<unsigned>(R)), dim3(kSoftmaxBlockThreads), p);
     } else {
-      launch_warp(p, softmax_bwd_warp_kernel<T, 1>, softmax_bwd_warp_kernel<T, 2>, softmax_bwd_warp_kernel<T, 4>,
-                  softmax_bwd_warp_kernel<T, 8>, softmax_bwd_warp_kernel<T, 16>, softmax_bwd_warp_kernel<T, 32>);
+      launch_per_lane(p.cols, warp_grid(R), dim3(kSoftmaxWarpRows * kWarpSize), p, softmax_bwd_warp_kernel<T, 1>,
+                      softmax_bwd_warp_kernel<T, 2>, softmax_bwd_warp_kernel<T, 4>, softmax_bwd_warp_kernel<T, 8>,
+                      softmax_bwd_warp_kernel<T, 16>, softmax_bwd_warp_kernel<T, 32>);
     }
   });
   return dx;

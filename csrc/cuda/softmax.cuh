@@ -16,11 +16,10 @@
 // Two layouts:
 //   warp per row (N <= 1024): blocks of kSoftmaxWarpRows warps, warp w of block b takes row
 //     b * kSoftmaxWarpRows + w. Lane l keeps kPerLane = ceil(N / 32) (rounded up to a power of two)
-//     values of the row in registers, in runs of `width` columns: columns width l + 32 width i + [0, width)
-//     for its i-th run (softmax_warp_col), width = kPack<T> (16-byte loads: 4 floats, 8 halves; N a
-//     multiple of the pack, rows 16-byte aligned, kPerLane >= the pack), else 2 (half2/float2 pairs: N
-//     even, rows 2-element aligned), else 1; max and sums by butterfly shuffles. No shared memory. DRAM per row: forward reads x and writes y once (2 N sizeof(T), + N mask bytes), backward
-//     reads y and dy and writes dx once (3 N sizeof(T)).
+//     values of the row in registers in the warp-row layout of common.cuh (warp_row_col: runs of 16-byte
+//     packs, half2/float2 pairs or single elements, chosen by N and alignment); max and sums by butterfly
+//     shuffles. No shared memory. DRAM per row: forward reads x and writes y once (2 N sizeof(T), + N mask
+//     bytes), backward reads y and dy and writes dx once (3 N sizeof(T)).
 //   block per row (N > 1024): kSoftmaxBlockThreads threads stride over the row. Forward keeps an online
 //     (max m, sum l of e^(a - m)) pair per thread (l = l e^(m - m') + e^(a - m') when the max grows),
 //     merges the pairs across the warp (shuffles) and the block (shared memory, 2 x 32 floats), then a
@@ -84,72 +83,6 @@ FF_DEVICE const bool* softmax_mask_row(const SoftmaxMask& m, int64_t r) {
   return m.base + offset;
 }
 
-// Column of a lane's value i in the warp layout, in runs of `width` (1, 2 or kPack<T>) columns.
-FF_DEVICE int softmax_warp_col(int i, int lane, int width) {
-  return width * lane + width * kWarpSize * (i / width) + i % width;
-}
-
-// The run width of the warp layout for kPerLane values of T per lane (see the file comment).
-template <typename T, int kPerLane>
-FF_DEVICE int softmax_warp_width(bool packs, bool vec2) {
-  return kPerLane >= kPack<T> && packs ? kPack<T> : kPerLane >= 2 && vec2 ? 2 : 1;
-}
-
-// Loads a lane's kPerLane values of a row as float (columns >= n read as 0).
-template <int kPerLane, typename T>
-FF_DEVICE void softmax_warp_load(const T* row, int n, int lane, int width, float (&v)[kPerLane]) {
-  if (width == kPack<T>) {
-#pragma unroll
-    for (int i = 0; i < kPerLane; i += kPack<T>) {
-      const int col = softmax_warp_col(i, lane, kPack<T>);
-      if (col < n) {
-        load_pack(row + col, v + i);
-      } else {
-#pragma unroll
-        for (int j = 0; j < kPack<T>; ++j) v[i + j] = 0.0f;
-      }
-    }
-  } else if (width == 2) {
-#pragma unroll
-    for (int i = 0; i < kPerLane; i += 2) {
-      const int col = softmax_warp_col(i, lane, 2);
-      const float2 t = col < n ? load2(row + col) : float2{0.0f, 0.0f};
-      v[i] = t.x;
-      v[i + 1] = t.y;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int col = softmax_warp_col(i, lane, 1);
-      v[i] = col < n ? to_float(row[col]) : 0.0f;
-    }
-  }
-}
-
-// Stores a lane's kPerLane values (columns < n).
-template <int kPerLane, typename T>
-FF_DEVICE void softmax_warp_store(T* row, int n, int lane, int width, const float (&v)[kPerLane]) {
-  if (width == kPack<T>) {
-#pragma unroll
-    for (int i = 0; i < kPerLane; i += kPack<T>) {
-      const int col = softmax_warp_col(i, lane, kPack<T>);
-      if (col < n) store_pack(row + col, v + i);
-    }
-  } else if (width == 2) {
-#pragma unroll
-    for (int i = 0; i < kPerLane; i += 2) {
-      const int col = softmax_warp_col(i, lane, 2);
-      if (col < n) store2(row + col, float2{v[i], v[i + 1]});
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int col = softmax_warp_col(i, lane, 1);
-      if (col < n) row[col] = from_float<T>(v[i]);
-    }
-  }
-}
-
 // Forward, warp per row: 32 kPerLane >= N values in registers, one read of x, one write of y.
 template <typename T, int kPerLane>
 FF_GLOBAL void FF_LAUNCH_BOUNDS(kSoftmaxWarpRows * kWarpSize) softmax_fwd_warp_kernel(const SoftmaxFwdParams<T> p) {
@@ -157,15 +90,15 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kSoftmaxWarpRows * kWarpSize) softmax_fwd_warp_k
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kSoftmaxWarpRows + threadIdx.x / kWarpSize;
   if (row >= p.rows) return;  // the whole warp: no shuffle is left waiting
   const int n = p.cols;
-  const int width = softmax_warp_width<T, kPerLane>(p.packs, p.vec2);
+  const int width = warp_row_width<T, kPerLane>(p.packs, p.vec2);
   const float neg_inf = -ff_inf();
   float v[kPerLane];
-  softmax_warp_load(p.x + row * n, n, lane, width, v);
+  warp_row_load(p.x + row * n, n, lane, width, v);
   const bool* mask = p.mask.base != nullptr ? softmax_mask_row(p.mask, row) : nullptr;
   float m = neg_inf;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {  // a = scale x, -inf where masked or past the row's end
-    const int col = softmax_warp_col(i, lane, width);
+    const int col = warp_row_col(i, lane, width);
     const bool dead = col >= n || (mask != nullptr && mask[col * p.mask.col_stride]);
     v[i] = dead ? neg_inf : v[i] * p.scale;
     m = fmaxf(m, v[i]);
@@ -183,7 +116,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kSoftmaxWarpRows * kWarpSize) softmax_fwd_warp_k
   const float inv = l == 0.0f ? 0.0f : 1.0f / l;  // l NaN: inv NaN, and so is every y
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) v[i] *= inv;
-  softmax_warp_store(p.y + row * n, n, lane, width, v);
+  warp_row_store(p.y + row * n, n, lane, width, v);
 }
 
 // Backward, warp per row: y and dy in registers, dx = scale y (dy - sum(dy y)).
@@ -193,17 +126,17 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kSoftmaxWarpRows * kWarpSize) softmax_bwd_warp_k
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kSoftmaxWarpRows + threadIdx.x / kWarpSize;
   if (row >= p.rows) return;  // the whole warp
   const int n = p.cols;
-  const int width = softmax_warp_width<T, kPerLane>(p.packs, p.vec2);
+  const int width = warp_row_width<T, kPerLane>(p.packs, p.vec2);
   float y[kPerLane], g[kPerLane];
-  softmax_warp_load(p.y + row * n, n, lane, width, y);
-  softmax_warp_load(p.dy + row * n, n, lane, width, g);
+  warp_row_load(p.y + row * n, n, lane, width, y);
+  warp_row_load(p.dy + row * n, n, lane, width, g);
   float dot = 0.0f;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) dot += y[i] * g[i];
   dot = warp_sum(dot);
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) g[i] = p.scale * y[i] * (g[i] - dot);
-  softmax_warp_store(p.dx + row * n, n, lane, width, g);
+  warp_row_store(p.dx + row * n, n, lane, width, g);
 }
 
 // a = scale * x, -inf where masked (block layout, one element).

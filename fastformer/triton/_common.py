@@ -76,6 +76,15 @@ def attention_autotune(kind: str):
     return triton.autotune(configs=configs, key=_ATTENTION_KEY, prune_configs_by={"early_config_prune": prune})
 
 
+def whole_row_tile(n: int) -> dict:
+    """Row kernels that hold whole rows (layer norm): a (BLOCK_R, BLOCK_N) tile of BLOCK_R rows per
+    program and step, BLOCK_N the next power of two >= n; several short rows per program, about 16 values
+    per thread (n = 512: 8 rows and 8 warps, a row per warp as in the CUDA warp layout)."""
+    block_n = triton.next_power_of_2(max(n, 1))
+    block_r = max(1, min(16, 4096 // block_n))
+    return dict(BLOCK_R=block_r, BLOCK_N=block_n, num_warps=4 if block_r * block_n <= 2048 else 8)
+
+
 def row_blocks(n: int) -> dict:
     """Row kernels (softmax, layer norm): a power-of-two chunk of the row per loop step, and warps."""
     block = min(triton.next_power_of_2(max(n, 1)), 4096 if not INTERPRET else 1024)

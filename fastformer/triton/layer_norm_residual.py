@@ -1,13 +1,15 @@
 """y = LayerNorm(residual + dropout(x)) over the last dim in Triton, forward and backward.
 
-Forward, one program per row of N (N <= MAX_N, the whole row in one block):
-  s = residual + x * r (r: dropout factor from fastformer/triton/_common.dropout_keep), stored, then
-  reloaded so mean and variance are those of the s returned (rounded to its dtype); two-pass variance;
-  y = (s - mean) rstd w + b. Bytes moved per row: x, residual read, s, y written (4 N sizeof(T)), plus
-  the weights (cached).
-Backward, in two stages without atomics: each program takes ROWS rows, writes dx, dresidual for them
-and keeps dweight, dbias partial sums in registers, stored as one row of a (programs, N) float32
-buffer; the host sums the partials (stage two). Bytes moved per row: dy, s read; dx, dresidual written.
+Whole rows (N <= MAX_N) in a (BLOCK_R, BLOCK_N) tile: BLOCK_R rows per program and step, about 16 values
+per thread (_common.whole_row_tile; for N = 512, 8 rows and 8 warps).
+Forward: s = residual + x * r (r: dropout factor from fastformer/triton/_common.dropout_keep), rounded to
+its dtype in registers and stored; mean and variance (two-pass, from the registers) are those of the s
+returned; y = (s - mean) rstd w + b. Bytes moved per row: x, residual read, s, y written (4 N sizeof(T)),
+plus the weights (cached).
+Backward, in two stages without atomics: each program takes ROWS rows (a chunk of steps of BLOCK_R),
+writes dx, dresidual for them and keeps dweight, dbias partial sums in registers, stored as one row of a
+(programs, N) float32 buffer (at most MAX_PROGRAMS rows); torch sums the partials (stage two, a fixed
+order). Bytes moved per row: dy, s (and ds) read; dx, dresidual written.
 """
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fastformer.triton._common import check, dropout_keep
+from fastformer.triton._common import check, dropout_keep, whole_row_tile
 
 MAX_N = 16384
+MAX_PROGRAMS = 512  # backward: at most this many partial rows (P N 8 bytes for stage two)
 
 
 @triton.jit
@@ -30,32 +33,36 @@ def _lnr_fwd_kernel(
     s_ptr,  # (R, N) residual + dropout(x), output
     mean_ptr,  # (R,) float32 row mean, output
     rstd_ptr,  # (R,) float32 row 1/sqrt(var + eps), output
+    R,  # rows
     N,  # row length
     eps,  # LayerNorm epsilon
     p,  # dropout probability
     seed,  # dropout seed (int64)
     HAS_DROPOUT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # rows per program
+    BLOCK_N: tl.constexpr,  # next power of two >= N
 ):
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
-    inside = cols < N
-    offs = row * N + cols
+    live = rows < R
+    inside = live[:, None] & (cols < N)[None, :]
+    offs = rows[:, None] * N + cols[None, :]  # (BLOCK_R, BLOCK_N)
     x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
         keep = dropout_keep(seed, offs, p)
         x = tl.where(keep, x / (1.0 - p), 0.0)
-    s = tl.load(res_ptr + offs, mask=inside, other=0.0).to(tl.float32) + x
-    tl.store(s_ptr + offs, s.to(s_ptr.dtype.element_ty), mask=inside)
-    s = tl.load(s_ptr + offs, mask=inside, other=0.0).to(tl.float32)  # the rounded s that is returned
-    mean = tl.sum(s, 0) / N
-    centered = tl.where(inside, s - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, 0) / N + eps)
-    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, (centered * rstd * w + b).to(y_ptr.dtype.element_ty), mask=inside)
-    tl.store(mean_ptr + row, mean)
-    tl.store(rstd_ptr + row, rstd)
+    s = (tl.load(res_ptr + offs, mask=inside, other=0.0).to(tl.float32) + x).to(s_ptr.dtype.element_ty)
+    tl.store(s_ptr + offs, s, mask=inside)
+    s = s.to(tl.float32)  # the statistics are those of the rounded s that is returned
+    mean = tl.sum(s, 1) / N
+    centered = tl.where(inside, s - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, 1) / N + eps)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    y = centered * rstd[:, None] * w[None, :] + b[None, :]
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=inside)
+    tl.store(mean_ptr + rows, mean, mask=live)
+    tl.store(rstd_ptr + rows, rstd, mask=live)
 
 
 @triton.jit
@@ -74,46 +81,49 @@ def _lnr_bwd_kernel(
     N,  # row length
     p,  # dropout probability
     seed,  # dropout seed
-    ROWS,  # rows per program
+    ROWS,  # rows per program, a multiple of BLOCK_R
     HAS_DS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # rows per step
+    BLOCK_N: tl.constexpr,  # next power of two >= N
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
-    inside = cols < N
-    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK_N], tl.float32)
-    db = tl.zeros([BLOCK_N], tl.float32)
-    for i in range(0, ROWS):
-        row = pid.to(tl.int64) * ROWS + i
-        if row < R:
-            offs = row * N + cols
-            dy = tl.load(dy_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-            s = tl.load(s_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-            mean = tl.load(mean_ptr + row)
-            rstd = tl.load(rstd_ptr + row)
-            xhat = tl.where(inside, (s - mean) * rstd, 0.0)
-            g = dy * w
-            d = rstd * (g - tl.sum(g, 0) / N - xhat * (tl.sum(g * xhat, 0) / N))
-            if HAS_DS:
-                d += tl.load(ds_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-            tl.store(dres_ptr + offs, d.to(dres_ptr.dtype.element_ty), mask=inside)
-            if HAS_DROPOUT:
-                keep = dropout_keep(seed, offs, p)
-                d = tl.where(keep, d / (1.0 - p), 0.0)
-            tl.store(dx_ptr + offs, d.to(dx_ptr.dtype.element_ty), mask=inside)
-            dw += dy * xhat
-            db += dy
-    tl.store(dw_part_ptr + pid * N + cols, dw, mask=inside)
-    tl.store(db_part_ptr + pid * N + cols, db, mask=inside)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)  # summed over the rows at the end
+    db = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)
+    for first in range(0, ROWS, BLOCK_R):
+        rows = pid.to(tl.int64) * ROWS + first + tl.arange(0, BLOCK_R)
+        live = rows < R
+        inside = live[:, None] & (cols < N)[None, :]
+        offs = rows[:, None] * N + cols[None, :]  # (BLOCK_R, BLOCK_N)
+        dy = tl.load(dy_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + rows, mask=live, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=live, other=0.0)
+        xhat = tl.where(inside, (s - mean[:, None]) * rstd[:, None], 0.0)
+        g = dy * w[None, :]
+        mean_g = tl.sum(g, 1) / N
+        mean_gx = tl.sum(g * xhat, 1) / N
+        d = rstd[:, None] * (g - mean_g[:, None] - xhat * mean_gx[:, None])
+        if HAS_DS:
+            d += tl.load(ds_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        tl.store(dres_ptr + offs, d.to(dres_ptr.dtype.element_ty), mask=inside)
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, offs, p)
+            d = tl.where(keep, d / (1.0 - p), 0.0)
+        tl.store(dx_ptr + offs, d.to(dx_ptr.dtype.element_ty), mask=inside)
+        dw += dy * xhat
+        db += dy
+    tl.store(dw_part_ptr + pid * N + cols, tl.sum(dw, 0), mask=cols < N)
+    tl.store(db_part_ptr + pid * N + cols, tl.sum(db, 0), mask=cols < N)
 
 
-def _block(N: int) -> int:
+def _tile(N: int) -> dict:
     if N > MAX_N:
         raise ValueError(f"fastformer layer_norm_residual (triton): rows of {N} exceed the supported {MAX_N}; "
                          f"use backend 'cuda', 'cpu' or 'torch'")
-    return triton.next_power_of_2(N)
+    return whole_row_tile(N)
 
 
 def layer_norm_residual_fwd(x, residual, weight, bias, eps: float, dropout_p: float, seed: int):
@@ -125,9 +135,9 @@ def layer_norm_residual_fwd(x, residual, weight, bias, eps: float, dropout_p: fl
     mean = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
     if R:
-        block = _block(N)
-        _lnr_fwd_kernel[(R,)](x, residual, weight, bias, y, s, mean, rstd, N, eps, dropout_p, seed,
-                              HAS_DROPOUT=dropout_p > 0, BLOCK_N=block, num_warps=4 if block <= 2048 else 8)
+        tile = _tile(N)
+        _lnr_fwd_kernel[(triton.cdiv(R, tile["BLOCK_R"]),)](x, residual, weight, bias, y, s, mean, rstd, R, N, eps,
+                                                            dropout_p, seed, HAS_DROPOUT=dropout_p > 0, **tile)
     return y, s, mean, rstd
 
 
@@ -138,14 +148,16 @@ def layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p: float, see
     N = s.shape[-1]
     R = s.numel() // N
     dx, dres = torch.empty_like(s), torch.empty_like(s)
-    rows = max(1, triton.cdiv(R, 256))  # at most ~256 partial rows for the second stage
-    programs = triton.cdiv(R, rows) if R else 0
+    if R == 0:
+        return dx, dres, torch.zeros_like(weight), torch.zeros_like(weight)
+    tile = _tile(N)
+    # Chunks of at least 4 steps, at most MAX_PROGRAMS of them; the split depends on R and N only.
+    rows = tile["BLOCK_R"] * max(4, triton.cdiv(triton.cdiv(R, tile["BLOCK_R"]), MAX_PROGRAMS))
+    programs = triton.cdiv(R, rows)
     dw_part = torch.empty(programs, N, dtype=torch.float32, device=s.device)
     db_part = torch.empty_like(dw_part)
-    if R:
-        block = _block(N)
-        _lnr_bwd_kernel[(programs,)](dy, ds if ds is not None else dy, s, weight, mean, rstd, dx, dres, dw_part,
-                                     db_part, R, N, dropout_p, seed, ROWS=rows, HAS_DS=ds is not None,
-                                     HAS_DROPOUT=dropout_p > 0, BLOCK_N=block, num_warps=4 if block <= 2048 else 8)
+    _lnr_bwd_kernel[(programs,)](dy, ds if ds is not None else dy, s, weight, mean, rstd, dx, dres, dw_part, db_part,
+                                 R, N, dropout_p, seed, ROWS=rows, HAS_DS=ds is not None, HAS_DROPOUT=dropout_p > 0,
+                                 **tile)
     # Stage two: the partial sums, reduced in a fixed order.
     return dx, dres, dw_part.sum(0).to(s.dtype), db_part.sum(0).to(s.dtype)

@@ -141,3 +141,44 @@ def test_gradcheck_float64(backend, prenorm):
     inputs, _ = make_inputs(case, torch.float64)
     inputs = [t.requires_grad_() for t in inputs]
     assert torch.autograd.gradcheck(lnr_fn(backend, case), inputs)
+
+
+def shifted(t, elements):
+    """A contiguous copy of t whose data starts ``elements`` elements past a 16-byte boundary."""
+    buffer = torch.empty(t.numel() + elements, dtype=t.dtype)
+    view = buffer[elements:].view(t.shape)
+    view.copy_(t)
+    assert view.is_contiguous() and view.data_ptr() % 16 == elements * t.element_size() % 16
+    return view
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("N", [97, 98, 100, 104, 264, 1030])
+@pytest.mark.parametrize("offset", [0, 2], ids=["aligned", "offset2"])
+def test_vector_paths_chunks_and_dropout(backend, dtype, N, offset):
+    # The CUDA kernels move a row in 16-byte packs (N a multiple of 4 floats or 8 halves, every tensor
+    # 16-byte aligned), else in pairs (N even, 2-element aligned), else element by element, and draw the
+    # dropout mask per pack, pair or element; each way must draw the mask every backend draws. N = 97:
+    # elements; 98: pairs; 100 and 104: packs of floats, pairs of halves (a lane holds 4 values, half a
+    # pack of halves); 264: packs of both; 1030: the block-per-row layout (pairs). offset2: every input and upstream gradient starts 2 elements past a
+    # 16-byte boundary, so the packs give way to pairs. 70 rows: the backward's dweight/dbias partials come
+    # from several chunks of rows (32 rows each in the warp layout), the last one short.
+    case = Case((70, N), True)
+    torch.manual_seed(0)
+    inputs, upstream = make_inputs(case, dtype)
+    inputs, upstream = [shifted(t, offset) for t in inputs], [shifted(t, offset) for t in upstream]
+
+    def fn(backend):
+        def run(x, residual, weight, bias):
+            torch.manual_seed(7)  # the same dropout seed for every backend
+            return ops.layer_norm_residual(x, residual, weight, bias, eps=case.eps, dropout_p=0.2, prenorm=True,
+                                           backend=backend)
+        return run
+
+    outs, grads = forward_backward(fn(backend), inputs, upstream)
+    refs, ref_grads = forward_backward(fn("torch"), upcast(inputs), upcast(upstream))
+    for name, o, r in zip(("y", "s", "dx", "dresidual", "dweight", "dbias"), outs + grads, refs + ref_grads):
+        assert_close(o, r, dtype, name)
+    dropped = (grads[0] == 0).double().mean().item()  # dx is 0 exactly where x was dropped
+    assert 0.1 < dropped < 0.3, f"dropout 0.2 dropped {dropped:.3f} of x"
