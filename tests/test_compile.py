@@ -105,3 +105,20 @@ def test_compiled_cross_entropy_dynamic_shapes(backend):
         compiled_outs, compiled_grads = forward_backward(lambda x: compiled(x, target), [logits], upstream)
         for c, e in zip(compiled_outs + compiled_grads, eager_outs + eager_grads):
             torch.testing.assert_close(c, e)
+
+
+def test_reference_dropout_mask_compiles_to_the_same_bits():
+    """On CUDA tensors the torch backend draws its dropout mask through torch.compile
+    (reference._keep_words_fused: one kernel instead of ~250 int64 passes). The compiled graph must give
+    the eager bits: here through inductor's CPU code, on a GPU through its Triton code (tests/gpu)."""
+    from fastformer.ops import reference
+
+    fused = reference._keep_words_fused()
+    p, scale = torch.tensor(0.3), torch.tensor(4.6566127342e-10)
+    for seed in (0, 12345678901234, -5, 2**63 - 1):
+        for first, n in ((0, 1), (3, 97), (1000, 12345)):
+            counter = torch.arange(first, first + n)
+            want = reference._keep_words(seed, counter, p, scale)
+            if n > 1:
+                assert 0.6 < want.double().mean().item() < 0.8  # about 1 - p kept
+            assert torch.equal(fused(torch.tensor(seed), counter, p, scale), want), (seed, first, n)

@@ -238,3 +238,13 @@ def test_default_backend_on_cuda_tensors():
 
     chosen = _dispatch.resolve("softmax", None, x.device, x.dtype)
     assert chosen == next(b for b in expected + ("torch",) if fastformer.backends()[b])
+
+
+@pytest.mark.parametrize("numel", [1, 7, 97, 12345])
+def test_reference_dropout_mask_on_cuda_matches_cpu(numel):
+    # The torch backend draws the mask on CUDA through torch.compile (one kernel), on the CPU eagerly in
+    # slices: the same bits.
+    from fastformer.ops import reference
+
+    for seed, p in ((0, 0.1), (12345678901234, 0.5), (-5, 0.9)):
+        assert torch.equal(reference.dropout_keep(seed, numel, p, "cuda").cpu(), reference.dropout_keep(seed, numel, p))
