@@ -182,3 +182,16 @@ def test_vector_paths_chunks_and_dropout(backend, dtype, N, offset):
         assert_close(o, r, dtype, name)
     dropped = (grads[0] == 0).double().mean().item()  # dx is 0 exactly where x was dropped
     assert 0.1 < dropped < 0.3, f"dropout 0.2 dropped {dropped:.3f} of x"
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_many_rows_grow_the_backward_chunks(backend):
+    # 16,385 rows: more than the GPU kernels' 512 chunks of their minimum 32 rows, so each chunk grows to
+    # 33 rows (497 partial rows of dweight/dbias for the second stage); dbias sums 16,385 values a column.
+    case = Case((16385, 3))
+    inputs, upstream = make_inputs(case, torch.float32)
+    outs, grads = forward_backward(lnr_fn(backend, case), inputs, upstream)
+    refs, ref_grads = forward_backward(lnr_fn("torch", case), upcast(inputs), upcast(upstream))
+    assert_close(outs[0], refs[0], torch.float32, "y")
+    for name, g, r in zip(("dx", "dresidual", "dweight", "dbias"), grads, ref_grads):
+        assert_close(g, r, torch.float32, name)
