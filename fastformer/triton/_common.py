@@ -104,6 +104,18 @@ def dropout_keep(seed, index, p):
 
 
 @triton.jit
+def row_tile(first_row, R, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The (BLOCK_R, BLOCK_N) tile of whole rows first_row .. first_row + BLOCK_R - 1 of an (R, N) row-major
+    tensor (whole_row_tile): rows (int64), cols, live (rows < R), inside (live and cols < N) and the
+    element offsets rows N + cols."""
+    rows = first_row.to(tl.int64) + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    live = rows < R
+    inside = live[:, None] & (cols < N)[None, :]
+    return rows, cols, live, inside, rows[:, None] * N + cols[None, :]
+
+
+@triton.jit
 def online_softmax_step(m, l, bad, a):
     """One chunk of an online softmax, per lane: the running max m and sum l of e^(a - m) take the chunk's
     values a (-inf where masked or past the row); a NaN or +inf value sets the lane's ``bad`` flag and

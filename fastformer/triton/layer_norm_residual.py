@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastformer.triton._common import check, dropout_keep, whole_row_tile
+from fastformer.triton._common import check, dropout_keep, row_tile, whole_row_tile
 
 MAX_N = 16384
 MAX_PROGRAMS = 512  # backward: at most this many partial rows (P N 8 bytes for stage two)
@@ -42,11 +42,7 @@ def _lnr_fwd_kernel(
     BLOCK_R: tl.constexpr,  # rows per program
     BLOCK_N: tl.constexpr,  # next power of two >= N
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_N)
-    live = rows < R
-    inside = live[:, None] & (cols < N)[None, :]
-    offs = rows[:, None] * N + cols[None, :]  # (BLOCK_R, BLOCK_N)
+    rows, cols, live, inside, offs = row_tile(tl.program_id(0) * BLOCK_R, R, N, BLOCK_R, BLOCK_N)
     x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
         keep = dropout_keep(seed, offs, p)
@@ -93,10 +89,7 @@ def _lnr_bwd_kernel(
     dw = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)  # summed over the rows at the end
     db = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)
     for first in range(0, ROWS, BLOCK_R):
-        rows = pid.to(tl.int64) * ROWS + first + tl.arange(0, BLOCK_R)
-        live = rows < R
-        inside = live[:, None] & (cols < N)[None, :]
-        offs = rows[:, None] * N + cols[None, :]  # (BLOCK_R, BLOCK_N)
+        rows, _, live, inside, offs = row_tile(pid.to(tl.int64) * ROWS + first, R, N, BLOCK_R, BLOCK_N)
         dy = tl.load(dy_ptr + offs, mask=inside, other=0.0).to(tl.float32)
         s = tl.load(s_ptr + offs, mask=inside, other=0.0).to(tl.float32)
         mean = tl.load(mean_ptr + rows, mask=live, other=0.0)

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fastformer.triton._common import check, online_softmax_step, online_softmax_total, row_blocks, whole_row_tile
+from fastformer.triton._common import (check, online_softmax_step, online_softmax_total, row_blocks, row_tile,
+                                       whole_row_tile)
 
 WHOLE_ROW_MAX_N = 4096  # rows up to this length are held whole in registers
 
@@ -53,11 +54,7 @@ def _softmax_fwd_rows_kernel(
     BLOCK_R: tl.constexpr,  # rows per program
     BLOCK_N: tl.constexpr,  # next power of two >= N
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_N)
-    live = rows < R
-    inside = live[:, None] & (cols < N)[None, :]
-    offs = rows[:, None] * N + cols[None, :]  # (BLOCK_R, BLOCK_N)
+    rows, cols, live, inside, offs = row_tile(tl.program_id(0) * BLOCK_R, R, N, BLOCK_R, BLOCK_N)
     a = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32) * scale
     dead = ~inside
     if HAS_MASK:
@@ -89,10 +86,7 @@ def _softmax_bwd_rows_kernel(
     BLOCK_R: tl.constexpr,  # rows per program
     BLOCK_N: tl.constexpr,  # next power of two >= N
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_N)
-    inside = (rows < R)[:, None] & (cols < N)[None, :]
-    offs = rows[:, None] * N + cols[None, :]  # (BLOCK_R, BLOCK_N)
+    _, _, _, inside, offs = row_tile(tl.program_id(0) * BLOCK_R, R, N, BLOCK_R, BLOCK_N)
     y = tl.load(y_ptr + offs, mask=inside, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + offs, mask=inside, other=0.0).to(tl.float32)
     dot = tl.sum(y * dy, 1)
