@@ -92,15 +92,37 @@ def row_blocks(n: int) -> dict:
 
 
 @triton.jit
-def dropout_keep(seed, index, p):
-    """Keep-mask of elements with int64 flat ``index`` under ``seed``: Philox4x32-10 of counter
-    index >> 2, word index & 3, as a uniform (tl.rand's mapping) >= p (csrc/philox.h, bit for bit)."""
-    r0, r1, r2, r3 = tl.randint4x(seed, index >> 2)
-    word = index & 3
-    r = tl.where(word == 0, r0, tl.where(word == 1, r1, tl.where(word == 2, r2, r3)))
-    x = r.to(tl.int32, bitcast=True)
+def _kept(word, p):
+    """A Philox word as a uniform in [0, 1) (tl.rand's mapping: int32 x -> (x < 0 ? -x - 1 : x) 2^-31, in
+    float32), kept iff >= p (csrc/philox.h, bit for bit)."""
+    x = word.to(tl.int32, bitcast=True)
     x = tl.where(x < 0, -x - 1, x)
     return x.to(tl.float32) * 4.6566127342e-10 >= p
+
+
+@triton.jit
+def dropout_keep(seed, index, p):
+    """Keep-mask of elements with int64 flat ``index`` under ``seed``: Philox4x32-10 of counter
+    index >> 2, word index & 3 (one Philox evaluation per element)."""
+    r0, r1, r2, r3 = tl.randint4x(seed, index >> 2)
+    word = index & 3
+    return _kept(tl.where(word == 0, r0, tl.where(word == 1, r1, tl.where(word == 2, r2, r3))), p)
+
+
+@triton.jit
+def dropout_keep_rows(seed, rows, N, p, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_OF_4: tl.constexpr):
+    """Keep-mask of the (BLOCK_R, BLOCK_N) tile of elements rows N + cols (row_tile), the same bits as
+    dropout_keep. With GROUPS_OF_4 (N a multiple of 4, so every row starts a Philox counter) one Philox
+    evaluation serves 4 consecutive elements: counters rows N/4 + g for the BLOCK_N/4 groups g, whose four
+    words are interleaved into the elements 4 g .. 4 g + 3 (join and reshape keep the order) - a quarter
+    of the integer work, which at p > 0 would otherwise outweigh a row kernel's memory traffic."""
+    if GROUPS_OF_4:
+        counter = rows[:, None] * (N // 4) + tl.arange(0, BLOCK_N // 4)[None, :]  # (BLOCK_R, BLOCK_N / 4)
+        r0, r1, r2, r3 = tl.randint4x(seed, counter)
+        words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK_R, BLOCK_N])  # [.., g, x, y]: word 2x + y
+        return _kept(words, p)
+    else:
+        return dropout_keep(seed, rows[:, None] * N + tl.arange(0, BLOCK_N)[None, :], p)
 
 
 @triton.jit

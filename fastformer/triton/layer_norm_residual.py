@@ -2,9 +2,10 @@
 
 Whole rows (N <= MAX_N) in a (BLOCK_R, BLOCK_N) tile: BLOCK_R rows per program and step, about 16 values
 per thread (_common.whole_row_tile; for N = 512, 8 rows and 8 warps).
-Forward: s = residual + x * r (r: dropout factor from fastformer/triton/_common.dropout_keep), rounded to
-its dtype in registers and stored; mean and variance (two-pass, from the registers) are those of the s
-returned; y = (s - mean) rstd w + b. Bytes moved per row: x, residual read, s, y written (4 N sizeof(T)),
+Forward: s = residual + x * r (r: dropout factor from fastformer/triton/_common.dropout_keep_rows, one
+Philox evaluation per 4 elements when N is a multiple of 4), rounded to its dtype in registers and
+stored; mean and variance (two-pass, from the registers) are those of the s returned;
+y = (s - mean) rstd w + b. Bytes moved per row: x, residual read, s, y written (4 N sizeof(T)),
 plus the weights (cached).
 Backward, in two stages without atomics: each program takes ROWS rows (a chunk of steps of BLOCK_R),
 writes dx, dresidual for them and keeps dweight, dbias partial sums in registers, stored as one row of a
@@ -17,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastformer.triton._common import check, dropout_keep, row_tile, whole_row_tile
+from fastformer.triton._common import check, dropout_keep_rows, row_tile, whole_row_tile
 
 MAX_N = 16384
 MAX_PROGRAMS = 512  # backward: at most this many partial rows (P N 8 bytes for stage two)
@@ -39,13 +40,14 @@ def _lnr_fwd_kernel(
     p,  # dropout probability
     seed,  # dropout seed (int64)
     HAS_DROPOUT: tl.constexpr,
+    GROUPS_OF_4: tl.constexpr,  # N % 4 == 0: one Philox evaluation per 4 elements (dropout_keep_rows)
     BLOCK_R: tl.constexpr,  # rows per program
     BLOCK_N: tl.constexpr,  # next power of two >= N
 ):
     rows, cols, live, inside, offs = row_tile(tl.program_id(0) * BLOCK_R, R, N, BLOCK_R, BLOCK_N)
     x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
-        keep = dropout_keep(seed, offs, p)
+        keep = dropout_keep_rows(seed, rows, N, p, BLOCK_R, BLOCK_N, GROUPS_OF_4)
         x = tl.where(keep, x / (1.0 - p), 0.0)
     s = (tl.load(res_ptr + offs, mask=inside, other=0.0).to(tl.float32) + x).to(s_ptr.dtype.element_ty)
     tl.store(s_ptr + offs, s, mask=inside)
@@ -80,6 +82,7 @@ def _lnr_bwd_kernel(
     ROWS,  # rows per program, a multiple of BLOCK_R
     HAS_DS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
+    GROUPS_OF_4: tl.constexpr,  # N % 4 == 0: one Philox evaluation per 4 elements (dropout_keep_rows)
     BLOCK_R: tl.constexpr,  # rows per step
     BLOCK_N: tl.constexpr,  # next power of two >= N
 ):
@@ -103,7 +106,7 @@ def _lnr_bwd_kernel(
             d += tl.load(ds_ptr + offs, mask=inside, other=0.0).to(tl.float32)
         tl.store(dres_ptr + offs, d.to(dres_ptr.dtype.element_ty), mask=inside)
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, offs, p)
+            keep = dropout_keep_rows(seed, rows, N, p, BLOCK_R, BLOCK_N, GROUPS_OF_4)
             d = tl.where(keep, d / (1.0 - p), 0.0)
         tl.store(dx_ptr + offs, d.to(dx_ptr.dtype.element_ty), mask=inside)
         dw += dy * xhat
@@ -130,7 +133,8 @@ def layer_norm_residual_fwd(x, residual, weight, bias, eps: float, dropout_p: fl
     if R:
         tile = _tile(N)
         _lnr_fwd_kernel[(triton.cdiv(R, tile["BLOCK_R"]),)](x, residual, weight, bias, y, s, mean, rstd, R, N, eps,
-                                                            dropout_p, seed, HAS_DROPOUT=dropout_p > 0, **tile)
+                                                            dropout_p, seed, HAS_DROPOUT=dropout_p > 0,
+                                                            GROUPS_OF_4=N % 4 == 0, **tile)
     return y, s, mean, rstd
 
 
@@ -151,6 +155,6 @@ def layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p: float, see
     db_part = torch.empty_like(dw_part)
     _lnr_bwd_kernel[(programs,)](dy, ds if ds is not None else dy, s, weight, mean, rstd, dx, dres, dw_part, db_part,
                                  R, N, dropout_p, seed, ROWS=rows, HAS_DS=ds is not None, HAS_DROPOUT=dropout_p > 0,
-                                 **tile)
+                                 GROUPS_OF_4=N % 4 == 0, **tile)
     # Stage two: the partial sums, reduced in a fixed order.
     return dx, dres, dw_part.sum(0).to(s.dtype), db_part.sum(0).to(s.dtype)
