@@ -110,19 +110,22 @@ def dropout_keep(seed, index, p):
 
 
 @triton.jit
-def dropout_keep_rows(seed, rows, N, p, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_OF_4: tl.constexpr):
-    """Keep-mask of the (BLOCK_R, BLOCK_N) tile of elements rows N + cols (row_tile), the same bits as
-    dropout_keep. With GROUPS_OF_4 (N a multiple of 4, so every row starts a Philox counter) one Philox
-    evaluation serves 4 consecutive elements: counters rows N/4 + g for the BLOCK_N/4 groups g, whose four
-    words are interleaved into the elements 4 g .. 4 g + 3 (join and reshape keep the order) - a quarter
-    of the integer work, which at p > 0 would otherwise outweigh a row kernel's memory traffic."""
+def dropout_keep_rows(seed, rows, first_col, N, p, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                      GROUPS_OF_4: tl.constexpr):
+    """Keep-mask of the (BLOCK_R, BLOCK_N) tile of elements rows N + first_col + [0, BLOCK_N) of an (R, N)
+    tensor (row_tile's tile, or a tile of attention's (B H Lq, Lk) probabilities), the same bits as
+    dropout_keep. With GROUPS_OF_4 (N and first_col multiples of 4, so every group of 4 columns is one
+    Philox counter) one Philox evaluation serves 4 consecutive elements: counters
+    (rows N + first_col) / 4 + g for the BLOCK_N / 4 groups g, whose four words are interleaved into the
+    elements 4 g .. 4 g + 3 (join and reshape keep the order): a quarter of the integer work, which at
+    p > 0 would otherwise outweigh a row kernel's memory traffic."""
     if GROUPS_OF_4:
-        counter = rows[:, None] * (N // 4) + tl.arange(0, BLOCK_N // 4)[None, :]  # (BLOCK_R, BLOCK_N / 4)
-        r0, r1, r2, r3 = tl.randint4x(seed, counter)
+        counter = rows[:, None] * (N // 4) + (first_col // 4 + tl.arange(0, BLOCK_N // 4))[None, :]
+        r0, r1, r2, r3 = tl.randint4x(seed, counter)  # each (BLOCK_R, BLOCK_N / 4)
         words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK_R, BLOCK_N])  # [.., g, x, y]: word 2x + y
         return _kept(words, p)
     else:
-        return dropout_keep(seed, rows[:, None] * N + tl.arange(0, BLOCK_N)[None, :], p)
+        return dropout_keep(seed, rows[:, None] * N + first_col + tl.arange(0, BLOCK_N)[None, :], p)
 
 
 @triton.jit

@@ -16,7 +16,8 @@ the dK/dV kernel reads K, V once and Q, dO once per key block, (2 Lk + 2 Lq ceil
 and writes dK, dV; the dQ kernel reads Q, dO once and K, V once per query tile, (2 Lq + 2 Lk
 ceil(Lq / BLOCK_M)) D sizeof(T), and writes dQ; both also read lse and delta (4 bytes per row).
 Dropout keeps element (b, h, i, j) of P when dropout_keep(seed, ((b H + h) Lq + i) Lk + j) is true,
-the same Philox stream as every other backend.
+the same Philox stream as every other backend (_common.dropout_keep_rows: one Philox evaluation per 4
+probabilities when Lk is a multiple of 4).
 
 Tiles: BLOCK_M, BLOCK_N, warps and pipeline stages are autotuned (fastformer/triton/_common.py lists the
 candidates) once per (length bucket, head dim, mask, causal, dropout, dtype). With a key padding mask,
@@ -34,7 +35,7 @@ from fastformer.triton._common import (
     attention_autotune,
     attention_block_d,
     check,
-    dropout_keep,
+    dropout_keep_rows,
     length_bucket,
     upcast_dot,
 )
@@ -102,7 +103,8 @@ def _attn_fwd_kernel(
     seed,  # dropout seed (int64)
     L_BUCKET,  # autotuning key only: next power of two of max(Lq, Lk)
     HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr, GROUPS_OF_4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     tile, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -129,8 +131,8 @@ def _attn_fwd_kernel(
             l_i = l_i * alpha + tl.sum(prob, 1)
             m_i = m_new
             if HAS_DROPOUT:
-                index = (bh * Lq + offs_m[:, None]) * Lk + offs_n[None, :]
-                prob = tl.where(dropout_keep(seed, index, p), prob / (1.0 - p), 0.0)
+                keep = dropout_keep_rows(seed, bh * Lq + offs_m, start_n, Lk, p, BLOCK_M, BLOCK_N, GROUPS_OF_4)
+                prob = tl.where(keep, prob / (1.0 - p), 0.0)
             v = _load_tile(v_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
             acc = acc * alpha[:, None] + _dot(prob.to(v.dtype), v, IEEE)
     empty = l_i == 0.0
@@ -160,18 +162,20 @@ def _attn_bwd_preprocess(
 
 
 @triton.jit
-def _backward_tile(q, do, k, v, kpm_row, lse, delta, offs_m, offs_n, bh, Lq, Lk, scale, p, seed,
-                   HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr):
-    """For one (query tile, key block): P r (the dropped probabilities, for dV) and
+def _backward_tile(q, do, k, v, kpm_row, lse, delta, offs_m, start_n, bh, Lq, Lk, scale, p, seed,
+                   HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr,
+                   GROUPS_OF_4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For one (query tile offs_m, key block start_n + [0, BLOCK_N)): P r (the dropped probabilities, for dV) and
     dS = P (dP r - delta) with dP = dO V^T, P = e^(S - lse) recomputed (0 where invisible or where the
     row saw nothing, lse = -inf)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
     s, visible = _scores(q, k, kpm_row, offs_m, offs_n, Lq, Lk, scale, HAS_KPM, CAUSAL, IEEE)
     seen = lse != float("-inf")  # a NaN lse (a NaN or +inf score in the forward) gives NaN gradients
     prob = tl.where(visible & seen[:, None], tl.exp(s - tl.where(seen, lse, 0.0)[:, None]), 0.0)
     dp = _dot(do, tl.trans(v), IEEE)
     prob_dropped = prob
     if HAS_DROPOUT:
-        keep = dropout_keep(seed, (bh * Lq + offs_m[:, None]) * Lk + offs_n[None, :], p)
+        keep = dropout_keep_rows(seed, bh * Lq + offs_m, start_n, Lk, p, BLOCK_M, BLOCK_N, GROUPS_OF_4)
         prob_dropped = tl.where(keep, prob / (1.0 - p), 0.0)
         dp = tl.where(keep, dp / (1.0 - p), 0.0)
     return prob_dropped, prob * (dp - delta[:, None])
@@ -186,7 +190,8 @@ def _attn_bwd_dkdv_kernel(
     dk_ptr, dv_ptr,  # (B, H, Lk, D) outputs
     H, Lq, Lk, D, scale, p, seed, L_BUCKET,
     HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr, GROUPS_OF_4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     block, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -206,8 +211,9 @@ def _attn_bwd_dkdv_kernel(
         do = _load_tile(do_ptr, bh, Lq, offs_m, offs_d, D, UPCAST)
         lse = tl.load(lse_ptr + bh * Lq + offs_m, mask=offs_m < Lq, other=float("-inf"))
         delta = tl.load(delta_ptr + bh * Lq + offs_m, mask=offs_m < Lq, other=0.0)
-        prob_dropped, ds = _backward_tile(q, do, k, v, kpm_row, lse, delta, offs_m, offs_n, bh, Lq, Lk, scale, p,
-                                          seed, HAS_KPM, CAUSAL, HAS_DROPOUT, IEEE)
+        prob_dropped, ds = _backward_tile(q, do, k, v, kpm_row, lse, delta, offs_m, block * BLOCK_N, bh, Lq, Lk,
+                                          scale, p, seed, HAS_KPM, CAUSAL, HAS_DROPOUT, IEEE, GROUPS_OF_4, BLOCK_M,
+                                          BLOCK_N)
         dv += _dot(tl.trans(prob_dropped.to(do.dtype)), do, IEEE)
         dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE)
     out_offs = (bh * Lk + offs_n[:, None]) * D + offs_d[None, :]
@@ -223,7 +229,8 @@ def _attn_bwd_dq_kernel(
     dq_ptr,  # (B, H, Lq, D) output
     H, Lq, Lk, D, scale, p, seed, L_BUCKET,
     HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr, GROUPS_OF_4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     tile, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -239,19 +246,20 @@ def _attn_bwd_dq_kernel(
         if _any_key(kpm_row, offs_n, Lk, HAS_KPM):  # an all-padding tile adds nothing: skipped
             k = _load_tile(k_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
             v = _load_tile(v_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
-            _, ds = _backward_tile(q, do, k, v, kpm_row, lse, delta, offs_m, offs_n, bh, Lq, Lk, scale, p, seed,
-                                   HAS_KPM, CAUSAL, HAS_DROPOUT, IEEE)
+            _, ds = _backward_tile(q, do, k, v, kpm_row, lse, delta, offs_m, start_n, bh, Lq, Lk, scale, p, seed,
+                                   HAS_KPM, CAUSAL, HAS_DROPOUT, IEEE, GROUPS_OF_4, BLOCK_M, BLOCK_N)
             dq += _dot(ds.to(k.dtype), k, IEEE)
     tl.store(dq_ptr + (bh * Lq + offs_m[:, None]) * D + offs_d[None, :], (dq * scale).to(dq_ptr.dtype.element_ty),
              mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
 
 
-def _flags(q, key_padding_mask, causal, dropout_p):
+def _flags(q, k, key_padding_mask, causal, dropout_p):
     D = q.shape[-1]
     if not 1 <= D <= MAX_HEAD_DIM:
         raise ValueError(f"fastformer attention (triton): head dim {D} is not supported; use 1 to {MAX_HEAD_DIM}")
     return dict(HAS_KPM=key_padding_mask is not None, CAUSAL=bool(causal), HAS_DROPOUT=dropout_p > 0,
-                UPCAST=upcast_dot(q.dtype), IEEE=q.dtype == torch.float32, BLOCK_D=attention_block_d(D))
+                UPCAST=upcast_dot(q.dtype), IEEE=q.dtype == torch.float32, BLOCK_D=attention_block_d(D),
+                GROUPS_OF_4=k.shape[2] % 4 == 0)  # Lk % 4 == 0: one Philox evaluation per 4 probabilities
 
 
 def attention_fwd(q, k, v, key_padding_mask, causal: bool, dropout_p: float, scale: float, seed: int):
@@ -263,7 +271,7 @@ def attention_fwd(q, k, v, key_padding_mask, causal: bool, dropout_p: float, sca
     lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
     if q.numel() == 0 or Lk == 0:  # nothing to compute (head dim 0 too): empty or zero rows, lse = -inf
         return out.zero_(), lse.fill_(float("-inf"))
-    flags = _flags(q, key_padding_mask, causal, dropout_p)
+    flags = _flags(q, k, key_padding_mask, causal, dropout_p)
     kpm = key_padding_mask.contiguous() if key_padding_mask is not None else q
     grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
     _attn_fwd_kernel[grid](q, k, v, kpm, out, lse, H, Lq, Lk, D, scale, dropout_p, seed, length_bucket(max(Lq, Lk)),
@@ -280,7 +288,7 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal: bool, dropo
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    flags = _flags(q, key_padding_mask, causal, dropout_p)
+    flags = _flags(q, k, key_padding_mask, causal, dropout_p)
     kpm = key_padding_mask.contiguous() if key_padding_mask is not None else q
     delta = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
     rows = B * H * Lq

@@ -47,7 +47,7 @@ def _lnr_fwd_kernel(
     rows, cols, live, inside, offs = row_tile(tl.program_id(0) * BLOCK_R, R, N, BLOCK_R, BLOCK_N)
     x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
-        keep = dropout_keep_rows(seed, rows, N, p, BLOCK_R, BLOCK_N, GROUPS_OF_4)
+        keep = dropout_keep_rows(seed, rows, 0, N, p, BLOCK_R, BLOCK_N, GROUPS_OF_4)
         x = tl.where(keep, x / (1.0 - p), 0.0)
     s = (tl.load(res_ptr + offs, mask=inside, other=0.0).to(tl.float32) + x).to(s_ptr.dtype.element_ty)
     tl.store(s_ptr + offs, s, mask=inside)
@@ -106,7 +106,7 @@ def _lnr_bwd_kernel(
             d += tl.load(ds_ptr + offs, mask=inside, other=0.0).to(tl.float32)
         tl.store(dres_ptr + offs, d.to(dres_ptr.dtype.element_ty), mask=inside)
         if HAS_DROPOUT:
-            keep = dropout_keep_rows(seed, rows, N, p, BLOCK_R, BLOCK_N, GROUPS_OF_4)
+            keep = dropout_keep_rows(seed, rows, 0, N, p, BLOCK_R, BLOCK_N, GROUPS_OF_4)
             d = tl.where(keep, d / (1.0 - p), 0.0)
         tl.store(dx_ptr + offs, d.to(dx_ptr.dtype.element_ty), mask=inside)
         dw += dy * xhat

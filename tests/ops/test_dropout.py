@@ -52,8 +52,19 @@ ATTENTION_CASES = [
 ]
 
 
+# Lk a multiple of 4 (the Triton kernels then draw one Philox evaluation per 4 probabilities): one key
+# tile, and 68 keys over three tiles of 32 in the interpreter, so tiles start past column 0. Small enough
+# for every backend, though past the slow backends' usual L.
+KEY_TILE_CASES = [
+    att.Case(2, 1, 33, 32, 16, "causal"),
+    att.Case(1, 2, 9, 68, 16, "both"),
+]
+
+
 @pytest.mark.parametrize("p", [0.2, 0.5])
-@pytest.mark.parametrize("backend,dtype,case", backend_dtype_cases(ALL_BACKENDS, ATTENTION_CASES, att.small))
+@pytest.mark.parametrize("backend,dtype,case",
+                         backend_dtype_cases(ALL_BACKENDS, ATTENTION_CASES, att.small)
+                         + backend_dtype_cases(ALL_BACKENDS, KEY_TILE_CASES, lambda case: True))
 def test_attention_dropout_matches_reference(backend, dtype, case, p):
     # Same seed -> same mask on every backend: parity with the float64 reference despite dropout.
     q, k, v, mask, dout = att.make_inputs(case, dtype)
