@@ -3,6 +3,8 @@ pipeline stages are chosen: fixed for the row kernels, autotuned candidates for 
 and the Philox dropout helper."""
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -53,22 +55,36 @@ _BWD_CANDIDATES = {64: [(64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 2), (128, 6
                    128: [(64, 64, 8, 1), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 1)]}
 
 
+# FASTFORMER_TRITON_AUTOTUNE=0 (read at import): every attention launch takes one tile that every head dim
+# fits, _UNTUNED, instead of benchmarking the candidates: for correctness runs on a GPU (tests/gpu), where
+# autotuning would compile and time several kernels for each new key.
+AUTOTUNE = os.environ.get("FASTFORMER_TRITON_AUTOTUNE", "1") != "0"
+_UNTUNED = (64, 64, 4, 2)  # BLOCK_M, BLOCK_N, warps, stages
+
 # The autotuning key: argument names of the attention kernels (Triton adds the tensors' dtypes).
 _ATTENTION_KEY = ["L_BUCKET", "D", "HAS_KPM", "CAUSAL", "HAS_DROPOUT"]
 
 
+def attention_shapes(kind: str, interpret: bool = INTERPRET, autotune: bool = AUTOTUNE) -> list[tuple]:
+    """The (BLOCK_M, BLOCK_N, warps, stages) the forward ("fwd") or backward ("bwd") attention kernels may
+    run with: one small tile in the interpreter, _UNTUNED when autotuning is off, else every candidate."""
+    if interpret:
+        return [(32, 32, 4, 1)]
+    if not autotune:
+        return [_UNTUNED]
+    table = _FWD_CANDIDATES if kind == "fwd" else _BWD_CANDIDATES
+    return list(dict.fromkeys(c for cands in table.values() for c in cands))
+
+
 def attention_autotune(kind: str):
     """The triton.autotune decorator of the forward ("fwd") or backward ("bwd") attention kernels: every
-    candidate as a Config, pruned per call to those listed for its BLOCK_D (<= 64, or 128)."""
+    shape of attention_shapes as a Config; several are pruned per call to those listed for the call's
+    BLOCK_D (<= 64, or 128)."""
     table = _FWD_CANDIDATES if kind == "fwd" else _BWD_CANDIDATES
-    if INTERPRET:
-        configs = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
-    else:
-        shapes = dict.fromkeys(c for cands in table.values() for c in cands)
-        configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
-                   for m, n, w, st in shapes]
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+               for m, n, w, st in attention_shapes(kind)]
 
-    def prune(configs, named_args, **kwargs):  # called only with more than one config: never interpreted
+    def prune(configs, named_args, **kwargs):  # called only with more than one config: autotuning on a GPU
         wanted = set(table[64 if kwargs["BLOCK_D"] <= 64 else 128])
         return [c for c in configs
                 if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
@@ -77,9 +93,9 @@ def attention_autotune(kind: str):
 
 
 def whole_row_tile(n: int) -> dict:
-    """Row kernels that hold whole rows (layer norm): a (BLOCK_R, BLOCK_N) tile of BLOCK_R rows per
-    program and step, BLOCK_N the next power of two >= n; several short rows per program, about 16 values
-    per thread (n = 512: 8 rows and 8 warps, a row per warp as in the CUDA warp layout)."""
+    """Row kernels that hold whole rows (layer norm; softmax up to 4,096): a (BLOCK_R, BLOCK_N) tile of
+    BLOCK_R rows per program and step, BLOCK_N the next power of two >= n; several short rows per program,
+    about 16 values per thread (n = 512: 8 rows and 8 warps, a row per warp as in the CUDA warp layout)."""
     block_n = triton.next_power_of_2(max(n, 1))
     block_r = max(1, min(16, 4096 // block_n))
     return dict(BLOCK_R=block_r, BLOCK_N=block_n, num_warps=4 if block_r * block_n <= 2048 else 8)

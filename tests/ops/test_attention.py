@@ -6,6 +6,7 @@ in float64 on float64 copies of the same inputs (tests/tolerances.py). The torch
 checked against a naive formula written here, so the reference is not trusted blindly.
 """
 import math
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -307,3 +308,24 @@ def test_tensor_core_kernels_drop_what_the_simt_kernels_drop(dtype):
         assert_close(out, ref, dtype, f"out (sm_{capability})")
         for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
             assert_close(g, rg, dtype, f"{name} (sm_{capability})")
+
+
+def test_triton_autotune_switch():
+    # FASTFORMER_TRITON_AUTOTUNE=0 gives the GPU kernels one tile that every head dim fits (tests/gpu runs
+    # so: autotuning would compile and time several kernels per new key); otherwise every candidate, and
+    # the interpreter one small tile whatever the switch says.
+    import subprocess
+    import sys
+
+    _common = pytest.importorskip("fastformer.triton._common")
+    for kind in ("fwd", "bwd"):
+        assert _common.attention_shapes(kind, interpret=False, autotune=False) == [_common._UNTUNED]
+        assert len(_common.attention_shapes(kind, interpret=False, autotune=True)) >= 4
+        assert _common.attention_shapes(kind, interpret=True, autotune=True) == [(32, 32, 4, 1)]
+    m, n, warps, stages = _common._UNTUNED
+    assert m % 16 == 0 and n % 16 == 0 and warps in (4, 8) and stages >= 1  # tl.dot's tile rule
+    read = "from fastformer.triton import _common; print(_common.AUTOTUNE)"
+    for value, expected in (("0", "False"), ("1", "True")):
+        env = dict(os.environ, FASTFORMER_TRITON_AUTOTUNE=value, TRITON_INTERPRET="1")
+        out = subprocess.run([sys.executable, "-c", read], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == expected
