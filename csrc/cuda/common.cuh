@@ -150,6 +150,15 @@ FF_DEVICE void warp_row_store(T* row, int n, int lane, int width, const float (&
   }
 }
 
+// Keep-factors of elements i and i + 1 for an even i (csrc/philox.h dropout_factor of each): both words
+// come from the one Philox call of counter i >> 2.
+FF_DEVICE float2 dropout_factor2(uint64_t seed, uint64_t i, float p, float inv_keep) {
+  const Philox4 r = philox4x32_10(seed, i >> 2);
+  const bool high = (i & 2) != 0;
+  return float2{philox_uniform(high ? r.w[2] : r.w[0]) >= p ? inv_keep : 0.0f,
+                philox_uniform(high ? r.w[3] : r.w[1]) >= p ? inv_keep : 0.0f};
+}
+
 // Keep-factors (csrc/philox.h dropout_factor: 1/(1-p) kept, 0 dropped) of a lane's kPerLane values in the
 // warp-row layout, value i being element base + warp_row_col(i) of the dropped tensor. One Philox call
 // yields the words of 4 consecutive elements: runs of 4 or more (base and the runs' columns are multiples
@@ -167,11 +176,9 @@ FF_DEVICE void warp_row_dropout(uint64_t seed, int64_t base, int lane, int width
   } else if (width == 2) {
 #pragma unroll
     for (int i = 0; i < kPerLane; i += 2) {
-      const uint64_t e = static_cast<uint64_t>(base + warp_row_col(i, lane, 2));
-      const Philox4 w = philox4x32_10(seed, e >> 2);
-      const bool high = (e & 2) != 0;
-      r[i] = philox_uniform(high ? w.w[2] : w.w[0]) >= p ? inv_keep : 0.0f;
-      r[i + 1] = philox_uniform(high ? w.w[3] : w.w[1]) >= p ? inv_keep : 0.0f;
+      const float2 f = dropout_factor2(seed, static_cast<uint64_t>(base + warp_row_col(i, lane, 2)), p, inv_keep);
+      r[i] = f.x;
+      r[i + 1] = f.y;
     }
   } else {
 #pragma unroll

@@ -1,7 +1,6 @@
 // Launchers of the cross_entropy kernels (csrc/cuda/cross_entropy.cuh): validate, allocate, launch a block
 // of kCrossEntropyThreads per row (grid R), 16-byte packs when V is a multiple of the pack and the rows are
 // 16-byte aligned.
-#include <climits>
 #include <cstdint>
 
 #include "cross_entropy.cuh"
@@ -11,14 +10,6 @@
 
 namespace fastformer::cuda {
 namespace {
-
-// V classes in rows of int, R rows in the grid's x dimension.
-void check_rows(int64_t R, int64_t V) {
-  TORCH_CHECK(V <= INT_MAX, "fastformer ", kBackend, " cross_entropy: ", V, " classes exceed the kernels' limit of ",
-              INT_MAX);
-  TORCH_CHECK(R <= INT_MAX, "fastformer ", kBackend, " cross_entropy: ", R, " rows exceed the kernels' limit of ",
-              INT_MAX);
-}
 
 // logits (R, V) of the kernels' dtypes, target (R) int64, the per-row tensors (R) float32: all on the device.
 void check_rows_of(const Tensor& logits, const Tensor& target, std::initializer_list<std::pair<const Tensor*, const char*>> rows) {
@@ -45,7 +36,7 @@ std::tuple<Tensor, Tensor, Tensor> cross_entropy_fwd(const Tensor& logits, const
   Tensor nll = at::empty_like(loss), lse = at::empty_like(loss);
   const int64_t V = logits.size(-1), R = target.numel();
   if (R == 0) return {loss, nll, lse};
-  check_rows(R, V);
+  check_row_limits("cross_entropy", R, V);
   DeviceScope scope(logits);
   FF_DISPATCH_KERNEL_TYPES(logits.scalar_type(), "fastformer_cross_entropy_fwd_cuda", [&] {
     using T = typename DeviceType<scalar_t>::type;
@@ -71,7 +62,7 @@ Tensor cross_entropy_bwd(const Tensor& dloss, const Tensor& dnll, const Tensor& 
   Tensor dlogits = at::empty_like(logits);
   const int64_t V = logits.size(-1), R = target.numel();
   if (R == 0) return dlogits;
-  check_rows(R, V);
+  check_row_limits("cross_entropy", R, V);
   DeviceScope scope(logits);
   FF_DISPATCH_KERNEL_TYPES(logits.scalar_type(), "fastformer_cross_entropy_bwd_cuda", [&] {
     using T = typename DeviceType<scalar_t>::type;

@@ -7,6 +7,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <climits>
 #include <cstdint>
 #include <utility>
 
@@ -70,6 +71,13 @@ inline bool aligned2(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % (2 * t.element_size()) == 0;
 }
 inline bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0; }
+
+// The row kernels index rows and columns with 32-bit ints: R rows of N elements must fit.
+inline void check_row_limits(const char* op, int64_t R, int64_t N) {
+  TORCH_CHECK(N <= INT_MAX, "fastformer ", kBackend, " ", op, ": rows of ", N, " elements exceed the kernels' limit of ",
+              INT_MAX);
+  TORCH_CHECK(R <= INT_MAX, "fastformer ", kBackend, " ", op, ": ", R, " rows exceed the kernels' limit of ", INT_MAX);
+}
 
 // Makes the inputs' device current for the launches in scope (a no-op in the CPU model).
 struct DeviceScope {

@@ -4,7 +4,6 @@
 // dweight/dbias reduction. 16-byte packs (warp layout) when N is a multiple of the pack and every tensor
 // is 16-byte aligned; half2/float2 pairs when N is even and every row pointer is 2-element aligned.
 #include <algorithm>
-#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -52,13 +51,6 @@ std::vector<int64_t> stat_shape(const Tensor& t) {
   return shape;
 }
 
-void check_size(int64_t R, int64_t N) {
-  TORCH_CHECK(N <= INT_MAX, "fastformer ", kBackend, " layer_norm_residual: rows of ", N,
-              " elements exceed the kernels' limit of ", INT_MAX);
-  TORCH_CHECK(R <= INT_MAX, "fastformer ", kBackend, " layer_norm_residual: ", R, " rows exceed the kernels' limit of ",
-              INT_MAX);
-}
-
 }  // namespace
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd(const Tensor& x, const Tensor& residual,
@@ -79,7 +71,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd(const Tensor&
   Tensor y = at::empty_like(x), s = at::empty_like(x);
   Tensor mean = at::empty(stats, x.options().dtype(at::kFloat)), rstd = at::empty(stats, x.options().dtype(at::kFloat));
   if (R == 0) return {y, s, mean, rstd};
-  check_size(R, N);
+  check_row_limits("layer_norm_residual", R, N);
   DeviceScope scope(x);
   FF_DISPATCH_KERNEL_TYPES(x.scalar_type(), "fastformer_lnr_fwd_cuda", [&] {
     using T = typename DeviceType<scalar_t>::type;
@@ -133,7 +125,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor&
   const int64_t N = s.size(-1), R = s.numel() / N;
   Tensor dx = at::empty_like(s), dres = at::empty_like(s);
   if (R == 0) return {dx, dres, at::zeros_like(weight), at::zeros_like(weight)};
-  check_size(R, N);
+  check_row_limits("layer_norm_residual", R, N);
   DeviceScope scope(s);
   // Stage 1: P chunks of chunk_rows rows, one per block; the split depends on R and N only.
   const bool warp_rows = N <= kLnrWarpMaxN;

@@ -225,15 +225,6 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_warp_kernel
 // ---------------------------------------------------------------------------------------------------
 // Block layout: a block of kLnrThreads per row, sweeping the row in pairs or elements.
 
-// Keep-factors of elements i and i + 1 for an even i (csrc/philox.h dropout_factor of each): both words
-// come from the one Philox call of counter i >> 2.
-FF_DEVICE float2 dropout_factor2(uint64_t seed, uint64_t i, float p, float inv_keep) {
-  const Philox4 r = philox4x32_10(seed, i >> 2);
-  const bool high = (i & 2) != 0;
-  return float2{philox_uniform(high ? r.w[2] : r.w[0]) >= p ? inv_keep : 0.0f,
-                philox_uniform(high ? r.w[3] : r.w[1]) >= p ? inv_keep : 0.0f};
-}
-
 // Welford state: count, mean and sum of squared deviations M2.
 struct Welford {
   float n, mean, m2;

@@ -6,7 +6,6 @@
 // 16-byte aligned; else half2/float2 pairs when N is even and every row pointer is 2-element aligned.
 #include <ATen/ExpandUtils.h>
 
-#include <climits>
 #include <cstdint>
 
 #include "cuda_ops.h"
@@ -16,12 +15,6 @@
 
 namespace fastformer::cuda {
 namespace {
-
-void check_rows(int64_t R, int64_t N) {
-  TORCH_CHECK(N <= INT_MAX, "fastformer ", kBackend, " softmax: rows of ", N, " elements exceed the kernels' limit of ",
-              INT_MAX);
-  TORCH_CHECK(R <= INT_MAX, "fastformer ", kBackend, " softmax: ", R, " rows exceed the kernels' limit of ", INT_MAX);
-}
 
 // The expanded mask's addressing: x's leading dims, size-1 dims dropped and neighbours merged where the
 // mask's strides allow (outer stride == inner stride * inner size), so the kernels unravel few dims.
@@ -71,7 +64,7 @@ Tensor softmax_fwd(const Tensor& x, const c10::optional<Tensor>& mask, double sc
   Tensor y = at::empty_like(x);
   const int64_t N = x.size(-1), R = N == 0 ? 0 : x.numel() / N;
   if (R == 0) return y;
-  check_rows(R, N);
+  check_row_limits("softmax", R, N);
   DeviceScope scope(x);
   FF_DISPATCH_KERNEL_TYPES(x.scalar_type(), "fastformer_softmax_fwd_cuda", [&] {
     using T = typename DeviceType<scalar_t>::type;
@@ -106,7 +99,7 @@ Tensor softmax_bwd(const Tensor& dy, const Tensor& y, double scale) {
   Tensor dx = at::empty_like(y);
   const int64_t N = y.size(-1), R = N == 0 ? 0 : y.numel() / N;
   if (R == 0) return dx;
-  check_rows(R, N);
+  check_row_limits("softmax", R, N);
   DeviceScope scope(y);
   FF_DISPATCH_KERNEL_TYPES(y.scalar_type(), "fastformer_softmax_bwd_cuda", [&] {
     using T = typename DeviceType<scalar_t>::type;
