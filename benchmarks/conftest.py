@@ -426,7 +426,8 @@ def add_speedups(benchmarks: list[dict]) -> None:
 def _session_info(config) -> dict:
     ctx = config.stash[_CONTEXT]
     info = {"sizes": ctx.sizes.name, "device": str(ctx.device), "dtype": str(ctx.dtype).removeprefix("torch."),
-            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpu level": fastformer.cpu_capability(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "command": " ".join(["pytest", *config.invocation_params.args]),
             "malloc": config.getoption("--bench-malloc"),
             "backends": fastformer_backends(ctx)}
     if ctx.cuda:

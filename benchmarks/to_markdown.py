@@ -79,19 +79,29 @@ def _order(bench: dict) -> tuple:
             impl_rank)
 
 
-def header(session: dict, machine: dict | None = None) -> str:
+def header(session: dict, machine: dict | None = None, run: dict | None = None) -> str:
+    """The run's provenance: machine, CPU kernel level, settings, then the commit, date and command that
+    made it (pytest-benchmark's commit_info and datetime), so a table names where it came from."""
     parts = []
     if machine:
         parts.append(machine.get("cpu", {}).get("brand_raw") or machine.get("processor") or "")
     if session.get("gpu"):
         parts.append(session["gpu"])
-    for key, label in (("device", "device"), ("dtype", "dtype"), ("sizes", "sizes"), ("threads", "threads"),
-                       ("torch", "torch"), ("malloc", "malloc")):
+    for key, label in (("device", "device"), ("cpu level", "CPU kernels"), ("dtype", "dtype"), ("sizes", "sizes"),
+                       ("threads", "threads"), ("torch", "torch"), ("malloc", "malloc")):
         if key in session:
             parts.append(f"{label} {session[key]}")
     if "copy GB/s" in session:
         parts.append(f"copy bandwidth {_sig(session['copy GB/s'])} GB/s (read + write)")
-    return ", ".join(p for p in parts if p)
+    line = ", ".join(p for p in parts if p)
+    commit = (run or {}).get("commit_info", {})
+    if commit.get("id"):
+        line += f"; commit {commit['id'][:7]}{' (with uncommitted changes)' if commit.get('dirty') else ''}"
+    if (run or {}).get("datetime"):
+        line += f", {run['datetime'][:10]}"
+    if session.get("command"):
+        line += f"; `{session['command']}`"
+    return line
 
 
 def _overhead_order(bench: dict) -> tuple:
@@ -119,14 +129,15 @@ def overhead_table(benchmarks: list[dict]) -> list[str]:
     return lines
 
 
-def render(benchmarks: list[dict], session: dict | None = None, machine: dict | None = None) -> str:
+def render(benchmarks: list[dict], session: dict | None = None, machine: dict | None = None,
+           run: dict | None = None) -> str:
     """The markdown table of pytest-benchmark JSON entries (group, extra_info, stats.median), and below it
     the call-overhead table of the "overhead" entries."""
     overhead = [b for b in benchmarks if b["extra_info"].get("op") == "overhead"]
     others = [b for b in benchmarks if b["extra_info"].get("op") != "overhead"]
     lines = []
     if session or machine:
-        lines += [header(session or {}, machine), ""]
+        lines += [header(session or {}, machine, run), ""]
     if others:
         lines += ["| op | shape | pass | backend | median | figure | speedup |", "|---|---|---|---|---:|---:|---|"]
     for bench in sorted(others, key=_order):
@@ -151,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with open(args.json) as f:
         data = json.load(f)
-    table = render(data["benchmarks"], data.get("fastformer", {}), data.get("machine_info"))
+    table = render(data["benchmarks"], data.get("fastformer", {}), data.get("machine_info"), data)
     if args.output:
         with open(args.output, "w") as f:
             f.write(table + "\n")

@@ -57,16 +57,38 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("WITH_CUDA") = false;
 #endif
-  // The argument checks of csrc/ops.h, for the ops implemented in Python (ValueError on bad input).
+  // The argument checks of csrc/ops.h, for the ops implemented in Python (ValueError on bad input). Tensor
+  // arguments come in as optional, so that None reaches the checks (and their "must be a torch.Tensor, got
+  // None") as it reaches them through the registered ops, instead of pybind11's TypeError.
+  using OptTensor = std::optional<at::Tensor>;
+  const auto given = [](const OptTensor& t) { return t.value_or(at::Tensor()); };
   m.def("check_attention",
-        [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
-           double dropout_p, std::optional<double> scale) {
-          fastformer::check_attention(q, k, v, mask, dropout_p);
-          return fastformer::attention_scale(scale, q);
+        [given](const OptTensor& q, const OptTensor& k, const OptTensor& v, const OptTensor& mask, double dropout_p,
+                std::optional<double> scale) {
+          fastformer::check_attention(given(q), given(k), given(v), mask, dropout_p);
+          return fastformer::attention_scale(scale, *q);
         },
         "checks ops.attention's arguments; returns the scale (1/sqrt(D) when None)");
-  m.def("check_softmax", &fastformer::check_softmax, "checks ops.softmax's arguments");
-  m.def("check_layer_norm_residual", &fastformer::check_layer_norm_residual,
+  m.def("check_softmax",
+        [given](const OptTensor& x, const OptTensor& mask, double scale) {
+          fastformer::check_softmax(given(x), mask, scale);
+        },
+        "checks ops.softmax's arguments");
+  m.def("check_layer_norm_residual",
+        [given](const OptTensor& x, const OptTensor& residual, const OptTensor& weight, const OptTensor& bias,
+                double eps, double dropout_p) {
+          fastformer::check_layer_norm_residual(given(x), given(residual), given(weight), given(bias), eps, dropout_p);
+        },
         "checks ops.layer_norm_residual's arguments");
-  m.def("check_cross_entropy", &fastformer::check_cross_entropy, "checks ops.cross_entropy's arguments");
+  m.def("check_cross_entropy",
+        [given](const OptTensor& logits, const OptTensor& target, double label_smoothing, int64_t ignore_index) {
+          fastformer::check_cross_entropy(given(logits), given(target), label_smoothing, ignore_index);
+        },
+        "checks ops.cross_entropy's arguments");
+  m.def("check_attention_bwd", &fastformer::check_attention_bwd, "checks attention_bwd's arguments");
+  m.def("check_softmax_bwd", &fastformer::check_softmax_bwd, "checks softmax_bwd's arguments");
+  m.def("check_layer_norm_residual_bwd", &fastformer::check_layer_norm_residual_bwd,
+        "checks layer_norm_residual_bwd's arguments");
+  m.def("check_cross_entropy_bwd", &fastformer::check_cross_entropy_bwd, "checks cross_entropy_bwd's arguments");
+  m.attr("GPU_MAX_HEAD_DIM") = fastformer::kGpuMaxHeadDim;
 }

@@ -8,9 +8,13 @@
 // Autograd for both (csrc/autograd/<op>.cpp) and the fake kernels (Python) sit on top.
 //
 // Caller errors raise c10::ValueError (Python ValueError) through TORCH_CHECK_VALUE, from these checks
-// alone; the entry points keep TORCH_CHECKs only for their own limits (e.g. the CUDA head-dim bound).
+// alone, forward and backward: the adapters below call them for the C++ kernels, the _py twins call them
+// (through fastformer._C.check_*) for the backends written in Python. The entry points rely on them and
+// check only their own limits (the GPU head-dim bound, 32-bit grid and index limits, dtypes a GPU lacks)
+// and, cheaply, that the tensors they index are on their device and contiguous.
 #pragma once
 #include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
@@ -43,9 +47,19 @@
 namespace fastformer {
 
 using at::Tensor;
+
+// The largest attention head dim of the GPU kernels (cuda and triton); cpu and torch take any.
+constexpr int64_t kGpuMaxHeadDim = 128;
 using OptTensor = std::optional<Tensor>;
 
 // ---- argument checks (every backend) ----
+
+// A tensor argument that was given: None reaches a `Tensor` argument of the registered ops as an
+// undefined tensor (the public functions turn every other wrong Python type into a ValueError,
+// fastformer/ops/_registry.py check_types).
+inline void check_given(const Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK_VALUE(t.defined(), "fastformer ", op, ": ", name, " must be a torch.Tensor, got None");
+}
 
 inline void check_floating(const Tensor& t, const char* op, const char* name) {
   const auto d = t.scalar_type();
@@ -76,6 +90,9 @@ inline void check_dropout(double p, const char* op) {
 inline void check_attention(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& key_padding_mask,
                             double dropout_p) {
   constexpr const char* op = "attention";
+  check_given(q, op, "q");
+  check_given(k, op, "k");
+  check_given(v, op, "v");
   TORCH_CHECK_VALUE(q.dim() == 4, "fastformer attention: q must be 4-D (B, H, L, D), got shape ", q.sizes());
   TORCH_CHECK_VALUE(k.dim() == 4, "fastformer attention: k must be 4-D (B, H, L, D), got shape ", k.sizes());
   TORCH_CHECK_VALUE(v.dim() == 4, "fastformer attention: v must be 4-D (B, H, L, D), got shape ", v.sizes());
@@ -120,6 +137,7 @@ inline double attention_scale(std::optional<double> scale, const Tensor& q) {
 // x (..., N); mask bool, broadcastable to x.
 inline void check_softmax(const Tensor& x, const OptTensor& mask, double scale) {
   constexpr const char* op = "softmax";
+  check_given(x, op, "x");
   TORCH_CHECK_VALUE(x.dim() >= 1, "fastformer softmax: x must have at least one dimension");
   check_floating(x, op, "x");
   if (mask.has_value()) {
@@ -134,6 +152,10 @@ inline void check_softmax(const Tensor& x, const OptTensor& mask, double scale) 
 inline void check_layer_norm_residual(const Tensor& x, const Tensor& residual, const Tensor& weight,
                                       const Tensor& bias, double eps, double dropout_p) {
   constexpr const char* op = "layer_norm_residual";
+  check_given(x, op, "x");
+  check_given(residual, op, "residual");
+  check_given(weight, op, "weight");
+  check_given(bias, op, "bias");
   check_floating(x, op, "x");
   check_like(residual, "residual", x, "x", op);
   check_like(weight, "weight", x, "x", op);
@@ -157,6 +179,8 @@ inline void check_layer_norm_residual(const Tensor& x, const Tensor& residual, c
 // asked for a logit that is not there; the kernels still never read one (an out-of-range target gives NaN).
 inline void check_cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing,
                                 int64_t ignore_index) {
+  check_given(logits, "cross_entropy", "logits");
+  check_given(target, "cross_entropy", "target");
   check_floating(logits, "cross_entropy", "logits");
   TORCH_CHECK_VALUE(logits.dim() >= 1 && logits.size(-1) > 0,
                     "fastformer cross_entropy: logits must be (..., V) with V > 0 classes, got shape ", logits.sizes());
@@ -178,6 +202,81 @@ inline void check_cross_entropy(const Tensor& logits, const Tensor& target, doub
                         ", outside the classes [0, ", V, ") and not ignore_index (", ignore_index, ")");
     }
   }
+}
+
+// ---- backward arguments ----
+// Autograd hands the backward ops what the forward made; these checks guard a direct caller of the
+// registered backward ops (torch.ops.fastformer.<op>_bwd), so that no kernel of any backend reads out of
+// bounds. Saved statistics (attention's lse, layer_norm_residual's mean and rstd, cross_entropy's lse)
+// and the losses' gradients are in the accumulation dtype: float32, float64 for float64 inputs.
+
+// t is given and has ref's dtype, device and shape.
+inline void check_same(const Tensor& t, const char* name, const Tensor& ref, const char* ref_name, const char* op) {
+  check_given(t, op, name);
+  check_like(t, name, ref, ref_name, op);
+  TORCH_CHECK_VALUE(t.sizes() == ref.sizes(), "fastformer ", op, ": ", name, " has shape ", t.sizes(), " but ",
+                    ref_name, " has ", ref.sizes());
+}
+
+// t is given, of shape `shape`, in the accumulation dtype of ref's dtype, on ref's device.
+inline void check_stats(const Tensor& t, const char* name, at::IntArrayRef shape, const Tensor& ref, const char* op) {
+  check_given(t, op, name);
+  const auto acc = at::toOpMathType(ref.scalar_type());
+  TORCH_CHECK_VALUE(t.scalar_type() == acc && t.device() == ref.device() && t.sizes() == shape, "fastformer ", op,
+                    ": ", name, " must be ", acc, " of shape ", shape, " on ", ref.device(), ", got ", t.scalar_type(),
+                    " of shape ", t.sizes(), " on ", t.device());
+}
+
+inline void check_attention_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                const Tensor& out, const Tensor& lse, const OptTensor& key_padding_mask,
+                                double dropout_p) {
+  check_attention(q, k, v, key_padding_mask, dropout_p);
+  check_same(dout, "dout", q, "q", "attention");
+  check_same(out, "out", q, "q", "attention");
+  check_stats(lse, "lse", q.sizes().slice(0, 3), q, "attention");
+}
+
+inline void check_softmax_bwd(const Tensor& dy, const Tensor& y) {
+  check_given(y, "softmax", "y");
+  TORCH_CHECK_VALUE(y.dim() >= 1, "fastformer softmax: y must have at least one dimension");
+  check_floating(y, "softmax", "y");
+  check_same(dy, "dy", y, "y", "softmax");
+}
+
+inline void check_layer_norm_residual_bwd(const Tensor& dy, const OptTensor& ds, const Tensor& s, const Tensor& weight,
+                                          const Tensor& mean, const Tensor& rstd, double dropout_p) {
+  constexpr const char* op = "layer_norm_residual";
+  check_given(s, op, "s");
+  TORCH_CHECK_VALUE(s.dim() >= 1 && s.size(-1) > 0, "fastformer layer_norm_residual: s must be (..., N) with N > 0, got ",
+                    s.sizes());
+  check_floating(s, op, "s");
+  check_same(dy, "dy", s, "s", op);
+  if (ds.has_value()) check_same(*ds, "ds", s, "s", op);
+  check_given(weight, op, "weight");
+  check_like(weight, "weight", s, "s", op);
+  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == s.size(-1), "fastformer layer_norm_residual: weight must ",
+                    "have shape (", s.size(-1), ",), got ", weight.sizes());
+  check_stats(mean, "mean", s.sizes().slice(0, s.dim() - 1), s, op);
+  check_stats(rstd, "rstd", s.sizes().slice(0, s.dim() - 1), s, op);
+  check_dropout(dropout_p, op);
+}
+
+inline void check_cross_entropy_bwd(const Tensor& dloss, const Tensor& dnll, const Tensor& logits,
+                                    const Tensor& target, const Tensor& lse) {
+  constexpr const char* op = "cross_entropy";
+  check_given(logits, op, "logits");
+  check_given(target, op, "target");
+  check_floating(logits, op, "logits");
+  TORCH_CHECK_VALUE(logits.dim() >= 1 && logits.size(-1) > 0,
+                    "fastformer cross_entropy: logits must be (..., V) with V > 0 classes, got shape ", logits.sizes());
+  TORCH_CHECK_VALUE(target.scalar_type() == at::kLong && target.device() == logits.device() &&
+                        target.sizes() == logits.sizes().slice(0, logits.dim() - 1),
+                    "fastformer cross_entropy: target must be int64 of shape ", logits.sizes().slice(0, logits.dim() - 1),
+                    " on ", logits.device(), ", got ", target.scalar_type(), " of shape ", target.sizes(), " on ",
+                    target.device());
+  check_stats(dloss, "dloss", target.sizes(), logits, op);
+  check_stats(dnll, "dnll", target.sizes(), logits, op);
+  check_stats(lse, "lse", target.sizes(), logits, op);
 }
 
 // The dropout seed a caller drew (a 0-dim int64 tensor), or 0 when there is none (no dropout).
@@ -205,7 +304,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_op(const Tensor& dout, const Te
                                                     const Tensor& v, const Tensor& out, const Tensor& lse,
                                                     const OptTensor& key_padding_mask, bool causal, double dropout_p,
                                                     std::optional<double> scale, const OptTensor& seed) {
-  check_attention(q, k, v, key_padding_mask, dropout_p);
+  check_attention_bwd(dout, q, k, v, out, lse, key_padding_mask, dropout_p);
   return Impl(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
               contiguous(key_padding_mask), causal, dropout_p, attention_scale(scale, q), seed_value(seed));
 }
@@ -218,6 +317,7 @@ Tensor softmax_fwd_op(const Tensor& x, const OptTensor& mask, double scale) {
 
 template <auto Impl>
 Tensor softmax_bwd_op(const Tensor& dy, const Tensor& y, double scale) {
+  check_softmax_bwd(dy, y);
   return Impl(dy.contiguous(), y.contiguous(), scale);
 }
 
@@ -236,6 +336,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd_op(const Tens
                                                                       const Tensor& s, const Tensor& weight,
                                                                       const Tensor& mean, const Tensor& rstd,
                                                                       double dropout_p, const OptTensor& seed) {
+  check_layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p);
   return Impl(dy.contiguous(), contiguous(ds), s.contiguous(), weight.contiguous(), mean.contiguous(),
               rstd.contiguous(), dropout_p, seed_value(seed));
 }
@@ -250,6 +351,7 @@ std::tuple<Tensor, Tensor, Tensor> cross_entropy_fwd_op(const Tensor& logits, co
 template <auto Impl>
 Tensor cross_entropy_bwd_op(const Tensor& dloss, const Tensor& dnll, const Tensor& logits, const Tensor& target,
                             const Tensor& lse, double label_smoothing, int64_t ignore_index) {
+  check_cross_entropy_bwd(dloss, dnll, logits, target, lse);
   return Impl(dloss.contiguous(), dnll.contiguous(), logits.contiguous(), target.contiguous(), lse.contiguous(),
               label_smoothing, ignore_index);
 }

@@ -69,9 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "where the step waits for Python (not yet measured there); on a CPU it is slower "
                         "(small config, bf16, AVX-512: 0.81x eager's tokens/s)")
     g.add_argument("--malloc", choices=("keep", "default"), default="keep",
-                   help="keep: glibc malloc keeps freed memory for the next step instead of unmapping it "
-                        "(on CPU saves re-faulting ~100 MB of fresh pages a step, 20-35%% of a step on 2 cores; "
-                        "the process holds its peak memory); default: glibc's own policy")
+                   help="keep: glibc malloc keeps freed memory for the next step instead of unmapping it (on "
+                        "CPU this saves faulting in the large tensors' pages again every step), bounded by "
+                        "--max-rss-gib; default: glibc's own policy")
+    g.add_argument("--max-rss-gib", type=NONNEGATIVE, default=3.0,
+                   help="with --malloc keep: after an update that leaves more than this many GiB resident, "
+                        "the heap's free pages go back to the kernel (malloc_trim), so the kept memory stays "
+                        "bounded; 0 keeps everything (the process then holds its peak memory, which grows as "
+                        "batches of different shapes fragment the heap)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--max-tokens", type=int_at_least(1), default=4096,
                    help="batch size in tokens: sentences x longest sentence (source or target), padding included")

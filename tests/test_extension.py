@@ -1,4 +1,5 @@
 """The compiled extension: built against the running torch, registers every op, and a mismatch is explained."""
+import os
 import subprocess
 import sys
 
@@ -86,3 +87,13 @@ def test_checkout_without_a_build_uses_the_installed_extension(tmp_path):
     checkout_init, extension, kernels, cpu = result.stdout.split()
     assert Path(checkout_init).parent == tmp_path / "fastformer"
     assert Path(extension).parent == package and Path(kernels).parent == package and cpu == "True"
+
+
+@pytest.mark.skipif(bool(os.environ.get("FASTFORMER_TEST_BACKENDS")), reason="the tested backends were narrowed on purpose")
+def test_the_test_extra_brings_what_cuda_sim_needs():
+    # pip install ".[test]" must be enough to execute the CUDA kernels on the CPU: without ninja the
+    # cuda_sim backend is unavailable and every test of it would silently drop out of the run.
+    from fastformer import _dispatch
+
+    usable, reason = _dispatch.status("cuda_sim")
+    assert usable, reason

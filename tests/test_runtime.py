@@ -51,3 +51,27 @@ def test_native_bf16_cpu_reads_the_flags():
     except (OSError, StopIteration):
         flags = []
     assert native_bf16_cpu() == bool({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
+# A child process keeps freed memory, frees 512 MiB it wrote, then asks trim_freed_memory for a limit
+# above its resident memory (nothing happens) and one below it (the free pages go back).
+_TRIM = """
+import torch
+from fastformer.runtime import keep_freed_memory, resident_bytes, trim_freed_memory
+assert keep_freed_memory()
+x = torch.ones(128 << 20)  # 512 MiB, from the heap (no mmap under keep_freed_memory)
+del x
+held = resident_bytes()
+print(held, trim_freed_memory(held + (256 << 20)), resident_bytes(), trim_freed_memory(held - (256 << 20)),
+      resident_bytes(), trim_freed_memory(0))
+"""
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_trim_freed_memory_returns_kept_pages_above_the_limit():
+    out = subprocess.run([sys.executable, "-c", _TRIM], capture_output=True, text=True, check=True).stdout.split()
+    held, above, after_above, below, after_below, zero = out
+    assert above == "False" and int(after_above) > int(held) - (64 << 20), "trimmed below the limit"
+    assert below == "True", "not trimmed although resident memory was above the limit"
+    assert int(after_below) < int(held) - (400 << 20), f"resident {after_below} after the trim, {held} before"
+    assert zero == "False", "a limit of 0 means no limit"

@@ -132,7 +132,7 @@ void attention_fwd_kernel(const scalar_t* q, const scalar_t* k, const scalar_t* 
   const int64_t bq = std::min(kBlockQ, s.Lq), ldk = std::min(kBlockK, s.Lk);  // buffer rows, score row stride
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   at::parallel_for(0, s.B * s.H * tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> sc(bq * ldk), o(bq * D), m(bq), l(bq), pad_bias(ldk),
+    Buffer<acc_t> sc(bq * ldk), o(bq * D), m(bq), l(bq), pad_bias(ldk),
         drop(ldk), q_buf, k_buf, v_buf;
     if constexpr (!std::is_same_v<scalar_t, acc_t>) {
       q_buf.resize(bq * D);
@@ -209,9 +209,9 @@ void attention_bwd_kernel(const scalar_t* dout, const scalar_t* q, const scalar_
   const acc_t scale_acc = static_cast<acc_t>(scale);
   const int64_t bq = std::min(kBlockQ, Lq), ldk = std::min(kBlockK, Lk);  // buffer rows, score row stride
   at::parallel_for(0, s.B * s.H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> dq_acc(Lq * D), delta(Lq), o_row(D), do_row(D);
-    std::vector<acc_t> p(bq * ldk), dp(bq * ldk), dk_acc(ldk * D), dv_acc(ldk * D);
-    std::vector<acc_t> pad_bias(ldk), drop(ldk), q_buf, do_buf, k_buf, v_buf;
+    Buffer<acc_t> dq_acc(Lq * D), delta(Lq), o_row(D), do_row(D);
+    Buffer<acc_t> p(bq * ldk), dp(bq * ldk), dk_acc(ldk * D), dv_acc(ldk * D);
+    Buffer<acc_t> pad_bias(ldk), drop(ldk), q_buf, do_buf, k_buf, v_buf;
     if constexpr (!std::is_same_v<scalar_t, acc_t>) {
       q_buf.resize(Lq * D);
       do_buf.resize(Lq * D);
@@ -318,12 +318,6 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
                                                  const c10::optional<Tensor>& key_padding_mask, bool causal,
                                                  double dropout_p, double scale, int64_t seed) {
   const AttnDims s = dims(q, k, causal);
-  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "fastformer attention: dout/out must match q");
-  TORCH_CHECK(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
-              "fastformer attention: dout/out must have q's dtype");
-  TORCH_CHECK(lse.scalar_type() == at::toOpMathType(q.scalar_type()) && lse.dim() == 3 && lse.size(0) == s.B &&
-                  lse.size(1) == s.H && lse.size(2) == s.Lq,
-              "fastformer attention: lse must be (B, H, Lq) in the accumulation dtype");
   Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   if (q.numel() == 0 || k.numel() == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
   const bool* kpm = key_padding_mask.has_value() ? key_padding_mask->data_ptr<bool>() : nullptr;

@@ -1,9 +1,8 @@
 // Entry points of the C++ CPU kernels and what the kernel files share. The kernel files are compiled once
 // per instruction-set level into the modules fastformer._cpu_<level> (csrc/cpu/level_module.cpp); the CPU
 // dispatch key of fastformer::<op>_<fwd|bwd> calls the chosen level's entry points (csrc/cpu_levels.cpp)
-// through the adapters of csrc/ops.h, which check the caller's arguments (ValueError) and pass
-// contiguous tensors; the TORCH_CHECKs left here guard what only a direct caller of the backward could
-// get wrong, so nothing reads out of bounds.
+// through the adapters of csrc/ops.h, which check the caller's arguments, forward and backward (ValueError),
+// and pass contiguous tensors: the entry points rely on them and check nothing again.
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
@@ -12,7 +11,9 @@
 #include <c10/util/Optional.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <new>
 #include <tuple>
 #include <vector>
 
@@ -22,11 +23,33 @@ using at::Tensor;
 
 #include "op_entry_points.h"
 
-// Shared argument checks.
-inline void check_cpu_contiguous(const Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), "fastformer cpu backend: ", name, " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK(t.is_contiguous(), "fastformer cpu backend: ", name, " must be contiguous");
-}
+// Work buffers of the kernels: std::vector with storage aligned to 64 bytes (a cache line, one AVX-512
+// vector), so that a work item sees the same buffer alignment whichever thread runs it. malloc gives each
+// thread's arena its own offsets modulo 64, and the BLAS the attention's tile products call may pick its
+// code path (and with it the order of a dot product's additions) by its operands' alignment: results then
+// changed with the thread count (reported: CPU attention on an AVX-512 Intel Xeon, float32 outputs a few
+// ulps apart between 1 and 2 threads; tests/ops/test_threads.py).
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  static constexpr std::size_t kAlign = 64;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(std::size_t n) {
+    const std::size_t bytes = (n * sizeof(T) + kAlign - 1) / kAlign * kAlign;  // aligned_alloc wants a multiple
+    void* p = std::aligned_alloc(kAlign, bytes == 0 ? kAlign : bytes);
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, std::size_t) { std::free(p); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const CacheLineAllocator<U>&) const { return false; }
+};
+template <typename T>
+using Buffer = std::vector<T, CacheLineAllocator<T>>;
 
 // max(a, b) that propagates NaN whichever side it is on (std::max keeps its first argument when either
 // is NaN); at::vec::maximum propagates NaN too.
@@ -112,7 +135,7 @@ inline void convert_row(const src_t* src, dst_t* dst, int64_t n) {
 
 // n elements of src as acc_t: src itself when the types agree, else converted into buffer.
 template <typename scalar_t, typename acc_t>
-inline const acc_t* as_acc(const scalar_t* src, int64_t n, std::vector<acc_t>& buffer) {
+inline const acc_t* as_acc(const scalar_t* src, int64_t n, Buffer<acc_t>& buffer) {
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
     return src;
   } else {
@@ -125,7 +148,7 @@ inline const acc_t* as_acc(const scalar_t* src, int64_t n, std::vector<acc_t>& b
 // Where to compute an output row of n elements: dst itself when the types agree, else buffer (then
 // finish_output converts it into dst).
 template <typename scalar_t, typename acc_t>
-inline acc_t* output_row(scalar_t* dst, int64_t n, std::vector<acc_t>& buffer) {
+inline acc_t* output_row(scalar_t* dst, int64_t n, Buffer<acc_t>& buffer) {
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
     return dst;
   } else {

@@ -69,7 +69,7 @@ void softmax_fwd_kernel(const scalar_t* x, const MaskRows& mask, scalar_t* y, in
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1));
   at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> a(N), in_buf, out_buf;
+    Buffer<acc_t> a(N), in_buf, out_buf;
     std::vector<bits_t> bits(mask.base != nullptr ? N : 0);  // -1 (all ones) where masked, else 0
     const acc_t* vbits = reinterpret_cast<const acc_t*>(bits.data());
     const bool* bits_of = nullptr;  // the mask row `bits` holds
@@ -143,7 +143,7 @@ void softmax_bwd_kernel(const scalar_t* dy, const scalar_t* y, scalar_t* dx, int
   using Vec = at::vec::Vectorized<acc_t>;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1));
   at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> y_buf, dy_buf, out_buf;
+    Buffer<acc_t> y_buf, dy_buf, out_buf;
     for (int64_t r = begin; r < end; ++r) {
       const acc_t* yr = as_acc(y + r * N, N, y_buf);
       const acc_t* gr = as_acc(dy + r * N, N, dy_buf);
@@ -184,8 +184,6 @@ Tensor softmax_fwd(const Tensor& x, const c10::optional<Tensor>& mask, double sc
 }
 
 Tensor softmax_bwd(const Tensor& dy, const Tensor& y, double scale) {
-  TORCH_CHECK(dy.sizes() == y.sizes() && dy.scalar_type() == y.scalar_type(),
-              "fastformer softmax: dy and y must have the same shape and dtype");
   const int64_t N = y.dim() == 0 ? 1 : y.size(-1), R = N == 0 ? 0 : y.numel() / N;
   Tensor dx = at::empty_like(y);
   if (R == 0) return dx;

@@ -24,7 +24,7 @@
 namespace fastformer::cuda {
 namespace {
 
-constexpr int64_t kMaxHeadDim = 128;
+constexpr int64_t kMaxHeadDim = kGpuMaxHeadDim;  // csrc/ops.h: the triton kernels' bound too
 constexpr int64_t kMaxBatchHeads = 65535;  // gridDim.y
 constexpr int64_t kMaxLength = int64_t{1} << 30;  // sequence lengths index with int in the kernels
 constexpr int64_t kMaxDeltaBlocks = int64_t{1} << 20;  // the delta kernel strides over the rest
@@ -33,25 +33,15 @@ struct AttnDims {
   int64_t B, H, Lq, Lk, D;
 };
 
-AttnDims check_attention(const Tensor& q, const Tensor& k, const Tensor& v,
-                         const c10::optional<Tensor>& key_padding_mask, double dropout_p) {
+// The arguments were checked by csrc/ops.h (check_attention, check_attention_bwd: ranks, shapes, dtypes,
+// the mask, dropout_p); here only this backend's own limits, and that every tensor the kernels index is
+// on the device and contiguous (a cheap guard against a direct call of a launcher).
+AttnDims check_limits(const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& key_padding_mask) {
   check_input(q, "q");
   check_input(k, "k");
   check_input(v, "v");
+  if (key_padding_mask.has_value()) check_input(*key_padding_mask, "key_padding_mask");
   check_dtype(q, "q");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "fastformer ", kBackend,
-              " backend: attention q, k, v must be 4-D (B, H, L, D), got ", q.sizes(), ", ", k.sizes(), ", ",
-              v.sizes());
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "fastformer ", kBackend,
-              " backend: attention q, k, v must share a dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
-              v.scalar_type());
-  TORCH_CHECK(k.sizes() == v.sizes(), "fastformer ", kBackend, " backend: attention k ", k.sizes(), " and v ",
-              v.sizes(), " must have the same shape");
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3), "fastformer ", kBackend,
-              " backend: attention q (B, H, Lq, D) = ", q.sizes(), " and k (B, H, Lk, D) = ", k.sizes(),
-              " disagree in B, H or D");
-  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "fastformer ", kBackend,
-              " backend: attention dropout_p must be in [0, 1), got ", dropout_p);
   const AttnDims s{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
   TORCH_CHECK(s.D <= kMaxHeadDim, "fastformer ", kBackend, " backend: attention head dim D = ", s.D,
               " is not supported; the kernels take D from 1 to ", kMaxHeadDim,
@@ -60,13 +50,6 @@ AttnDims check_attention(const Tensor& q, const Tensor& k, const Tensor& v,
               " exceeds ", kMaxBatchHeads, " (one grid row per (batch, head)); split the batch");
   TORCH_CHECK(s.Lq <= kMaxLength && s.Lk <= kMaxLength, "fastformer ", kBackend,
               " backend: attention sequence lengths must be at most 2^30, got Lq = ", s.Lq, ", Lk = ", s.Lk);
-  if (key_padding_mask.has_value()) {
-    const Tensor& m = *key_padding_mask;
-    check_input(m, "key_padding_mask");
-    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 2 && m.size(0) == s.B && m.size(1) == s.Lk,
-                "fastformer ", kBackend, " backend: attention key_padding_mask must be bool of shape (B, Lk) = (",
-                s.B, ", ", s.Lk, "), got ", m.scalar_type(), " ", m.sizes());
-  }
   return s;
 }
 
@@ -104,7 +87,7 @@ int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
                                          const c10::optional<Tensor>& key_padding_mask, bool causal,
                                          double dropout_p, double scale, int64_t seed) {
-  const AttnDims s = check_attention(q, k, v, key_padding_mask, dropout_p);
+  const AttnDims s = check_limits(q, k, v, key_padding_mask);
   Tensor out = at::empty_like(q);
   Tensor lse = at::empty({s.B, s.H, s.Lq}, q.options().dtype(at::kFloat));
   if (q.numel() == 0 || s.Lk == 0) {  // nothing to attend to: zeros, lse = -inf
@@ -154,18 +137,10 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
                                                  const Tensor& v, const Tensor& out, const Tensor& lse,
                                                  const c10::optional<Tensor>& key_padding_mask, bool causal,
                                                  double dropout_p, double scale, int64_t seed) {
-  const AttnDims s = check_attention(q, k, v, key_padding_mask, dropout_p);
+  const AttnDims s = check_limits(q, k, v, key_padding_mask);
   check_input(dout, "dout");
   check_input(out, "out");
   check_input(lse, "lse");
-  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "fastformer ", kBackend,
-              " backend: attention dout ", dout.sizes(), " and out ", out.sizes(), " must have q's shape ", q.sizes());
-  TORCH_CHECK(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(), "fastformer ",
-              kBackend, " backend: attention dout and out must have q's dtype ", q.scalar_type());
-  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(0) == s.B && lse.size(1) == s.H &&
-                  lse.size(2) == s.Lq,
-              "fastformer ", kBackend, " backend: attention lse must be float32 of shape (B, H, Lq) = (", s.B, ", ",
-              s.H, ", ", s.Lq, "), got ", lse.scalar_type(), " ", lse.sizes());
   Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   if (q.numel() == 0 || k.numel() == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
   Tensor delta = at::empty({s.B, s.H, s.Lq}, q.options().dtype(at::kFloat));

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
+#include <utility>
 #include <vector>
 
 #include "cuda_ops.h"
@@ -16,32 +18,11 @@
 namespace fastformer::cuda {
 namespace {
 
-// A (..., N) tensor matching `like` (x or s) in shape and dtype.
-void check_rows_like(const Tensor& t, const Tensor& like, const char* name, const char* like_name) {
-  check_input(t, name);
-  TORCH_CHECK(t.sizes() == like.sizes() && t.scalar_type() == like.scalar_type(), "fastformer ", kBackend,
-              " layer_norm_residual: ", name, " (", t.sizes(), ", ", t.scalar_type(), ") must match ", like_name, " (",
-              like.sizes(), ", ", like.scalar_type(), ") in shape and dtype");
-}
-
-// weight / bias: (N,) with the rows' dtype.
-void check_vector(const Tensor& t, const Tensor& like, const char* name) {
-  check_input(t, name);
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == like.size(-1) && t.scalar_type() == like.scalar_type(), "fastformer ",
-              kBackend, " layer_norm_residual: ", name, " must have shape (", like.size(-1), ",) and dtype ",
-              like.scalar_type(), ", got ", t.sizes(), " ", t.scalar_type());
-}
-
-// mean / rstd: float32 of the rows' leading shape.
-void check_stat(const Tensor& t, at::IntArrayRef shape, const char* name) {
-  check_input(t, name);
-  TORCH_CHECK(t.sizes() == shape && t.scalar_type() == at::kFloat, "fastformer ", kBackend, " layer_norm_residual: ",
-              name, " must be float32 of shape ", shape, " (one value per row), got ", t.sizes(), " ", t.scalar_type());
-}
-
-void check_dropout(double p) {
-  TORCH_CHECK(p >= 0.0 && p < 1.0, "fastformer ", kBackend, " layer_norm_residual: dropout_p must be in [0, 1), got ",
-              p);
+// The arguments were checked by csrc/ops.h (check_layer_norm_residual, check_layer_norm_residual_bwd:
+// shapes, dtypes, eps, dropout_p); here only that every tensor the kernels index is on the device and
+// contiguous (a cheap guard against a direct call of a launcher), then the backend's own limits.
+void check_inputs(std::initializer_list<std::pair<const Tensor*, const char*>> tensors) {
+  for (const auto& [t, name] : tensors) check_input(*t, name);
 }
 
 // The leading-dims shape of the per-row statistics.
@@ -56,16 +37,8 @@ std::vector<int64_t> stat_shape(const Tensor& t) {
 std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd(const Tensor& x, const Tensor& residual,
                                                                    const Tensor& weight, const Tensor& bias,
                                                                    double eps, double dropout_p, int64_t seed) {
-  check_input(x, "x");
+  check_inputs({{&x, "x"}, {&residual, "residual"}, {&weight, "weight"}, {&bias, "bias"}});
   check_dtype(x, "x");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "fastformer ", kBackend,
-              " layer_norm_residual: x must be (..., N) with N > 0, got ", x.sizes());
-  check_rows_like(residual, x, "residual", "x");
-  check_vector(weight, x, "weight");
-  check_vector(bias, x, "bias");
-  check_dropout(dropout_p);
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "fastformer ", kBackend,
-              " layer_norm_residual: eps must be finite and >= 0, got ", eps);
   const int64_t N = x.size(-1), R = x.numel() / N;
   const auto stats = stat_shape(x);
   Tensor y = at::empty_like(x), s = at::empty_like(x);
@@ -111,17 +84,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor&
                                                                    const Tensor& s, const Tensor& weight,
                                                                    const Tensor& mean, const Tensor& rstd,
                                                                    double dropout_p, int64_t seed) {
-  check_input(s, "s");
+  check_inputs({{&dy, "dy"}, {&s, "s"}, {&weight, "weight"}, {&mean, "mean"}, {&rstd, "rstd"}});
+  if (ds.has_value()) check_input(*ds, "ds");
   check_dtype(s, "s");
-  TORCH_CHECK(s.dim() >= 1 && s.size(-1) > 0, "fastformer ", kBackend,
-              " layer_norm_residual: s must be (..., N) with N > 0, got ", s.sizes());
-  check_rows_like(dy, s, "dy", "s");
-  if (ds.has_value()) check_rows_like(*ds, s, "ds", "s");
-  check_vector(weight, s, "weight");
-  const auto stats = stat_shape(s);
-  check_stat(mean, stats, "mean");
-  check_stat(rstd, stats, "rstd");
-  check_dropout(dropout_p);
   const int64_t N = s.size(-1), R = s.numel() / N;
   Tensor dx = at::empty_like(s), dres = at::empty_like(s);
   if (R == 0) return {dx, dres, at::zeros_like(weight), at::zeros_like(weight)};

@@ -43,6 +43,24 @@ SOURCE_ROOT = _find_sources()
 if shutil.which(os.environ.get("CXX", "c++")) is None:
     raise ImportError("no C++ compiler on PATH (the cuda_sim backend compiles the CUDA kernels on first use)")
 
+
+def _find_ninja() -> bool:
+    """torch.utils.cpp_extension.load runs ``ninja`` from PATH: the ninja package's (the test extra brings
+    it) is put there when its folder is not, e.g. when the venv's pytest runs without the venv activated."""
+    try:
+        import ninja
+    except ImportError:
+        return shutil.which("ninja") is not None
+    folder = getattr(ninja, "BIN_DIR", "")
+    if folder and os.path.isfile(os.path.join(folder, "ninja")) and shutil.which("ninja") is None:
+        os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
+    return shutil.which("ninja") is not None
+
+
+if not _find_ninja():
+    raise ImportError("no ninja executable (the cuda_sim backend compiles the CUDA kernels on first use): "
+                      "pip install ninja, which pip install \".[test]\" brings")
+
 _lock = threading.Lock()
 _modules: dict[str, object] = {}
 _seed = int(os.environ.get("FASTFORMER_CUDA_SIM_SEED", "1"))

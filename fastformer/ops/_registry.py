@@ -7,6 +7,8 @@ export trace with, and the implementation of the ``_py`` twins for the torch, tr
 """
 from __future__ import annotations
 
+import functools
+import numbers
 from typing import Callable
 
 import torch
@@ -41,6 +43,42 @@ def register(op: str, *, fake_fwd: Callable, fake_bwd: Callable, py_fwd: Callabl
         torch.library.register_fake(name)(fake)
         torch.library.register_fake(f"{name}_py")(lambda *args, fake=fake: fake(*args[:-1]))
         torch.library.impl(f"{name}_py", "CompositeExplicitAutograd")(impl)
+
+
+@functools.cache
+def _argument_types(op: str) -> dict[str, str]:
+    """name -> schema type ("Tensor", "Optional[Tensor]", "float", "Optional[float]", "bool", "int") of the
+    arguments of ``fastformer::<op>_fwd``, as declared once in csrc/ops.h."""
+    schema = getattr(torch.ops.fastformer, f"{op}_fwd").default._schema
+    return {arg.name: str(arg.type) for arg in schema.arguments}
+
+
+def _takes(kind: str, value) -> bool:
+    if kind.startswith("Optional["):
+        return value is None or _takes(kind[len("Optional["):-1], value)
+    if kind == "Tensor":
+        return isinstance(value, torch.Tensor)
+    if kind == "float":
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if kind == "int":
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if kind == "bool":
+        return isinstance(value, bool)
+    return True
+
+
+def check_types(op: str, arguments: dict) -> None:
+    """Raises ValueError naming the first of a public call's ``arguments`` whose Python type ``op``'s schema
+    does not take: None or a list for a tensor, a string for a number. The public functions call it when a
+    call has failed (so a good call pays nothing for it): the dispatcher's own message for a wrong type
+    names the registered op's schema, not the caller's argument, and None for a tensor fails deeper down."""
+    for name, kind in _argument_types(op).items():
+        if name in arguments and not _takes(kind, arguments[name]):
+            value = arguments[name]
+            want = {"Tensor": "a torch.Tensor", "Optional[Tensor]": "a torch.Tensor or None", "float": "a number",
+                    "Optional[float]": "a number or None", "int": "an int", "bool": "a bool"}.get(kind, kind)
+            got = "None" if value is None else type(value).__name__
+            raise ValueError(f"fastformer {op}: {name} must be {want}, got {got}")
 
 
 def dropout_seed(p, op: str) -> torch.Tensor | None:

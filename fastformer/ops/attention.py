@@ -37,6 +37,7 @@ def _py_fwd(q, k, v, key_padding_mask, causal, dropout_p, scale, seed, backend):
 
 
 def _py_bwd(dout, q, k, v, out, lse, key_padding_mask, causal, dropout_p, scale, seed, backend):
+    C.check_attention_bwd(dout, q, k, v, out, lse, key_padding_mask, dropout_p)
     scale = C.check_attention(q, k, v, key_padding_mask, dropout_p, scale)
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     impl = _dispatch.implementation("attention", "bwd", backend)
@@ -58,5 +59,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Optional[Ten
     drawn from torch's default generator. A query row with no visible key returns zeros (and zero
     grads). backend: "torch", "cpu", "cuda", "triton", "cuda_sim" or None (the default).
     """
-    fwd = _dispatch.forward("attention", backend, q)
-    return fwd(q, k, v, key_padding_mask, bool(causal), dropout_p, scale, dropout_seed(dropout_p, "attention"))[0]
+    try:
+        fwd = _dispatch.forward("attention", backend, q)
+        return fwd(q, k, v, key_padding_mask, bool(causal), dropout_p, scale, dropout_seed(dropout_p, "attention"))[0]
+    except (TypeError, ValueError, RuntimeError):
+        _registry.check_types("attention", locals())
+        raise

@@ -38,6 +38,7 @@ def _py_fwd(logits, target, label_smoothing, ignore_index, backend):
 
 
 def _py_bwd(dloss, dnll, logits, target, lse, label_smoothing, ignore_index, backend):
+    C.check_cross_entropy_bwd(dloss, dnll, logits, target, lse)
     return _dispatch.implementation("cross_entropy", "bwd", backend)(
         dloss.contiguous(), dnll.contiguous(), logits.contiguous(), target.contiguous(), lse.contiguous(),
         label_smoothing, ignore_index)
@@ -61,5 +62,10 @@ def cross_entropy(logits: Tensor, target: Tensor, *, label_smoothing: float = 0.
         raise ValueError(f"fastformer cross_entropy: label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise ValueError(f"fastformer cross_entropy: ignore_index must be an int, got {ignore_index!r}")
-    loss, nll, _ = _dispatch.forward("cross_entropy", backend, logits)(logits, target, label_smoothing, ignore_index)
+    try:
+        fwd = _dispatch.forward("cross_entropy", backend, logits)
+        loss, nll, _ = fwd(logits, target, label_smoothing, ignore_index)
+    except (TypeError, ValueError, RuntimeError):
+        _registry.check_types("cross_entropy", locals())
+        raise
     return (loss, nll) if return_nll else loss

@@ -38,6 +38,7 @@ def _py_fwd(x, residual, weight, bias, eps, dropout_p, seed, backend):
 
 
 def _py_bwd(dy, ds, s, weight, mean, rstd, dropout_p, seed, backend):
+    C.check_layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p)
     impl = _dispatch.implementation("layer_norm_residual", "bwd", backend)
     ds = None if ds is None else ds.contiguous()
     return impl(dy.contiguous(), ds, s.contiguous(), weight.contiguous(), mean.contiguous(), rstd.contiguous(),
@@ -53,6 +54,10 @@ def layer_norm_residual(x: Tensor, residual: Tensor, weight: Tensor, bias: Tenso
 
     prenorm=True returns (y, residual + dropout(x)), the pre-norm residual stream.
     """
-    fwd = _dispatch.forward("layer_norm_residual", backend, x)
-    y, s, _, _ = fwd(x, residual, weight, bias, eps, dropout_p, dropout_seed(dropout_p, "layer_norm_residual"))
+    try:
+        fwd = _dispatch.forward("layer_norm_residual", backend, x)
+        y, s, _, _ = fwd(x, residual, weight, bias, eps, dropout_p, dropout_seed(dropout_p, "layer_norm_residual"))
+    except (TypeError, ValueError, RuntimeError):
+        _registry.check_types("layer_norm_residual", locals())
+        raise
     return (y, s) if prenorm else y

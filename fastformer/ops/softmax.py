@@ -33,6 +33,7 @@ def _py_fwd(x, mask, scale, backend):
 
 
 def _py_bwd(dy, y, scale, backend):
+    C.check_softmax_bwd(dy, y)
     return _dispatch.implementation("softmax", "bwd", backend)(dy.contiguous(), y.contiguous(), scale)
 
 
@@ -44,4 +45,8 @@ def softmax(x: Tensor, *, mask: Optional[Tensor] = None, scale: float = 1.0, bac
 
     mask is bool and broadcastable to x. A fully masked row returns zeros.
     """
-    return _dispatch.forward("softmax", backend, x)(x, mask, scale)
+    try:
+        return _dispatch.forward("softmax", backend, x)(x, mask, scale)
+    except (TypeError, ValueError, RuntimeError):
+        _registry.check_types("softmax", locals())
+        raise

@@ -9,6 +9,7 @@ import time
 import torch
 
 from fastformer.cli import progress
+from fastformer.runtime import provenance, trim_freed_memory
 from fastformer.training.evaluation import evaluate_dev, final_test
 from fastformer.training.resume import save_checkpoint
 from fastformer.training.setup import Run
@@ -45,6 +46,8 @@ def train(run: Run) -> None:
     while not stop:
         start = time.monotonic()
         update = train_step(run)
+        if args.malloc == "keep" and trim_freed_memory(int(args.max_rss_gib * 2**30)):
+            run.malloc_trims += 1
         elapsed = time.monotonic() - start
         state["step"] += 1
         state["tokens"] += update["tokens"]
@@ -79,12 +82,15 @@ def finish(run: Run) -> dict:
     result = {"run_dir": run.run_dir, "steps": state["step"], "train_minutes": round(state["train_seconds"] / 60, 2),
               "tokens_per_s": round(state["tokens"] / max(state["train_seconds"], 1e-9), 1),
               "precision": str(run.amp_dtype or torch.float32).removeprefix("torch."),
-              "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
+              "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+              "malloc_trims": run.malloc_trims}
     if procs.main:
         if args.eval_every and run.last_dev_step != state["step"]:
             evaluate_dev(run)
         run.log.plot(os.path.join(run.run_dir, "loss.png"))
         if not args.no_test:
             result.update(final_test(run))
+        result["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)  # test included
+        run.log.write({"kind": "summary", "step": state["step"], **result, **provenance()})
         procs.say(json.dumps(result))
     return result

@@ -1,4 +1,5 @@
-"""A run's log.jsonl (one JSON object per line: ``kind`` train, dev or test, and ``step``) and its loss
+"""A run's log.jsonl (one JSON object per line: ``kind`` train, dev, test or summary (the run's result and
+where it was measured: fastformer.runtime.provenance), and ``step``) and its loss
 plot. Only the main process writes. A resumed run first drops the records of updates after its
 checkpoint (written before a crash), so the log holds each update once."""
 from __future__ import annotations

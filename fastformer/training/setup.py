@@ -43,6 +43,7 @@ class Run:
     log: RunLog
     state: dict = field(default_factory=lambda: {"step": 0, "tokens": 0, "train_seconds": 0.0})
     last_dev_step: int = -1
+    malloc_trims: int = 0  # updates after which --max-rss-gib handed free heap pages back (this process)
 
 
 def configure_process(args: argparse.Namespace) -> None:

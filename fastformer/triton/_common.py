@@ -9,14 +9,17 @@ import torch
 import triton
 import triton.language as tl
 
+from fastformer._ext import C
 from fastformer.triton import INTERPRET
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 128
+MAX_HEAD_DIM = C.GPU_MAX_HEAD_DIM  # csrc/ops.h kGpuMaxHeadDim, the cuda kernels' bound too
 
 
 def check(name: str, *tensors: torch.Tensor) -> None:
-    """Device and dtype checks every Triton op makes before a launch."""
+    """Device and dtype checks every Triton op makes before a launch: the backend's own limits (the
+    argument checks of csrc/ops.h ran before; the dispatcher already routed by device and dtype, this
+    guards a direct call of fastformer.triton)."""
     want = "cpu" if INTERPRET else "cuda"
     for t in tensors:
         if t.device.type != want:

@@ -318,3 +318,72 @@ def test_double_backward_raises(backend):
     for op, out in outputs.items():
         with pytest.raises(RuntimeError, match=f"fastformer {op}: double backward"):
             torch.autograd.grad(out.sum(), [q] if op == "attention" else [x], create_graph=True)
+
+
+# Wrong Python types: None for every tensor argument of every op, and other types an argument does not
+# take. Every backend raises a ValueError that names the argument (the dispatcher's own TypeError or
+# RuntimeError names the registered op's schema instead, and None for a tensor failed deeper down).
+WRONG_TYPES = {
+    "attention": (attention, [("q", None), ("k", None), ("v", None), ("q", [[1.0]]), ("v", 3.0),
+                              ("key_padding_mask", [[True]]), ("scale", "0.5"), ("dropout_p", None)]),
+    "softmax": (softmax, [("x", None), ("x", [1.0, 2.0]), ("mask", [[True]]), ("mask", 1), ("scale", "0.5"),
+                          ("scale", None)]),
+    "layer_norm_residual": (lnr, [("x", None), ("residual", None), ("weight", None), ("bias", None),
+                                  ("weight", [1.0] * N), ("bias", 0.0), ("eps", "1e-5"), ("eps", None),
+                                  ("dropout_p", None)]),
+    "cross_entropy": (ce, [("logits", None), ("target", None), ("target", [0, 1]), ("logits", 1.0),
+                           ("label_smoothing", None), ("ignore_index", 1.5), ("ignore_index", None)]),
+}
+WRONG_TYPE_CASES = [(op, name, value) for op, (_, cases) in WRONG_TYPES.items() for name, value in cases]
+
+
+@pytest.mark.parametrize("op,name,value", WRONG_TYPE_CASES,
+                         ids=[f"{op}-{name}-{type(value).__name__}" for op, name, value in WRONG_TYPE_CASES])
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_wrong_python_type_names_the_argument(backend, op, name, value):
+    call = WRONG_TYPES[op][0](**{name: value})
+    with pytest.raises(ValueError, match=rf"fastformer {op}: {name} must be "):
+        call(backend)
+
+
+# The registered backward ops check their arguments too (csrc/ops.h check_<op>_bwd): autograd always
+# passes what the forward made, but a direct caller may not, and no kernel may then read out of bounds.
+def backward_calls():
+    from fastformer import _dispatch
+
+    q, k, v = randn(B, H, LQ, D, dtype=F32), randn(B, H, LK, D, dtype=F32), randn(B, H, LK, D, dtype=F32)
+    x, w, b = randn(ROWS, N, dtype=F32), randn(N, dtype=F32), randn(N, dtype=F32)
+    logits, target = randn(ROWS, N, dtype=F32), torch.randint(0, N, (ROWS,))
+    short = lambda t: t[..., :-1]  # noqa: E731  one element too few along the last dim
+
+    def calls(backend):
+        fwd = lambda op: _dispatch.kernel(op, "fwd", backend)  # noqa: E731
+        bwd = lambda op: _dispatch.kernel(op, "bwd", backend)  # noqa: E731
+        out, lse = fwd("attention")(q, k, v, None, False, 0.0, None, None)
+        y = fwd("softmax")(x, None, 1.0)
+        _, s, mean, rstd = fwd("layer_norm_residual")(x, x, w, b, 1e-5, 0.0, None)
+        loss, nll, ce_lse = fwd("cross_entropy")(logits, target, 0.0, -100)
+        return {
+            "attention-dout": lambda: bwd("attention")(short(out), q, k, v, out, lse, None, False, 0.0, None, None),
+            "attention-lse": lambda: bwd("attention")(out, q, k, v, out, short(lse), None, False, 0.0, None, None),
+            "softmax-dy": lambda: bwd("softmax")(short(y), y, 1.0),
+            "layer_norm_residual-ds": lambda: bwd("layer_norm_residual")(s, short(s), s, w, mean, rstd, 0.0, None),
+            "layer_norm_residual-rstd": lambda: bwd("layer_norm_residual")(s, None, s, w, mean, short(rstd), 0.0, None),
+            "cross_entropy-lse": lambda: bwd("cross_entropy")(loss, nll, logits, target, short(ce_lse), 0.0, -100),
+            "cross_entropy-dloss": lambda: bwd("cross_entropy")(loss.double(), nll, logits, target, ce_lse, 0.0, -100),
+        }
+
+    return calls
+
+
+BACKWARD_CASES = ["attention-dout", "attention-lse", "softmax-dy", "layer_norm_residual-ds", "layer_norm_residual-rstd",
+                  "cross_entropy-lse", "cross_entropy-dloss"]
+
+
+@pytest.mark.parametrize("case", BACKWARD_CASES)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_backward_op_checks_its_arguments(backend, case):
+    call = backward_calls()(backend)[case]
+    name = case.split("-")[1]
+    with pytest.raises(ValueError, match=rf"fastformer {case.split('-')[0]}: {name} "):
+        call()

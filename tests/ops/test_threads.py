@@ -1,0 +1,118 @@
+"""A result must not depend on the number of threads: every op of the cpu backend, forward and backward,
+gives bit-identical results with 1, 2 and 3 threads (a training run or a translation must not change with
+the machine's core count).
+
+Shapes are odd on purpose, so that work splits unevenly over the threads: attention (4, 3, 113, 59) x
+(4, 3, 203, 59) has 24 query tiles of 64 rows, the last one short, and 12 (batch, head) items in the
+backward; 97 and 113 rows for the row-wise ops. Each call runs with dropout where the op has it, and
+with masks, so every branch of the kernels is timed across threads.
+"""
+import pytest
+import torch
+
+from fastformer import ops
+from helpers import BACKENDS, dtype_name, randn
+
+THREADS = (1, 2, 3)
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+
+pytestmark = pytest.mark.skipif("cpu" not in BACKENDS, reason="the cpu backend is not among the tested backends")
+
+
+def attention_call(dtype):
+    q = randn(4, 3, 113, 59, dtype=dtype).requires_grad_()
+    k = randn(4, 3, 203, 59, dtype=dtype).requires_grad_()
+    v = randn(4, 3, 203, 59, dtype=dtype).requires_grad_()
+    mask = torch.rand(4, 203) < 0.2
+    mask[1] = True  # a batch row with no visible key
+    dout = randn(4, 3, 113, 59, dtype=dtype)
+
+    def run():
+        torch.manual_seed(7)  # the same dropout seed in every run
+        out = ops.attention(q, k, v, key_padding_mask=mask, causal=True, dropout_p=0.1, backend="cpu")
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        return (out, *grads)
+
+    return run
+
+
+def attention_nomask_call(dtype):
+    # The issue's case: no mask, no dropout, no causal limit.
+    q = randn(4, 3, 113, 59, dtype=dtype).requires_grad_()
+    k = randn(4, 3, 203, 59, dtype=dtype).requires_grad_()
+    v = randn(4, 3, 203, 59, dtype=dtype).requires_grad_()
+    dout = randn(4, 3, 113, 59, dtype=dtype)
+
+    def run():
+        out = ops.attention(q, k, v, backend="cpu")
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    return run
+
+
+def softmax_call(dtype):
+    x = randn(97, 3, 113, dtype=dtype).requires_grad_()
+    mask = torch.rand(97, 1, 113) < 0.3
+    dy = randn(97, 3, 113, dtype=dtype)
+
+    def run():
+        y = ops.softmax(x, mask=mask, scale=0.7, backend="cpu")
+        return (y, *torch.autograd.grad(y, (x,), dy))
+
+    return run
+
+
+def layer_norm_residual_call(dtype):
+    x = randn(1031, 97, dtype=dtype).requires_grad_()  # more rows than the backward's fixed chunk count
+    residual = randn(1031, 97, dtype=dtype).requires_grad_()
+    weight = randn(97, dtype=dtype, shift=1.0).requires_grad_()
+    bias = randn(97, dtype=dtype).requires_grad_()
+    dy, ds = randn(1031, 97, dtype=dtype), randn(1031, 97, dtype=dtype)
+
+    def run():
+        torch.manual_seed(7)
+        y, s = ops.layer_norm_residual(x, residual, weight, bias, dropout_p=0.1, prenorm=True, backend="cpu")
+        return (y, s, *torch.autograd.grad((y, s), (x, residual, weight, bias), (dy, ds)))
+
+    return run
+
+
+def cross_entropy_call(dtype):
+    logits = randn(113, 7, 1001, dtype=dtype).requires_grad_()
+    target = torch.randint(0, 1001, (113, 7))
+    target[::5, 3] = -100
+    dloss, dnll = torch.rand(113, 7, dtype=torch.float32), torch.rand(113, 7, dtype=torch.float32)
+    if dtype == torch.float64:
+        dloss, dnll = dloss.double(), dnll.double()
+
+    def run():
+        loss, nll = ops.cross_entropy(logits, target, label_smoothing=0.1, return_nll=True, backend="cpu")
+        return (loss, nll, *torch.autograd.grad((loss, nll), (logits,), (dloss, dnll)))
+
+    return run
+
+
+CALLS = {"attention": attention_call, "attention_nomask": attention_nomask_call, "softmax": softmax_call,
+         "layer_norm_residual": layer_norm_residual_call, "cross_entropy": cross_entropy_call}
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+@pytest.mark.parametrize("op", list(CALLS))
+def test_results_do_not_depend_on_the_thread_count(op, dtype, restore_threads):
+    run = CALLS[op](dtype)
+    results = {}
+    for n in THREADS:
+        torch.set_num_threads(n)
+        results[n] = run()
+    for n in THREADS[1:]:
+        for i, (a, b) in enumerate(zip(results[1], results[n])):
+            assert torch.isfinite(a).all(), f"{op} output {i} holds non-finite values"
+            assert torch.equal(a, b), (f"{op} {dtype_name(dtype)}: output {i} with {n} threads differs from 1 "
+                                       f"thread by up to {(a.double() - b.double()).abs().max().item():.3g}")
