@@ -74,7 +74,8 @@ def _status(name: str) -> tuple[bool, str]:
             return False, _ext.error() or ""
         if not getattr(_ext.extension(), "WITH_CUDA", False):
             return False, ("fastformer._C was built without CUDA kernels (no GPU or nvcc at build time); "
-                           "rebuild with FASTFORMER_FORCE_CUDA=1 pip install .")
+                           "rebuild against the CUDA torch you run: FASTFORMER_FORCE_CUDA=1 pip install "
+                           "--no-build-isolation --force-reinstall --no-deps .")
         if not torch.cuda.is_available():
             return False, "no CUDA device is visible"
         return True, ""

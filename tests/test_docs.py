@@ -11,7 +11,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OURS = ("csrc", "fastformer", "tests", "benchmarks", "tools", "docs", ".ci")
 PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./{},<>-]*[\w}>])" % "|".join(re.escape(p) for p in OURS))
-OPS = ("attention", "softmax", "layer_norm_residual", "cross_entropy")
+from fastformer.ops import OPS  # the op list of csrc/ops.h: `<op>` in a doc's path stands for each
 # Made by the build or by a tool, named on purpose: the extension, the shipped sources, the GPU report
 # (tools/gpu_check.sh writes it on a GPU machine).
 BUILT = {"fastformer/_C.so", "fastformer/_csrc", "docs/gpu-report.md"}
@@ -63,7 +63,31 @@ def test_nothing_cites_a_document_outside_the_repository():
 
 def test_readme_cpu_attention_tiles_are_the_codes():
     code = (ROOT / "csrc/cpu/attention.cpp").read_text()
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    readme = (ROOT / "docs" / "cpu-kernels.md").read_text(encoding="utf-8")
     for name in ("kBlockQ", "kBlockK"):
         value = re.search(rf"constexpr int64_t {name} = (\d+);", code).group(1)
-        assert f"`{name} = {value}`" in readme, f"README does not give {name} = {value}"
+        assert f"`{name} = {value}`" in readme, f"docs/cpu-kernels.md does not give {name} = {value}"
+
+
+RESULTS = sorted((ROOT / "docs" / "results").glob("*.md"))
+
+
+@pytest.mark.parametrize("result", RESULTS, ids=lambda p: p.name)
+def test_generated_results_name_their_provenance(result):
+    # Every measured figure of the docs comes from a file a command wrote (tools/readme_results.py lists
+    # them), and its first line names the machine, the commit, the date and the command.
+    first = result.read_text(encoding="utf-8").splitlines()[0]
+    assert re.search(r"commit [0-9a-f]{7}", first), f"{result.name}: no commit in its first line: {first}"
+    assert re.search(r"\d{4}-\d{2}-\d{2}", first) and re.search(r"`[^`]+`", first), \
+        f"{result.name}: its first line must give the date and the command: {first}"
+
+
+def test_readme_results_block_is_generated():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("readme_results", ROOT / "tools" / "readme_results.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert tool.replace_block(readme) == readme, \
+        "README.md's results block differs from docs/results/: run python tools/readme_results.py"

