@@ -48,19 +48,25 @@ _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 _M_MMAP_MAX = -4
 
 
+def _glibc(name: str, argtypes: tuple):
+    """The C library's function ``name`` (returning int), or None where it has none (not Linux, or not
+    glibc: musl has neither mallopt nor malloc_trim)."""
+    if platform.system() != "Linux":
+        return None
+    try:
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return fn
+
+
 @functools.cache
 def keep_freed_memory() -> bool:
     """Makes glibc's malloc keep freed memory for reuse (see the module docstring). Returns whether it
     applied (glibc on Linux); idempotent."""
-    if platform.system() != "Linux":
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
-        return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    mallopt = _glibc("mallopt", (ctypes.c_int, ctypes.c_int))
+    return mallopt is not None and bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def resident_bytes() -> int:
@@ -72,22 +78,13 @@ def resident_bytes() -> int:
         return 0
 
 
-@functools.cache
-def _malloc_trim():
-    if platform.system() != "Linux":
-        return None
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
-    return trim
+_malloc_trim = functools.cache(lambda: _glibc("malloc_trim", (ctypes.c_size_t,)))
 
 
 def trim_freed_memory(limit_bytes: int) -> bool:
     """Returns the heap's free pages to the kernel when resident memory exceeds ``limit_bytes`` (see the
     module docstring); whether it trimmed. A no-op for a limit <= 0 or where the C library is not glibc."""
-    trim = _malloc_trim()
+    trim = _malloc_trim()  # cached: called after every update
     if limit_bytes <= 0 or trim is None or resident_bytes() <= limit_bytes:
         return False
     trim(0)
