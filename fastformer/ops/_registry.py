@@ -42,7 +42,22 @@ def register(op: str, *, fake_fwd: Callable, fake_bwd: Callable, py_fwd: Callabl
         name = f"fastformer::{op}_{phase}"
         torch.library.register_fake(name)(fake)
         torch.library.register_fake(f"{name}_py")(lambda *args, fake=fake: fake(*args[:-1]))
-        torch.library.impl(f"{name}_py", "CompositeExplicitAutograd")(impl)
+        torch.library.impl(f"{name}_py", "CompositeExplicitAutograd")(_without_autocast(impl))
+
+
+def _without_autocast(impl: Callable) -> Callable:
+    """``impl`` run with autocast off on its tensors' device. The op receives tensors already in the
+    caller's (autocast) dtype and returns its statistics in float32, as the C++ kernels do; left on,
+    autocast would run the torch backend's matmuls in bfloat16 and hand back a bfloat16 lse, which the
+    backward's checks (csrc/ops.h check_stats) refuse."""
+    @functools.wraps(impl)
+    def run(*args):
+        device = next(a.device.type for a in args if isinstance(a, torch.Tensor))
+        if not torch.is_autocast_enabled(device):
+            return impl(*args)
+        with torch.autocast(device, enabled=False):
+            return impl(*args)
+    return run
 
 
 @functools.cache
