@@ -6,8 +6,8 @@
 //     vocabulary) and its best `width` = min(2 K, V) logits among the tokens it may produce (never pad or
 //     bos; only eos at a sentence's last allowed position, floor(a n + b)): step_logits computes them with
 //     the level's search_candidates kernel (float32 CPU logits), step_candidates takes them from elsewhere
-//     (fastformer/nn/decoding.py computes them with torch ops on any device; tied logits may then come in
-//     torch.topk's order rather than the kernel's lower-id-first);
+//     (fastformer/nn/decoding.py computes them with torch ops on any device, in the kernel's order: ties to
+//     the lower token id);
 //   - candidate = score(row) + logit - lse, in float64; a sentence's best 2 K of its K width candidates,
 //     best first (ties to the lower row, then the better-ranked logit);
 //   - walking them: an eos among the best K ends a hypothesis with score / ((5 + len) / 6)^alpha, len
@@ -73,14 +73,6 @@ class BeamSearch {
       p[r * (step_ + 1)] = bos_;
       std::copy(prefixes_[r].begin(), prefixes_[r].end(), p + r * (step_ + 1) + 1);
     }
-    return out;
-  }
-
-  // (N,) int64: each live row's last token (bos at step 0).
-  Tensor last_tokens() const {
-    Tensor out = at::empty({rows()}, at::TensorOptions().dtype(at::kLong));
-    int64_t* p = out.mutable_data_ptr<int64_t>();
-    for (int64_t r = 0; r < rows(); ++r) p[r] = prefixes_[r].empty() ? bos_ : prefixes_[r].back();
     return out;
   }
 
@@ -196,7 +188,6 @@ class BeamSearch {
 
   Tensor parents() const { return parents_; }
   c10::optional<Tensor> sentences() const { return sentences_; }
-  int64_t step() const { return step_; }
 
  private:
   std::vector<int64_t> max_len_;
@@ -223,10 +214,8 @@ void bind_beam_search(pybind11::module_& m) {
            py::arg("beams"), py::arg("alpha"), py::arg("vocab"), py::arg("pad"), py::arg("bos"), py::arg("eos"))
       .def_property_readonly("width", &BeamSearch::width, "candidates a row offers: min(2 beams, vocab)")
       .def_property_readonly("rows", &BeamSearch::rows, "live rows N")
-      .def_property_readonly("step", &BeamSearch::step, "the position decoded next")
       .def("at_limit", &BeamSearch::at_limit, "(N,) bool: rows at their sentence's last allowed position")
       .def("tokens", &BeamSearch::tokens, "(N, t + 1) int64: bos and each live row's tokens")
-      .def("last_tokens", &BeamSearch::last_tokens, "(N,) int64: each live row's last token")
       .def("step_logits", &BeamSearch::step_logits, py::arg("logits"),
            "one step from float32 CPU logits (N, V); False when every sentence is done")
       .def("step_candidates", &BeamSearch::step_candidates, py::arg("lse"), py::arg("top_logits"),

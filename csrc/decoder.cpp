@@ -10,8 +10,20 @@
 // row i's slots become those of row parents[i] (t integers), plus i at position t. A beam reorder, repeated
 // parents and sentences leaving the batch included, moves no cached key or value (a copy of the t
 // positions of every row and layer would: 12 MB a step at batch 32, beam 4 of the small model).
+//
+// The weights cross from Python by name (fastformer/nn/layers.py DECODER_LAYER, the one description of the
+// decoder layer; fastformer/nn/decoding.py builds the dicts): per layer a dict holding each linear layer's
+// "<name>.panels" (packed_linear's layout) and "<name>.bias", and each LayerNorm's "<name>.weight" and
+// "<name>.bias". Each is looked up by its name and checked against the shape its role gives it, and a
+// name not bound here is refused: a swapped self_out/cross_q/cross_out (all d x d) cannot get in by
+// position, and a weight added to the description cannot be silently left out of the C++ step.
 #include <torch/extension.h>
+#include <pybind11/stl.h>
 
+#include <map>
+#include <set>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "cpu/kernel_table.h"
@@ -20,8 +32,7 @@
 namespace fastformer {
 namespace {
 
-constexpr int kProjections = 6;  // qkv, self_out, cross_q, cross_out, fc1, fc2
-constexpr int kLayerTensors = 2 * kProjections + 6;  // + weight and bias of three LayerNorms
+using Named = std::map<std::string, Tensor>;
 
 void check_float(const Tensor& t, std::vector<int64_t> shape, const std::string& name) {
   TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
@@ -31,15 +42,69 @@ void check_float(const Tensor& t, std::vector<int64_t> shape, const std::string&
                     t.is_contiguous() ? "" : " (not contiguous)");
 }
 
+// Looks weights up by name in one dict, checks each, and at the end that every name was bound.
+class Binder {
+ public:
+  Binder(const Named& weights, std::string where) : weights_(weights), where_(std::move(where)) {}
+
+  const float* take(const std::string& name, std::vector<int64_t> shape) {
+    auto it = weights_.find(name);
+    TORCH_CHECK_VALUE(it != weights_.end(), "fastformer CpuDecoder: ", where_, " has no weight \"", name, "\"");
+    check_float(it->second, std::move(shape), where_ + " " + name);
+    bound_.insert(name);
+    return it->second.const_data_ptr<float>();
+  }
+  // A linear layer d_in -> d_out as packed panels and a bias.
+  PackedProjection linear(const std::string& name, int64_t in, int64_t out) {
+    constexpr int64_t P = kPackedLinearPanel;
+    const float* panels = take(name + ".panels", {(out + P - 1) / P, in, P});
+    return {panels, take(name + ".bias", {out})};
+  }
+  std::pair<const float*, const float*> norm(const std::string& name, int64_t d) {
+    const float* weight = take(name + ".weight", {d});
+    return {weight, take(name + ".bias", {d})};
+  }
+  void done() const {
+    for (const auto& [name, tensor] : weights_) {
+      TORCH_CHECK_VALUE(bound_.count(name), "fastformer CpuDecoder: ", where_, " holds \"", name,
+                        "\", which the C++ decoder step does not use (csrc/decoder.cpp binds the decoder layer's "
+                        "weights by name)");
+    }
+  }
+
+ private:
+  const Named& weights_;
+  std::string where_;
+  std::set<std::string> bound_;
+};
+
+// The decoder layer of fastformer/nn/layers.py DECODER_LAYER as the step uses it (d = d_model, f = d_ff);
+// the cross-attention's k|v projection is applied by the caller, once per sentence.
+DecoderLayerStep bind_layer(const Named& weights, int64_t index, int64_t d, int64_t f) {
+  Binder w(weights, "decoder layer " + std::to_string(index));
+  DecoderLayerStep layer{};
+  const std::pair<const float*, const float*> norms[3] = {w.norm("self_attn_norm", d), w.norm("cross_attn_norm", d),
+                                                          w.norm("ffn_norm", d)};
+  for (int i = 0; i < 3; ++i) std::tie(layer.norm_weight[i], layer.norm_bias[i]) = norms[i];
+  layer.qkv = w.linear("self_attn.qkv_proj", d, 3 * d);
+  layer.self_out = w.linear("self_attn.out_proj", d, d);
+  layer.cross_q = w.linear("cross_attn.q_proj", d, d);
+  layer.cross_out = w.linear("cross_attn.out_proj", d, d);
+  layer.fc1 = w.linear("ffn.fc1", d, f);
+  layer.fc2 = w.linear("ffn.fc2", f, d);
+  w.done();
+  return layer;
+}
+
 class CpuDecoder {
  public:
-  // layers: per layer kLayerTensors tensors: the six projections as (panels, bias) pairs in the order of
-  // DecoderLayerStep, then the three LayerNorms' (weight, bias); cross: per layer (k, v), each
-  // (B, H, S, Dh); src_padding (B, S) bool or none; embed (V, d); positions (>= steps, d); final_norm
-  // (weight, bias) for pre-norm, empty for post-norm; output: the embedding's panels.
-  CpuDecoder(std::vector<Tensor> layers, std::vector<Tensor> cross, c10::optional<Tensor> src_padding,
-             Tensor embed, Tensor positions, std::vector<Tensor> final_norm, Tensor output, int64_t beams,
-             int64_t heads, int64_t d_ff, bool norm_first, double eps, int64_t steps)
+  // layers: per layer its weights by name (above); cross: per layer (k, v), each (B, H, S, Dh);
+  // src_padding (B, S) bool or none; embed (V, d); positions (>= steps, d); final_norm {"final_norm.weight",
+  // "final_norm.bias"}
+  // for pre-norm, empty for post-norm; output: the embedding's panels; activation: the feed-forward's.
+  CpuDecoder(std::vector<Named> layers, std::vector<Tensor> cross, c10::optional<Tensor> src_padding,
+             Tensor embed, Tensor positions, Named final_norm, Tensor output, int64_t beams, int64_t heads,
+             int64_t d_ff, bool norm_first, double eps, int64_t steps, const std::string& activation)
       : layers_(std::move(layers)), cross_(std::move(cross)), embed_(std::move(embed)),
         positions_(std::move(positions)), final_norm_(std::move(final_norm)), output_(std::move(output)) {
     constexpr int64_t P = kPackedLinearPanel;
@@ -48,33 +113,31 @@ class CpuDecoder {
     TORCH_CHECK_VALUE(embed_.dim() == 2, "fastformer CpuDecoder: embed must be (V, d)");
     const int64_t V = embed_.size(0), d = embed_.size(1);
     TORCH_CHECK_VALUE(d % heads == 0, "fastformer CpuDecoder: d_model ", d, " is not divisible by ", heads, " heads");
-    TORCH_CHECK_VALUE(!layers_.empty() && layers_.size() % kLayerTensors == 0,
-                      "fastformer CpuDecoder: layers must hold ", kLayerTensors, " tensors a layer, got ",
-                      layers_.size());
-    const int64_t L = static_cast<int64_t>(layers_.size()) / kLayerTensors;
+    TORCH_CHECK_VALUE(activation == "relu", "fastformer CpuDecoder: the decoder step implements the relu "
+                      "activation, not \"", activation, "\"");
+    TORCH_CHECK_VALUE(!layers_.empty(), "fastformer CpuDecoder: no decoder layers");
+    const int64_t L = static_cast<int64_t>(layers_.size());
     TORCH_CHECK_VALUE(static_cast<int64_t>(cross_.size()) == 2 * L,
                       "fastformer CpuDecoder: cross must hold a (k, v) pair per layer");
-    TORCH_CHECK_VALUE(final_norm_.size() == (norm_first ? 2u : 0u),
-                      "fastformer CpuDecoder: final_norm is (weight, bias) for pre-norm, empty for post-norm");
+    TORCH_CHECK_VALUE(norm_first || final_norm_.empty(),
+                      "fastformer CpuDecoder: a post-norm decoder has no final LayerNorm");
     check_float(embed_, {V, d}, "embed");
     TORCH_CHECK_VALUE(positions_.dim() == 2 && positions_.size(0) >= steps,
                       "fastformer CpuDecoder: positions must hold >= ", steps, " rows");
     check_float(positions_, {positions_.size(0), d}, "positions");
     check_float(output_, {(V + P - 1) / P, d, P}, "output panels");
     const int64_t B = cross_[0].dim() == 4 ? cross_[0].size(0) : -1, S = cross_[0].dim() == 4 ? cross_[0].size(2) : -1;
-    const std::vector<std::pair<int64_t, int64_t>> dims = {{d, 3 * d}, {d, d}, {d, d}, {d, d}, {d, d_ff}, {d_ff, d}};
     for (int64_t l = 0; l < L; ++l) {
-      const Tensor* t = &layers_[l * kLayerTensors];
-      const std::string layer = "layer " + std::to_string(l) + " ";
-      for (int p = 0; p < kProjections; ++p) {
-        const auto [in, out] = dims[p];
-        check_float(t[2 * p], {(out + P - 1) / P, in, P}, layer + "projection " + std::to_string(p) + " panels");
-        check_float(t[2 * p + 1], {out}, layer + "projection " + std::to_string(p) + " bias");
+      for (int i = 0; i < 2; ++i) {
+        check_float(cross_[2 * l + i], {B, heads, S, d / heads}, "layer " + std::to_string(l) + " cross k/v");
       }
-      for (int i = 0; i < 6; ++i) check_float(t[2 * kProjections + i], {d}, layer + "LayerNorm parameter");
-      for (int i = 0; i < 2; ++i) check_float(cross_[2 * l + i], {B, heads, S, d / heads}, layer + "cross k/v");
     }
-    for (const Tensor& t : final_norm_) check_float(t, {d}, "final LayerNorm parameter");
+    std::pair<const float*, const float*> final{nullptr, nullptr};
+    if (norm_first) {
+      Binder w(final_norm_, "the final LayerNorm");
+      final = w.norm("final_norm", d);
+      w.done();
+    }
     if (src_padding.has_value()) {
       TORCH_CHECK_VALUE(src_padding->scalar_type() == at::kBool && src_padding->device().is_cpu() &&
                             src_padding->sizes().vec() == std::vector<int64_t>({B, S}),
@@ -95,22 +158,13 @@ class CpuDecoder {
     step_.eps = static_cast<float>(eps);
     step_.embed_scale = static_cast<float>(std::sqrt(static_cast<double>(d)));
     step_.embed = embed_.const_data_ptr<float>();
-    step_.final_norm_weight = norm_first ? final_norm_[0].const_data_ptr<float>() : nullptr;
-    step_.final_norm_bias = norm_first ? final_norm_[1].const_data_ptr<float>() : nullptr;
+    step_.final_norm_weight = final.first;
+    step_.final_norm_bias = final.second;
     step_.output = {output_.const_data_ptr<float>(), nullptr};
     step_.layers.resize(L);
     for (int64_t l = 0; l < L; ++l) {
-      const Tensor* t = &layers_[l * kLayerTensors];
+      step_.layers[l] = bind_layer(layers_[l], l, d, d_ff);
       DecoderLayerStep& layer = step_.layers[l];
-      PackedProjection* projections[kProjections] = {&layer.qkv, &layer.self_out, &layer.cross_q,
-                                                     &layer.cross_out, &layer.fc1, &layer.fc2};
-      for (int p = 0; p < kProjections; ++p) {
-        *projections[p] = {t[2 * p].const_data_ptr<float>(), t[2 * p + 1].const_data_ptr<float>()};
-      }
-      for (int i = 0; i < 3; ++i) {
-        layer.norm_weight[i] = t[2 * kProjections + 2 * i].const_data_ptr<float>();
-        layer.norm_bias[i] = t[2 * kProjections + 2 * i + 1].const_data_ptr<float>();
-      }
       // Two cache buffers a layer: keys and values.
       for (int i = 0; i < 2; ++i) caches_.push_back(at::empty({B * beams, heads, steps, d / heads}, embed_.options()));
       layer.k_cache = caches_[2 * l].mutable_data_ptr<float>();
@@ -187,10 +241,11 @@ class CpuDecoder {
     step_.src_padding = src_padding_.has_value() ? src_padding_->const_data_ptr<bool>() : nullptr;
   }
 
-  std::vector<Tensor> layers_, cross_;
+  std::vector<Named> layers_;  // kept alive: the step holds pointers into them
+  std::vector<Tensor> cross_;
   c10::optional<Tensor> src_padding_;
   Tensor embed_, positions_;
-  std::vector<Tensor> final_norm_;
+  Named final_norm_;
   Tensor output_;
   std::vector<Tensor> caches_;  // per layer: keys, values (N0, H, T, Dh)
   std::vector<int64_t> slots_;  // (N, T): the cache row of each live row's earlier positions
@@ -204,11 +259,11 @@ void bind_decoder(pybind11::module_& m) {
   py::class_<CpuDecoder>(m, "CpuDecoder",
                          "The incremental decoder's state and step for float32 on the CPU (csrc/decoder.cpp); "
                          "built by fastformer.nn.decoding.IncrementalDecoder")
-      .def(py::init<std::vector<Tensor>, std::vector<Tensor>, c10::optional<Tensor>, Tensor, Tensor,
-                    std::vector<Tensor>, Tensor, int64_t, int64_t, int64_t, bool, double, int64_t>(),
+      .def(py::init<std::vector<Named>, std::vector<Tensor>, c10::optional<Tensor>, Tensor, Tensor, Named, Tensor,
+                    int64_t, int64_t, int64_t, bool, double, int64_t, const std::string&>(),
            py::arg("layers"), py::arg("cross"), py::arg("src_padding"), py::arg("embed"), py::arg("positions"),
            py::arg("final_norm"), py::arg("output"), py::arg("beams"), py::arg("heads"), py::arg("d_ff"),
-           py::arg("norm_first"), py::arg("eps"), py::arg("steps"))
+           py::arg("norm_first"), py::arg("eps"), py::arg("steps"), py::arg("activation"))
       .def("logits", &CpuDecoder::logits, py::arg("last_tokens"),
            "next-token logits (N, V) of the live rows, given each row's token at this position (N,)")
       .def("select", &CpuDecoder::select, py::arg("parents"), py::arg("sentences"),

@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.limit:
         sources, refs = sources[:args.limit], refs[:args.limit]
         problems = [(what, {n: why for n, why in bad.items() if n <= args.limit}, then) for what, bad, then in problems]
-    hyps = translate_lines(model, tokenizer, sources, beam=args.beam, lenpen=args.lenpen, device=args.device,
-                           progress=True)
+    hyps = translate_lines(model, tokenizer, sources, beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a,
+                           max_len_b=args.max_len_b, device=args.device, progress=True)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write("".join(h + "\n" for h in hyps))

@@ -15,19 +15,36 @@ input (``tests/test_export.py`` checks it), given the same search settings:
 - search: CTranslate2 4.x normalizes a finished hypothesis by len ** alpha; fastformer by GNMT's
   ((5 + len) / 6) ** alpha. With ``length_penalty=0`` both rank by the raw sum of log-probabilities and
   agree exactly; with alpha > 0 they can pick different hypotheses. CTranslate2's ``max_decoding_length``
-  is one limit for the whole batch (eos included), where fastformer gives each sentence floor(a n + b)
-  tokens before its eos: ``ctranslate2_translate`` passes each sentence's own limit by translating
-  sentences with different limits in separate calls.
+  is one limit for the whole batch (eos included), where fastformer gives each sentence its own
+  ``length_limit`` (fastformer/nn/decoding.py) of tokens before its eos: ``ctranslate2_translate`` passes
+  each sentence's own limit by translating sentences with different limits in separate calls.
 """
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
 from fastformer import checkpoint as ckpt
+from fastformer.nn import decoding
+from fastformer.nn.layers import ACTIVATION, DECODER_LAYER, decoder_layer_weights
 from fastformer.nn.transformer import sinusoid_table
+
+# Where each weight of the decoder layer (fastformer/nn/layers.py DECODER_LAYER, by name) goes in
+# CTranslate2's TransformerDecoderLayerSpec. The fused q|k|v and k|v projections are CTranslate2's own
+# layouts. An entry of DECODER_LAYER without a place here stops the export (a new weight needs one).
+_CT2_DECODER_LAYER = {
+    "self_attn_norm": lambda layer: layer.self_attention.layer_norm,
+    "self_attn.qkv_proj": lambda layer: layer.self_attention.linear[0],  # q | k | v
+    "self_attn.out_proj": lambda layer: layer.self_attention.linear[1],
+    "cross_attn_norm": lambda layer: layer.attention.layer_norm,
+    "cross_attn.q_proj": lambda layer: layer.attention.linear[0],
+    "cross_attn.kv_proj": lambda layer: layer.attention.linear[1],  # k | v
+    "cross_attn.out_proj": lambda layer: layer.attention.linear[2],
+    "ffn_norm": lambda layer: layer.ffn.layer_norm,
+    "ffn.fc1": lambda layer: layer.ffn.linear_0,
+    "ffn.fc2": lambda layer: layer.ffn.linear_1,
+}
 
 
 def _ctranslate2():
@@ -50,9 +67,12 @@ def ctranslate2_spec(model, pieces: list[str]):
     from ctranslate2.specs import common_spec, transformer_spec
 
     cfg = model.config
+    missing = [w.name for w in DECODER_LAYER if w.name not in _CT2_DECODER_LAYER]
+    if missing:
+        raise ValueError(f"the CTranslate2 export has no place for decoder weights {missing}")
     spec = transformer_spec.TransformerSpec.from_config((cfg.n_encoder_layers, cfg.n_decoder_layers), cfg.n_heads,
                                                         pre_norm=cfg.norm_first,
-                                                        activation=common_spec.Activation.RELU)
+                                                        activation=common_spec.Activation[ACTIVATION.upper()])
     spec.config.layer_norm_epsilon = cfg.layer_norm_eps
     numpy = {name: p.detach().float().cpu().numpy() for name, p in model.state_dict().items()}
 
@@ -72,14 +92,19 @@ def ctranslate2_spec(model, pieces: list[str]):
             norm(stack.layer_norm, f"{side}.final_norm")
         for i, layer in enumerate(stack.layer):
             p = f"{side}.layers.{i}"
+            if side == "decoder":  # by name, as DECODER_LAYER describes the layer (shapes checked)
+                weights = decoder_layer_weights(model.decoder.layers[i], cfg)
+                for w in DECODER_LAYER:
+                    target = _CT2_DECODER_LAYER[w.name](layer)
+                    weight, bias = (t.detach().float().cpu().numpy() for t in weights[w.name])
+                    if w.kind == "norm":
+                        target.gamma, target.beta = weight, bias
+                    else:
+                        target.weight, target.bias = weight, bias
+                continue
             linear(layer.self_attention.linear[0], p + ".self_attn.qkv_proj")  # q | k | v
             linear(layer.self_attention.linear[1], p + ".self_attn.out_proj")
             norm(layer.self_attention.layer_norm, p + ".self_attn_norm")
-            if side == "decoder":
-                linear(layer.attention.linear[0], p + ".cross_attn.q_proj")
-                linear(layer.attention.linear[1], p + ".cross_attn.kv_proj")  # k | v
-                linear(layer.attention.linear[2], p + ".cross_attn.out_proj")
-                norm(layer.attention.layer_norm, p + ".cross_attn_norm")
             linear(layer.ffn.linear_0, p + ".ffn.fc1")
             linear(layer.ffn.linear_1, p + ".ffn.fc2")
             norm(layer.ffn.layer_norm, p + ".ffn_norm")
@@ -111,16 +136,17 @@ def export_ctranslate2(checkpoint: str, out_dir: str, force: bool = False) -> st
 
 
 def ctranslate2_translate(translator, pieces: list[str], ids: list[list[int]], *, beam_size: int = 4,
-                          length_penalty: float = 0.0, max_len_a: float = 1.2, max_len_b: int = 10,
+                          length_penalty: float = 0.0, max_len_a: float = decoding.MAX_LEN_A,
+                          max_len_b: int = decoding.MAX_LEN_B,
                           **options) -> list[list[int]]:
     """Best translations (ids, no bos/eos) of source id lists ``ids`` (no eos) by a CTranslate2
-    ``Translator`` of an exported model with vocabulary ``pieces``, each sentence limited to floor(a n + b)
-    tokens before its eos (n counting the source's eos, as in ``Transformer.generate``). Sentences that share a limit go in
+    ``Translator`` of an exported model with vocabulary ``pieces``, each sentence limited to
+    ``decoding.length_limit(n, a, b)`` tokens before its eos (n counting the source's eos, as in ``Transformer.generate``). Sentences that share a limit go in
     one ``translate_batch`` call. fastformer's search never produces pad or bos; CTranslate2 can (its
     ``suppress_sequences`` option forbids them but renormalizes the other tokens' probabilities, which
     fastformer does not, so it is not set here)."""
     piece_ids = {piece: i for i, piece in enumerate(pieces)}
-    limits = [max(0, math.floor(max_len_a * (len(s) + 1) + max_len_b)) for s in ids]
+    limits = [decoding.length_limit(len(s) + 1, max_len_a, max_len_b) for s in ids]
     out: list[list[int]] = [[] for _ in ids]
     for limit in sorted(set(limits)):
         group = [i for i, n in enumerate(limits) if n == limit]

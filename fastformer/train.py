@@ -18,6 +18,7 @@ import argparse
 
 from fastformer.cli import float_at_least, int_at_least, probability
 from fastformer.data import BIBLE_PAIRS
+from fastformer.nn import decoding
 from fastformer.training.loop import finish, train
 from fastformer.training.processes import Processes
 from fastformer.training.setup import PROG, configure_process, setup
@@ -101,8 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--keep", type=int_at_least(1), default=5, help="checkpoints kept in the run folder")
     g.add_argument("--average-last", type=int_at_least(1), default=1,
                    help="test with the average of the last N checkpoints (1: the final weights only)")
-    g.add_argument("--beam", type=int_at_least(1), default=4, help="beam size for the test translation")
-    g.add_argument("--lenpen", type=NONNEGATIVE, default=0.6, help="length penalty alpha for the test translation")
+    g.add_argument("--beam", type=int_at_least(1), default=decoding.BEAM_SIZE,
+                   help="beam size for the test translation")
+    g.add_argument("--lenpen", type=NONNEGATIVE, default=decoding.LENGTH_PENALTY,
+                   help="length penalty alpha for the test translation")
     g.add_argument("--no-test", action="store_true", help="skip the final test translation")
     g.add_argument("--log-every", type=int_at_least(1), default=10, help="append to log.jsonl every N updates")
     return p

@@ -9,7 +9,6 @@ import argparse
 import sys
 
 from fastformer import checkpoint as ckpt
-from fastformer.cli import float_at_least, int_at_least
 from fastformer.data import read_sentences
 from fastformer.translation import add_decoding_arguments, report_line_problems, translate_lines
 
@@ -22,9 +21,6 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Translate one sentence per line with a fastformer checkpoint.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--checkpoint", required=True, metavar="P", help="checkpoint file, or run folder (its latest)")
-    p.add_argument("--max-len-a", type=float_at_least(0.0), default=1.2,
-                   help="at most a * source length + b target tokens")
-    p.add_argument("--max-len-b", type=int_at_least(1), default=10, help="see --max-len-a")
     p.add_argument("--input", metavar="F", help="source text file (default: standard input)")
     p.add_argument("--output", metavar="F", help="where translations go (default: standard output)")
     add_decoding_arguments(p)

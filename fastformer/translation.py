@@ -10,11 +10,13 @@ from fastformer import cli
 from fastformer.data.batching import collate
 from fastformer.data.tokenizer import Tokenizer
 from fastformer.nn import Transformer
+from fastformer.nn import decoding
 
 
 @torch.no_grad()
-def translate(model: Transformer, tokenizer: Tokenizer, sentences: list[str], *, beam: int = 4, lenpen: float = 0.6,
-              max_len_a: float = 1.2, max_len_b: int = 10, batch_tokens: int = 6000, device="cpu",
+def translate(model: Transformer, tokenizer: Tokenizer, sentences: list[str], *, beam: int = decoding.BEAM_SIZE,
+              lenpen: float = decoding.LENGTH_PENALTY, max_len_a: float = decoding.MAX_LEN_A,
+              max_len_b: int = decoding.MAX_LEN_B, batch_tokens: int = 6000, device="cpu",
               progress: bool = False, stats: dict | None = None) -> list[str]:
     """Detokenized translations of ``sentences``, in order. Sentences are sorted by length into batches
     of at most ``batch_tokens`` source tokens (times the beam) so little compute goes to padding.
@@ -65,9 +67,15 @@ def report_line_problems(prog: str, problems: dict[int, str], what: str, consequ
 
 
 def add_decoding_arguments(parser) -> None:
-    """The flags every translating command shares: beam search settings, backend and device."""
-    parser.add_argument("--beam", type=cli.int_at_least(1), default=4, help="beam size (1: greedy)")
-    parser.add_argument("--lenpen", type=cli.float_at_least(0.0), default=0.6, help="GNMT length penalty alpha (>= 0)")
+    """The flags every translating command shares: beam search settings (defaults: fastformer/nn/decoding.py,
+    the same as ``Transformer.generate``'s), backend and device."""
+    parser.add_argument("--beam", type=cli.int_at_least(1), default=decoding.BEAM_SIZE, help="beam size (1: greedy)")
+    parser.add_argument("--lenpen", type=cli.float_at_least(0.0), default=decoding.LENGTH_PENALTY,
+                        help="GNMT length penalty alpha (>= 0)")
+    parser.add_argument("--max-len-a", type=cli.float_at_least(0.0), default=decoding.MAX_LEN_A,
+                        help="a sentence of n source tokens (its eos included) gets at most floor(a n + b) target "
+                             "tokens before its eos")
+    parser.add_argument("--max-len-b", type=cli.int_at_least(0), default=decoding.MAX_LEN_B, help="see --max-len-a")
     parser.add_argument("--backend", help="fastformer op backend (default: the best for the device)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
 

@@ -1,9 +1,9 @@
-"""MultiHeadAttention on ops.attention, with a key/value cache for incremental decoding."""
+"""MultiHeadAttention on ops.attention (the incremental decoder of fastformer/nn/decoding.py keeps its own
+key/value caches)."""
 from __future__ import annotations
 
 from typing import Optional
 
-import torch
 from torch import Tensor, nn
 
 from fastformer import ops
@@ -15,9 +15,6 @@ class MultiHeadAttention(nn.Module):
     cross-attention with a query projection and one fused KV projection (d -> 2d) of the memory.
 
     Shapes: x (B, Lq, d); memory (B, Lk, d); key_padding_mask (B, Lk) bool, True = padding.
-    Incremental decoding passes a ``cache`` dict: self-attention appends this step's keys/values
-    (``cache["k"], cache["v"]``: (B, H, t, Dh)); cross-attention computes the memory's keys/values
-    once and keeps them. ``reorder_cache`` follows beam search's choice of rows.
     """
 
     def __init__(self, d_model: int, n_heads: int, *, cross: bool = False, attention_dropout: float = 0.0,
@@ -49,24 +46,14 @@ class MultiHeadAttention(nn.Module):
         return tuple(parts[i] for i in range(n))
 
     def forward(self, x: Tensor, memory: Optional[Tensor] = None, *, key_padding_mask: Optional[Tensor] = None,
-                causal: bool = False, cache: Optional[dict] = None) -> Tensor:
+                causal: bool = False) -> Tensor:
         if self.cross:
             if memory is None:
                 raise ValueError("cross-attention needs memory")
             (q,) = self._heads(self.q_proj(x), 1)
-            if cache is not None and "k" in cache:
-                k, v = cache["k"], cache["v"]
-            else:
-                k, v = self._heads(self.kv_proj(memory), 2)
-                if cache is not None:
-                    cache["k"], cache["v"] = k, v
+            k, v = self._heads(self.kv_proj(memory), 2)
         else:
             q, k, v = self._heads(self.qkv_proj(x), 3)
-            if cache is not None:
-                if "k" in cache:
-                    k = torch.cat([cache["k"], k], dim=2)
-                    v = torch.cat([cache["v"], v], dim=2)
-                cache["k"], cache["v"] = k, v
         if self.record_attention:
             from fastformer.ops.reference import attention_probabilities
 
@@ -77,9 +64,3 @@ class MultiHeadAttention(nn.Module):
         B, _, Lq, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(B, Lq, self.d_model))
 
-
-def reorder_cache(cache: dict, order: Tensor) -> None:
-    """Keeps rows ``order`` (a LongTensor of batch indices) of every cached key/value, in place."""
-    for key in ("k", "v"):
-        if key in cache:
-            cache[key] = cache[key].index_select(0, order)

@@ -5,10 +5,10 @@ next-token logits of every live row and tells it which rows survive. Two stepper
 
 - ``IncrementalDecoder`` (``use_cache=True``, the default), built for decoding the way CTranslate2's
   decoder is:
-  * projection weights prepared once per set of weights (``PreparedWeights``, cached on the model until
-    a parameter changes): on the CPU in float32, packed into the column panels that fastformer's own
-    GEMM kernel streams (``fastformer._C.packed_linear``; fastformer/nn/linear.py keeps them, shared with
-    the model's own ``Linear`` layers);
+  * the decoder layer's weights bound by name (fastformer/nn/layers.py ``DECODER_LAYER``), its
+    projections through ``fastformer.nn.linear.linear``: on the CPU in float32 at inference the column
+    panels that fastformer's own GEMM kernel streams (``fastformer._C.packed_linear``), packed once per
+    weight and kept by fastformer/nn/linear.py (one cache and one rule, shared with the model's layers);
   * cross-attention K/V computed once per sentence and shared by its beams: the K beams of a sentence
     are the K query rows of one attention call against that sentence's keys, never copied per beam and
     never reordered (only narrowed when sentences finish);
@@ -34,100 +34,45 @@ vocabulary, without converting (N, V) logits to float64. That pass over the voca
 for float32 CPU logits (csrc/cpu/search_candidates.cpp) and ``search_candidates``'s torch ops elsewhere.
 
 Rules (pinned by tests/nn/test_model_decoding.py): a sentence of n source tokens may produce at most
-floor(a n + b) tokens before its eos, which is forced at the position after them; pad and bos are never
+``length_limit(n, a, b)`` tokens before its eos, which is forced at the position after them; pad and bos are never
 produced; score = sum of log-probabilities (eos included) / ((5 + len) / 6) ** alpha with len counting
 the eos (GNMT's length penalty); an eos among the best K of the 2K candidates of a sentence ends a
 hypothesis; a sentence stops when K hypotheses have finished or at its length limit.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import math
+from typing import NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from fastformer import _dispatch, ops
 from fastformer._ext import C
-from fastformer.nn.layers import run_sublayers
-from fastformer.nn.linear import packed_panels
+from fastformer.nn.layers import ACTIVATION, DECODER_LAYER, activation, decoder_layer_weights, run_sublayers
+from fastformer.nn.linear import linear, packed_applies, packed_panels
 
 Hypotheses = list[tuple[list[int], float]]
 
-
-# ----------------------------------------------------------------------------------------------------
-# Weights in the layout the decoder step wants
-
-
-@dataclass
-class Projection:
-    """y = x W^T + b. On the CPU in float32 through ``fastformer._C.packed_linear`` on W packed once into
-    column panels (fastformer/nn/linear.py, which keeps them; against torch's BLAS GEMM see README
-    "Decoding"). Other dtypes and devices take ``F.linear`` on the module's own weight (no copy)."""
-    weight: Tensor  # (out, in), the nn.Linear's
-    bias: Optional[Tensor]  # (out,)
-    panels: Optional[Tensor]  # packed_panels(weight), or None where the packed kernel does not apply
-
-    @classmethod
-    def of(cls, linear: nn.Linear) -> "Projection":
-        return cls.of_weight(linear.weight, linear.bias)
-
-    @classmethod
-    def of_weight(cls, weight: Tensor, bias: Optional[Tensor]) -> "Projection":
-        """``weight`` the parameter itself: its panels are the ones its ``Linear`` uses (one copy)."""
-        return cls(weight.detach(), None if bias is None else bias.detach(), packed_panels(weight))
-
-    def __call__(self, x: Tensor) -> Tensor:  # (N, in) -> (N, out)
-        if self.panels is not None and x.dtype == torch.float32:
-            return C.packed_linear(x, self.panels, self.bias, self.weight.shape[0])
-        return F.linear(x, self.weight, self.bias)
+# The search's defaults, shared by Transformer.generate/beam_search and every CLI that translates.
+BEAM_SIZE = 4
+LENGTH_PENALTY = 0.6  # GNMT's alpha
+MAX_LEN_A, MAX_LEN_B = 1.2, 10  # a sentence of n source tokens gets length_limit(n, a, b) target tokens
 
 
-@dataclass
-class PreparedLayer:
-    qkv: Projection  # self-attention q, k, v: d -> 3d
-    self_out: Projection
-    cross_q: Projection
-    cross_kv: Projection  # memory -> cross-attention k, v: d -> 2d (once per sentence)
-    cross_out: Projection
-    fc1: Projection
-    fc2: Projection
-    norms: tuple[nn.LayerNorm, nn.LayerNorm, nn.LayerNorm]  # self-attention, cross-attention, feed-forward
+def length_limit(n: int, a: float, b: float) -> int:
+    """The target tokens a sentence of ``n`` source tokens (its eos included, padding not) may produce
+    before its eos: floor(a n + b), at least 0. The one place this rule is written (the search, the
+    CTranslate2 comparison in fastformer/export.py)."""
+    return max(0, math.floor(a * n + b))
 
 
-@dataclass
-class PreparedWeights:
-    layers: list[PreparedLayer]
-    output: Projection  # the shared embedding (V, d) as the output projection, no bias
-    key: tuple
-
-
-def _weights_key(model) -> tuple:
-    """Identifies the decoder's current weights: storage, version counter (bumped by every in-place
-    update, optimizer steps included), dtype and device of each parameter."""
-    params = [model.embed.weight, *model.decoder.parameters()]
-    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
-
-
-def prepared_weights(model) -> PreparedWeights:
-    """The decoder's projections in GEMM layout, made once and reused until a parameter changes (kept in
-    ``model.__dict__``, outside the state dict; on the CPU in float32 the packed panels of
-    fastformer/nn/linear.py, one more copy of the decoder's weights and of the embedding matrix)."""
-    key = _weights_key(model)
-    prepared = model.__dict__.get("_prepared_decoder")
-    if prepared is not None and prepared.key == key:
-        return prepared
-    with torch.no_grad():
-        layers = [PreparedLayer(Projection.of(layer.self_attn.qkv_proj), Projection.of(layer.self_attn.out_proj),
-                                Projection.of(layer.cross_attn.q_proj), Projection.of(layer.cross_attn.kv_proj),
-                                Projection.of(layer.cross_attn.out_proj), Projection.of(layer.ffn.fc1),
-                                Projection.of(layer.ffn.fc2),
-                                (layer.self_attn_norm, layer.cross_attn_norm, layer.ffn_norm))
-                  for layer in model.decoder.layers]
-        prepared = PreparedWeights(layers, Projection.of_weight(model.embed.weight, None), key)
-    model.__dict__["_prepared_decoder"] = prepared
-    return prepared
+class _Norm(NamedTuple):
+    """A LayerNorm's parameters as ``run_sublayers`` reads them."""
+    weight: Tensor
+    bias: Tensor
+    eps: float
+    normalized_shape: tuple[int, ...]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -145,12 +90,15 @@ class IncrementalDecoder:
         cfg = model.config
         self.model, self.K, self.backend = model, beam_size, model.backend
         self.H, self.Dh, self.d = cfg.n_heads, cfg.head_dim, cfg.d_model
-        self.weights = prepared_weights(model)
+        # Each layer's weights by name (fastformer/nn/layers.py DECODER_LAYER), shapes checked.
+        self.weights = [decoder_layer_weights(layer, cfg) for layer in model.decoder.layers]
+        self.embed = model.embed.weight  # (V, d): also the output projection
         B, S, d = memory.shape
         # Cross-attention keys/values, once per sentence: (B, S, 2d) -> k, v (B, H, S, Dh).
         self.cross = []
-        for layer in self.weights.layers:
-            kv = layer.cross_kv(memory.reshape(B * S, d)).view(B, S, 2, self.H, self.Dh).permute(2, 0, 3, 1, 4)
+        for weights in self.weights:
+            kv = linear(memory.reshape(B * S, d), *weights["cross_attn.kv_proj"])
+            kv = kv.view(B, S, 2, self.H, self.Dh).permute(2, 0, 3, 1, 4)
             self.cross.append((kv[0].contiguous(), kv[1].contiguous()))
         self.src_padding = src_padding if bool(src_padding.any()) else None
         self.turn, self.step_index = 0, 0
@@ -160,30 +108,36 @@ class IncrementalDecoder:
         # Self-attention caches: per layer, two flat buffers for keys and two for values (B K H steps Dh
         # elements each), allocated at the first step in the dtype of the projections (autocast's).
         self.cache_size = B * beam_size * self.H * steps * self.Dh
-        self.buffers: list[list[Tensor]] = [[] for _ in self.weights.layers]
-        self.caches: list[Optional[tuple[Tensor, Tensor]]] = [None] * len(self.weights.layers)
+        self.buffers: list[list[Tensor]] = [[] for _ in self.weights]
+        self.caches: list[Optional[tuple[Tensor, Tensor]]] = [None] * len(self.weights)
         self.parents: Optional[Tensor] = None  # rows of the last step that the live rows continue
 
     def _native(self, steps: int):
-        """The whole step in C++ (``fastformer._C.CpuDecoder``, csrc/decoder.cpp) where it applies: float32
-        on the CPU through the cpu backend, no autocast, every projection packed; else None."""
+        """The whole step in C++ (``fastformer._C.CpuDecoder``, csrc/decoder.cpp) where it applies: where the
+        projections take the packed kernel (float32 on the CPU, no autocast: ``packed_applies``) and
+        attention resolves to the cpu backend; else None. The weights cross by name: per layer a dict of
+        DECODER_LAYER's names (a linear's packed panels and bias, a LayerNorm's weight and bias), which
+        the C++ side looks up and checks; the cross-attention's k|v projection stays here (done above)."""
         model, cross_k = self.model, self.cross[0][0]
-        if (cross_k.device.type != "cpu" or cross_k.dtype != torch.float32 or torch.is_autocast_enabled("cpu")
+        if (not packed_applies(cross_k)
                 or _dispatch.resolve("attention", model.backend, cross_k.device, torch.float32) != "cpu"):
             return None
-        projections = [[p.qkv, p.self_out, p.cross_q, p.cross_out, p.fc1, p.fc2] for p in self.weights.layers]
-        if any(p.panels is None or p.bias is None for layer in projections for p in layer):
-            return None
         layers = []
-        for prepared, layer in zip(self.weights.layers, projections):
-            layers += [t for p in layer for t in (p.panels, p.bias)]
-            layers += [t.detach() for norm in prepared.norms for t in (norm.weight, norm.bias)]
+        for weights in self.weights:
+            named = {}
+            for w in DECODER_LAYER:
+                weight, bias = weights[w.name]
+                if w.kind == "norm":
+                    named[w.name + ".weight"], named[w.name + ".bias"] = weight, bias
+                elif w.name != "cross_attn.kv_proj":
+                    named[w.name + ".panels"], named[w.name + ".bias"] = packed_panels(weight), bias
+            layers.append(named)
         cfg, final = model.config, model.decoder.final_norm
+        final_norm = {"final_norm.weight": final.weight, "final_norm.bias": final.bias} if cfg.norm_first else {}
         return C.CpuDecoder(
-            layers, [t for kv in self.cross for t in kv], self.src_padding, model.embed.weight.detach(),
-            model.positions(steps, torch.float32, cross_k.device).contiguous(),
-            [final.weight.detach(), final.bias.detach()] if cfg.norm_first else [], self.weights.output.panels,
-            self.K, self.H, cfg.d_ff, cfg.norm_first, self.weights.layers[0].norms[0].eps, steps)
+            layers, [t for kv in self.cross for t in kv], self.src_padding, self.embed,
+            model.positions(steps, torch.float32, cross_k.device).contiguous(), final_norm, packed_panels(self.embed),
+            self.K, self.H, cfg.d_ff, cfg.norm_first, cfg.layer_norm_eps, steps, ACTIVATION)
 
     def select(self, parents: Tensor, sentences: Optional[Tensor]) -> None:
         """The next step's live rows continue rows ``parents`` (N',) of this step; ``sentences`` (n',)
@@ -222,35 +176,37 @@ class IncrementalDecoder:
         n = N // self.K
         x = self.model._embed(tokens[:, -1:], offset=t).view(N, d)  # scaled embedding + position t
 
-        def self_attention(index, layer):
+        def self_attention(index, w):
             def run(h):  # (N, d) -> (N, d)
-                qkv = layer.qkv(h).view(N, 3, H, Dh)
+                qkv = linear(h, *w["self_attn.qkv_proj"]).view(N, 3, H, Dh)
                 k, v = self._append(index, qkv[:, 1], qkv[:, 2])
                 # one query per row against its own t + 1 keys: nothing to mask
                 a = ops.attention(qkv[:, 0, :, None], k, v, backend=self.backend)  # (N, H, 1, Dh)
-                return layer.self_out(a.reshape(N, d))
+                return linear(a.reshape(N, d), *w["self_attn.out_proj"])
             return run
 
-        def cross_attention(index, layer):
+        def cross_attention(index, w):
             def run(h):  # (N, d) -> (N, d): the K beams of a sentence are the K queries of one attention call
-                q = layer.cross_q(h).view(n, self.K, H, Dh).transpose(1, 2)  # (n, H, K, Dh)
+                q = linear(h, *w["cross_attn.q_proj"]).view(n, self.K, H, Dh).transpose(1, 2)  # (n, H, K, Dh)
                 k, v = self.cross[index]
                 a = ops.attention(q, k, v, key_padding_mask=self.src_padding, backend=self.backend)
-                return layer.cross_out(a.transpose(1, 2).reshape(N, d))
+                return linear(a.transpose(1, 2).reshape(N, d), *w["cross_attn.out_proj"])
             return run
 
-        def feed_forward(layer):
-            return lambda h: layer.fc2(torch.relu_(layer.fc1(h)))
+        def feed_forward(w):
+            return lambda h: linear(activation(linear(h, *w["ffn.fc1"]), inplace=True), *w["ffn.fc2"])
 
+        eps = self.model.config.layer_norm_eps
+        norm = lambda w, name: _Norm(*w[name], eps, (d,))  # noqa: E731
         sublayers = []
-        for index, layer in enumerate(self.weights.layers):
-            sublayers += [(layer.norms[0], self_attention(index, layer)),
-                          (layer.norms[1], cross_attention(index, layer)),
-                          (layer.norms[2], feed_forward(layer))]
+        for index, w in enumerate(self.weights):
+            sublayers += [(norm(w, "self_attn_norm"), self_attention(index, w)),
+                          (norm(w, "cross_attn_norm"), cross_attention(index, w)),
+                          (norm(w, "ffn_norm"), feed_forward(w))]
         decoder = self.model.decoder
         h = run_sublayers(x, sublayers, decoder.final_norm, decoder.config.norm_first, 0.0, self.backend)
         self.turn, self.step_index = 1 - self.turn, t + 1
-        return self.weights.output(h)
+        return linear(h, self.embed)
 
 
 class FullRecompute:
@@ -276,8 +232,14 @@ def search_candidates(logits: Tensor, at_limit: Tensor, config, width: int) -> t
     the C++ kernel of csrc/cpu/search_candidates.cpp instead, the same rule): per row the log-sum-exp over
     the whole vocabulary (pad and bos included, as a log-softmax; exponentials in the logits' dtype, float32
     for half precision, their sum in float64) and the best ``width`` logits among the tokens the search may
-    produce (never pad or bos; only eos in rows ``at_limit``), with their tokens. Overwrites float32 and
-    float64 logits (the search's own, a fresh tensor each step)."""
+    produce (never pad or bos; only eos in rows ``at_limit``), with their tokens, best first, tied logits
+    to the lower token id, then -inf entries on the lowest ids not listed: the kernel's order exactly (a
+    stable descending sort; torch.topk orders ties as it likes). Overwrites float32 and float64 logits
+    (the search's own, a fresh tensor each step).
+
+    Cost: a sort of each row, O(V log V), where topk would be O(V): on a GPU a segmented sort of (N, V),
+    tens of microseconds; on the CPU this path serves only half precision (autocast) and the non-cpu
+    backends, float32 takes the kernel."""
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()  # half-precision logits (autocast): exponentials in float32
     row_max = logits.amax(dim=1, keepdim=True)
@@ -288,8 +250,8 @@ def search_candidates(logits: Tensor, at_limit: Tensor, config, width: int) -> t
         eos = logits[at_limit, config.eos_id]
         logits[at_limit] = float("-inf")
         logits[at_limit, config.eos_id] = eos
-    top_logits, top_tokens = logits.topk(width, dim=1)
-    return lse, top_logits, top_tokens
+    top_logits, top_tokens = logits.sort(dim=1, descending=True, stable=True)
+    return lse, top_logits[:, :width], top_tokens[:, :width]
 
 
 def beam_search(model, src: Tensor, K: int, alpha: float, a: float, b: float, use_cache: bool,
@@ -303,7 +265,7 @@ def beam_search(model, src: Tensor, K: int, alpha: float, a: float, b: float, us
     cfg = model.config
     device = src.device
     memory, src_padding = model.encode(src)
-    max_len = ((~src_padding).sum(1).double() * a + b).floor().long().clamp(min=0).tolist()
+    max_len = [length_limit(n, a, b) for n in (~src_padding).sum(1).tolist()]
     steps = max(max_len) + 1
     if stepper is not None:
         stepper = stepper(model, memory, src_padding, K, steps)

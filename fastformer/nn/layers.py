@@ -11,7 +11,7 @@ LayerNorm. Residual connection, residual dropout and LayerNorm are one fused op:
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -22,8 +22,63 @@ from fastformer.nn.config import TransformerConfig
 from fastformer.nn.linear import Linear
 
 
+# ----------------------------------------------------------------------------------------------------
+# The decoder layer, described once. Its weights by name (as under ``decoder.layers.<i>.`` in the state
+# dict), kind and shape (d = d_model, f = d_ff), in the order the layer uses them; the sublayers run in
+# the order self-attention, cross-attention, feed-forward, each with its LayerNorm placed by
+# ``config.norm_first`` (run_sublayers below), the feed-forward's activation is ``ACTIVATION``. Every
+# consumer binds the weights by these names and checks their shapes: the model (DecoderLayer), the Python
+# decoder step and the C++ one (fastformer/nn/decoding.py, csrc/decoder.cpp), the CTranslate2 exporter
+# (fastformer/export.py); the tests' plain-PyTorch reference and the benchmarks' plain decoder read the
+# same state-dict names.
+
+
+class LayerWeight(NamedTuple):
+    name: str  # module path within the layer
+    kind: str  # "linear": weight (out, in) and bias (out,); "norm": LayerNorm weight and bias (d,)
+    shape: tuple[str, ...]  # linear (out, in), norm (d,), in units "d", "2d", "3d", "f"
+
+
+DECODER_LAYER: tuple[LayerWeight, ...] = (
+    LayerWeight("self_attn_norm", "norm", ("d",)),
+    LayerWeight("self_attn.qkv_proj", "linear", ("3d", "d")),  # x -> q | k | v, each (H, Dh)
+    LayerWeight("self_attn.out_proj", "linear", ("d", "d")),
+    LayerWeight("cross_attn_norm", "norm", ("d",)),
+    LayerWeight("cross_attn.q_proj", "linear", ("d", "d")),
+    LayerWeight("cross_attn.kv_proj", "linear", ("2d", "d")),  # encoder memory -> k | v, once per sentence
+    LayerWeight("cross_attn.out_proj", "linear", ("d", "d")),
+    LayerWeight("ffn_norm", "norm", ("d",)),
+    LayerWeight("ffn.fc1", "linear", ("f", "d")),
+    LayerWeight("ffn.fc2", "linear", ("d", "f")),
+)
+ACTIVATION = "relu"  # of the feed-forward, between fc1 and fc2
+
+
+def activation(x: Tensor, inplace: bool = False) -> Tensor:
+    """The feed-forward's ``ACTIVATION`` (the C++ decoder step is told its name and refuses another)."""
+    return F.relu(x, inplace=inplace)
+
+
+def decoder_layer_weights(layer: nn.Module, config: TransformerConfig) -> dict[str, tuple[Tensor, Tensor]]:
+    """name -> (weight, bias) of ``DECODER_LAYER``, looked up by name in ``layer``, each checked against its
+    described shape: a renamed or reshaped weight fails here, not as wrong numbers. The parameters
+    themselves (not detached copies): the packed panels of fastformer/nn/linear.py are cached per parameter."""
+    units = {"d": config.d_model, "2d": 2 * config.d_model, "3d": 3 * config.d_model, "f": config.d_ff}
+    out = {}
+    for w in DECODER_LAYER:
+        module = layer.get_submodule(w.name)
+        weight, bias = module.weight, module.bias
+        shape = tuple(units[u] for u in w.shape)
+        if tuple(weight.shape) != shape or bias is None or tuple(bias.shape) != shape[:1]:
+            raise ValueError(f"decoder layer weight {w.name} ({w.kind}) must be {shape} with a bias of "
+                             f"{shape[:1]}, got {tuple(weight.shape)} and "
+                             f"{None if bias is None else tuple(bias.shape)}")
+        out[w.name] = (weight, bias)
+    return out
+
+
 class FeedForward(nn.Module):
-    """Linear(d, d_ff) -> ReLU -> dropout -> Linear(d_ff, d)."""
+    """Linear(d, d_ff) -> activation (ReLU) -> dropout -> Linear(d_ff, d)."""
 
     def __init__(self, d_model: int, d_ff: int, activation_dropout: float = 0.0):
         super().__init__()
@@ -34,7 +89,7 @@ class FeedForward(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = F.relu(self.fc1(x))
+        h = activation(self.fc1(x))
         if self.activation_dropout > 0:
             h = F.dropout(h, self.activation_dropout, self.training)
         return self.fc2(h)
@@ -95,13 +150,9 @@ class DecoderLayer(nn.Module):
         self.cross_attn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.ffn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
 
-    def sublayers(self, memory: Tensor, memory_padding_mask: Optional[Tensor],
-                  cache: Optional[dict]) -> list[Sublayer]:
-        self_cache = None if cache is None else cache.setdefault("self", {})
-        cross_cache = None if cache is None else cache.setdefault("cross", {})
-        return [(self.self_attn_norm, lambda h: self.self_attn(h, causal=True, cache=self_cache)),
-                (self.cross_attn_norm, lambda h: self.cross_attn(h, memory, key_padding_mask=memory_padding_mask,
-                                                                 cache=cross_cache)),
+    def sublayers(self, memory: Tensor, memory_padding_mask: Optional[Tensor]) -> list[Sublayer]:
+        return [(self.self_attn_norm, lambda h: self.self_attn(h, causal=True)),
+                (self.cross_attn_norm, lambda h: self.cross_attn(h, memory, key_padding_mask=memory_padding_mask)),
                 (self.ffn_norm, self.ffn)]
 
 
@@ -130,13 +181,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.n_decoder_layers))
         self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else None
 
-    def forward(self, x: Tensor, memory: Tensor, memory_padding_mask: Optional[Tensor],
-                cache: Optional[list] = None) -> Tensor:
-        sublayers = []
-        for index, layer in enumerate(self.layers):
-            sublayers += layer.sublayers(memory, memory_padding_mask, None if cache is None else cache[index])
+    def forward(self, x: Tensor, memory: Tensor, memory_padding_mask: Optional[Tensor]) -> Tensor:
+        sublayers = [s for layer in self.layers for s in layer.sublayers(memory, memory_padding_mask)]
         return run_sublayers(x, sublayers, self.final_norm, self.config.norm_first,
                              self.config.dropout if self.training else 0.0, self.backend)
-
-    def new_cache(self) -> list:
-        return [{} for _ in self.layers]

@@ -73,11 +73,10 @@ class Transformer(nn.Module):
         src_padding = src.eq(self.config.pad_id)
         return self.encoder(self._embed(src), src_padding), src_padding
 
-    def decode(self, tgt_in: Tensor, memory: Tensor, memory_padding_mask: Tensor,
-               cache: Optional[list] = None, offset: int = 0) -> Tensor:
-        """Target prefix (B, T) -> logits (B, T, vocab). With a cache, tgt_in holds only the new
-        positions starting at ``offset``; earlier keys/values come from the cache."""
-        return self.project(self.decoder(self._embed(tgt_in, offset), memory, memory_padding_mask, cache))
+    def decode(self, tgt_in: Tensor, memory: Tensor, memory_padding_mask: Tensor) -> Tensor:
+        """Target prefix (B, T) -> logits (B, T, vocab), every position recomputed (the incremental decoder
+        of fastformer/nn/decoding.py decodes one position a step)."""
+        return self.project(self.decoder(self._embed(tgt_in), memory, memory_padding_mask))
 
     def hidden(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """Decoder output states (B, T, d) before the (shared-embedding) output projection."""
@@ -99,12 +98,14 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def beam_search(self, src: Tensor, beam_size: int = 4, length_penalty: float = 0.6, max_len_a: float = 1.0,
-                    max_len_b: int = 50, use_cache: bool = True) -> list[list[tuple[list[int], float]]]:
+    def beam_search(self, src: Tensor, beam_size: int = decoding.BEAM_SIZE,
+                    length_penalty: float = decoding.LENGTH_PENALTY, max_len_a: float = decoding.MAX_LEN_A,
+                    max_len_b: int = decoding.MAX_LEN_B, use_cache: bool = True) -> list[list[tuple[list[int], float]]]:
         """Batched beam search. Returns, per sentence, its finished hypotheses as (tokens, score), best
         first; tokens exclude bos and eos, score = sum of log-probabilities / ((5 + len) / 6) ** alpha
         (GNMT's length penalty, len counting the eos). A sentence of n source tokens (padding excluded)
-        gets at most floor(a * n + b) target tokens before its eos (fairseq's rule; eos is forced then). A sentence stops when beam_size
+        gets at most ``decoding.length_limit(n, a, b)`` = floor(a n + b) target tokens before its eos (eos is
+        forced then); the defaults are ``decoding``'s, shared with the CLIs. A sentence stops when beam_size
         hypotheses have finished. beam_size=1 is greedy decoding. ``use_cache=False`` recomputes the
         whole prefix at each step (for tests and benchmarks)."""
         if beam_size < 1:
@@ -116,8 +117,9 @@ class Transformer(nn.Module):
         finally:
             self.train(was_training)
 
-    def generate(self, src: Tensor, beam_size: int = 4, length_penalty: float = 0.6, max_len_a: float = 1.0,
-                 max_len_b: int = 50, use_cache: bool = True) -> list[list[int]]:
+    def generate(self, src: Tensor, beam_size: int = decoding.BEAM_SIZE, length_penalty: float = decoding.LENGTH_PENALTY,
+                 max_len_a: float = decoding.MAX_LEN_A, max_len_b: int = decoding.MAX_LEN_B,
+                 use_cache: bool = True) -> list[list[int]]:
         """Best translation of each source sentence as a list of token ids (no bos/eos)."""
         return [hyps[0][0] for hyps in self.beam_search(src, beam_size, length_penalty, max_len_a, max_len_b,
                                                         use_cache)]

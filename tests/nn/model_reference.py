@@ -158,13 +158,11 @@ def varied_model(config, backend=None, seed=0, dtype=torch.float64):
 
 
 @torch.no_grad()
-def legacy_beam_search(model, src, K, alpha, a, b, use_cache=True):
+def legacy_beam_search(model, src, K, alpha, a, b):
     """fastformer's beam search as it was before fastformer/nn/decoding.py (commit 0bf9cbd), kept as an
-    oracle: float64 log-softmax over every beam's whole vocabulary, the memory and the cross-attention
-    keys/values copied per beam, every cache reordered by ``reorder_cache`` at each step. The new search
-    must return the same hypotheses."""
-    from fastformer.nn.attention import reorder_cache
-
+    oracle: float64 log-softmax over every beam's whole vocabulary, the memory copied per beam, and the
+    whole prefix recomputed at each step (``Transformer.decode``; the package has no second incremental
+    path to lean on). The new search must return the same hypotheses."""
     model.eval()
     cfg = model.config
     B, device, neg_inf = src.shape[0], src.device, float("-inf")
@@ -174,16 +172,12 @@ def legacy_beam_search(model, src, K, alpha, a, b, use_cache=True):
     active = list(range(B))
     rows = torch.arange(B, device=device).repeat_interleave(K)
     memory, src_padding = memory[rows], src_padding[rows]
-    cache = model.decoder.new_cache() if use_cache else None
     tokens = torch.full((B * K, 1), cfg.bos_id, dtype=torch.long, device=device)
     scores = torch.zeros(B, K, dtype=torch.float64, device=device)
     scores[:, 1:] = neg_inf  # at step 0 every beam holds the same prefix: expand only the first
     finished: list[list[tuple[list[int], float]]] = [[] for _ in range(B)]
     for step in range(max(max_len) + 1):
-        if use_cache:
-            logits = model.decode(tokens[:, -1:], memory, src_padding, cache, offset=step)[:, -1]
-        else:
-            logits = model.decode(tokens, memory, src_padding)[:, -1]
+        logits = model.decode(tokens, memory, src_padding)[:, -1]
         lprobs = F.log_softmax(logits.double(), dim=-1)  # (n K, V)
         lprobs[:, cfg.pad_id] = neg_inf
         lprobs[:, cfg.bos_id] = neg_inf
@@ -225,8 +219,4 @@ def legacy_beam_search(model, src, K, alpha, a, b, use_cache=True):
         tokens = torch.cat([tokens[order], torch.tensor(next_tokens, device=device)[:, None]], dim=1)
         scores = torch.tensor(next_scores, dtype=torch.float64, device=device).view(len(active), K)
         memory, src_padding = memory[order], src_padding[order]
-        if use_cache:
-            for layer_cache in cache:
-                reorder_cache(layer_cache["self"], order)
-                reorder_cache(layer_cache["cross"], order)
     return [sorted(hyps, key=lambda h: -h[1])[:K] for hyps in finished]

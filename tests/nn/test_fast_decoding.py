@@ -18,7 +18,8 @@ import torch
 from fastformer import checkpoint as ckpt
 from fastformer.data import collate
 from fastformer.nn import TransformerConfig
-from fastformer.nn.decoding import IncrementalDecoder, prepared_weights
+from fastformer.nn.decoding import IncrementalDecoder
+from fastformer.nn.linear import packed_panels
 from model_reference import legacy_beam_search, varied_model
 from recorded_decoding import CHECKPOINT, RECORDED, SETTINGS, source_ids
 from test_model_decoding import assert_varied, make_src
@@ -100,18 +101,21 @@ def test_decoder_steps_match_full_recompute_through_reorders(backend, norm_first
             sentences = [sentences[i] for i in keep]
 
 
-def test_prepared_weights_are_reused_and_follow_updates():
+def test_packed_weights_are_reused_and_follow_updates():
+    """The decoder's packed panels are those of fastformer/nn/linear.py's one cache: made once per weight,
+    reused by the next translation, remade after an in-place update (an optimizer step)."""
     config = TransformerConfig.tiny()
-    model = varied_model(config, "cpu", seed=4)
+    model = varied_model(config, "cpu", seed=4, dtype=torch.float32)
     src = make_src(config, [5, 7, 3])
     first = model.generate(src, beam_size=2)
-    prepared = prepared_weights(model)
-    assert prepared_weights(model) is prepared  # nothing changed: no new copy
-    assert "_prepared_decoder" not in model.state_dict()
+    fc1 = model.decoder.layers[0].ffn.fc1.weight
+    panels = packed_panels(fc1)
+    model.generate(src, beam_size=2)
+    assert packed_panels(fc1) is panels  # nothing changed: no new copy
     with torch.no_grad():  # an optimizer step changes the weights in place
         for p in model.decoder.parameters():
             p.add_(torch.randn_like(p) * 0.5)
-    assert prepared_weights(model) is not prepared
+    assert packed_panels(fc1) is not panels
     fresh = varied_model(config, "cpu", seed=4)
     fresh.load_state_dict(model.state_dict())
     updated = model.generate(src, beam_size=2)

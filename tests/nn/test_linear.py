@@ -64,10 +64,16 @@ def test_state_dict_is_nn_linears():
 
 
 def test_the_decoder_shares_the_panels_of_the_models_linear_layers():
-    """decoding.prepared_weights packs no second copy: its panels are those ``Linear`` and the logits use."""
+    """Decoding packs no second copy: the panels it uses are those ``Linear`` and the logits use, made at
+    the model's first inference call and found again by the decoder (one cache, one rule)."""
     from fastformer.nn import Transformer, TransformerConfig
-    from fastformer.nn.decoding import prepared_weights
-    model = Transformer(TransformerConfig.tiny()).eval()
-    prepared = prepared_weights(model)
-    assert prepared.layers[0].fc1.panels is packed_panels(model.decoder.layers[0].ffn.fc1.weight)
-    assert prepared.output.panels is packed_panels(model.embed.weight)
+    config = TransformerConfig.tiny()
+    model = Transformer(config).eval()
+    src = torch.randint(4, config.vocab_size, (2, 5))
+    with torch.no_grad():
+        model(src, src)  # the model's own Linear layers and output projection pack their weights
+    weights = [model.decoder.layers[0].ffn.fc1.weight, model.decoder.layers[1].self_attn.qkv_proj.weight,
+               model.embed.weight]
+    before = [packed_panels(w) for w in weights]
+    model.generate(src, beam_size=2, max_len_b=3)
+    assert all(packed_panels(w) is p for w, p in zip(weights, before))

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from fastformer.nn import TransformerConfig
+from fastformer.nn.decoding import IncrementalDecoder
 from model_reference import varied_model
 from tolerances import assert_close
 
@@ -105,15 +106,13 @@ def test_cached_decoding_matches_full_recompute(backend, norm_first):
     tokens = torch.cat([torch.full((3, 1), config.bos_id), torch.randint(4, config.vocab_size, (3, 6))], dim=1)
     with torch.no_grad():
         memory, src_padding = model.encode(src)
-        cache = model.decoder.new_cache()
+        decoder = IncrementalDecoder(model, memory, src_padding, 1, steps=tokens.shape[1])
         for step in range(tokens.shape[1]):
-            incremental = model.decode(tokens[:, step:step + 1], memory, src_padding, cache, offset=step)
-            assert incremental.shape == (3, 1, config.vocab_size)
+            incremental = decoder.logits(tokens[:, :step + 1])
+            assert incremental.shape == (3, config.vocab_size)
             full = model.decode(tokens[:, :step + 1], memory, src_padding)[:, -1]
-            assert_close(incremental[:, 0], full, torch.float64, f"step {step}")
-        # The cache holds one key/value per decoded position for self-attention and the source's for cross.
-        assert cache[0]["self"]["k"].shape == (3, config.n_heads, tokens.shape[1], config.head_dim)
-        assert cache[0]["cross"]["k"].shape == (3, config.n_heads, src.shape[1], config.head_dim)
+            assert_close(incremental, full, torch.float64, f"step {step}")
+            decoder.select(torch.arange(3), None)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -324,3 +323,27 @@ def test_batch_size_mismatch_is_rejected():
     model = varied_model(config, MODEL_BACKEND)
     with pytest.raises(ValueError, match="batch"):
         model(make_src(config, [4, 3]), torch.full((3, 2), config.bos_id, dtype=torch.long))
+
+
+def test_generate_and_the_clis_share_the_search_defaults():
+    """One place for the defaults (fastformer/nn/decoding.py): generate, beam_search, translate() and the
+    translate/evaluate/train command lines agree."""
+    import inspect
+
+    from fastformer import evaluate, translate, translation
+    from fastformer.nn import Transformer, decoding
+    from fastformer.train import build_parser as train_parser
+
+    expected = {"beam_size": decoding.BEAM_SIZE, "length_penalty": decoding.LENGTH_PENALTY,
+                "max_len_a": decoding.MAX_LEN_A, "max_len_b": decoding.MAX_LEN_B}
+    for method in (Transformer.generate, Transformer.beam_search):
+        defaults = {k: p.default for k, p in inspect.signature(method).parameters.items() if k in expected}
+        assert defaults == expected, method.__name__
+    as_flags = {"beam": expected["beam_size"], "lenpen": expected["length_penalty"],
+                "max_len_a": expected["max_len_a"], "max_len_b": expected["max_len_b"]}
+    defaults = {k: p.default for k, p in inspect.signature(translation.translate).parameters.items() if k in as_flags}
+    assert defaults == as_flags
+    for parser in (translate.build_parser(), evaluate.build_parser()):
+        assert {k: parser.get_default(k) for k in as_flags} == as_flags, parser.prog
+    train = train_parser()
+    assert (train.get_default("beam"), train.get_default("lenpen")) == (decoding.BEAM_SIZE, decoding.LENGTH_PENALTY)

@@ -83,7 +83,7 @@ def test_search_kernel_matches_the_torch_ops(K, V):
     """The same random logits through step_logits (the C++ pass) and step_candidates(search_candidates(...))
     (torch ops): the same survivors, tokens and hypotheses, scores to float32 accuracy. Vocabularies smaller
     than 2 K fill the candidate lists with -inf; sentences reach their length limit at different steps.
-    (No tied logits: the kernel breaks ties to the lower token id, torch.topk in an order of its own.)"""
+    Ties are tested below."""
     config = TransformerConfig.tiny(vocab_size=V)
     max_len = [0, 3, 5, 1, 4]
     generator = torch.Generator().manual_seed(K * V)
@@ -103,6 +103,30 @@ def test_search_kernel_matches_the_torch_ops(K, V):
         assert [t for t, _ in mine] == [t for t, _ in theirs]
         assert [s for _, s in mine] == pytest.approx([s for _, s in theirs], rel=1e-6, abs=1e-6)
         assert mine, "every sentence ends with a hypothesis"
+
+
+@pytest.mark.parametrize("K, V", [(1, 50), (4, 97), (3, 7)])
+def test_search_kernel_and_torch_ops_break_ties_alike(K, V):
+    """Logits with many ties (three distinct values, or two and -inf), sentences reaching their length
+    limits at different steps: the kernel and the torch ops pick the same tokens step by step, which
+    needs the same candidates in the same order (ties to the lower token id)."""
+    config = TransformerConfig.tiny(vocab_size=V)
+    for trial in range(4):
+        generator = torch.Generator().manual_seed(V * 10 + trial)
+        max_len = [2, 0, 4, 3]
+        cpp, ops = _search(K, V, max_len), _search(K, V, max_len)
+        for step in range(6):
+            logits = torch.randint(0, 3, (cpp.rows, V), generator=generator).float()
+            if trial % 2:
+                logits[logits == 0] = float("-inf")
+            cpp_going = cpp.step_logits(logits.clone())
+            ops_going = ops.step_candidates(*search_candidates(logits.clone(), ops.at_limit(), config, ops.width))
+            assert cpp_going == ops_going
+            if not cpp_going:
+                break
+            assert torch.equal(cpp.tokens(), ops.tokens()), f"trial {trial}, step {step}"
+            assert torch.equal(cpp.parents, ops.parents)
+        assert [[t for t, _ in h] for h in cpp.hypotheses()] == [[t for t, _ in h] for h in ops.hypotheses()]
 
 
 def test_search_kernel_gives_float64_log_softmax_scores():
@@ -151,7 +175,60 @@ def test_cpp_decoder_bad_arguments_raise():
     decoder.logits(torch.full((4,), 5))
     with pytest.raises(ValueError, match="all 2 positions have been decoded"):
         decoder.logits(torch.full((4,), 5))
-    weights = decoding.prepared_weights(model)
-    with pytest.raises(ValueError, match="layers must hold 18 tensors a layer"):
-        C.CpuDecoder([], [], None, model.embed.weight.detach(), torch.zeros(4, 32), [], weights.output.panels, 1,
-                     4, 64, False, 1e-5, 2)
+
+
+def _cpp_decoder_arguments(config):
+    """The arguments IncrementalDecoder gives fastformer._C.CpuDecoder, caught on their way."""
+    model = varied_model(config, "cpu", seed=4, dtype=torch.float32)
+    caught = {}
+
+    class Catch:
+        def __init__(self, *args):
+            caught["args"] = list(args)
+
+    with torch.no_grad():
+        memory, src_padding = model.encode(make_src(config, [3, 2]))
+        real, C.CpuDecoder = C.CpuDecoder, Catch
+        try:
+            IncrementalDecoder(model, memory, src_padding, 2, steps=2)
+        finally:
+            C.CpuDecoder = real
+    return caught["args"]
+
+
+@pytest.mark.parametrize("change, message", [
+    # two d x d projections swapped: the names travel with the tensors, so this is a rename
+    (lambda w: w.update({"cross_attn.q_proj.panels": w.pop("self_attn.out_proj.panels")}),
+     'decoder layer 0 has no weight "self_attn.out_proj.panels"'),
+    (lambda w: w.pop("ffn_norm.bias"), 'decoder layer 0 has no weight "ffn_norm.bias"'),
+    (lambda w: w.update({"ffn.fc3.bias": w["ffn.fc2.bias"]}), 'decoder layer 0 holds "ffn.fc3.bias", which'),
+    (lambda w: w.update({"ffn.fc1.panels": w["ffn.fc2.panels"]}),
+     "decoder layer 0 ffn.fc1.panels must be a contiguous float32 CPU tensor of shape"),
+    (lambda w: w.update({"self_attn_norm.weight": w["self_attn_norm.weight"].double()}),
+     "self_attn_norm.weight must be a contiguous float32"),
+])
+def test_cpp_decoder_binds_weights_by_name(change, message):
+    """The C++ step takes each decoder weight by its DECODER_LAYER name and checks its shape: a missing,
+    unknown or misshapen weight is refused with its name, never read by position."""
+    args = _cpp_decoder_arguments(TransformerConfig.tiny(d_ff=64))
+    C.CpuDecoder(*args)  # as given: accepted
+    layers = [dict(w) for w in args[0]]
+    change(layers[0])
+    with pytest.raises(ValueError, match=message):
+        C.CpuDecoder(layers, *args[1:])
+
+
+def test_cpp_decoder_refuses_another_activation():
+    args = _cpp_decoder_arguments(TransformerConfig.tiny())
+    with pytest.raises(ValueError, match='implements the relu activation, not "gelu"'):
+        C.CpuDecoder(*args[:-1], "gelu")
+
+
+def test_cpp_decoder_binds_every_weight_of_the_description():
+    """Every linear layer and LayerNorm of DECODER_LAYER crosses into C++ by name (the cross-attention's
+    k|v projection is applied in Python, once per sentence)."""
+    from fastformer.nn.layers import DECODER_LAYER
+    layers = _cpp_decoder_arguments(TransformerConfig.tiny())[0]
+    expected = {f"{w.name}.{part}" for w in DECODER_LAYER if w.name != "cross_attn.kv_proj"
+                for part in (("weight", "bias") if w.kind == "norm" else ("panels", "bias"))}
+    assert all(set(layer) == expected for layer in layers)

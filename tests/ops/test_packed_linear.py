@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from fastformer._ext import C
-from fastformer.nn.decoding import Projection
-from fastformer.nn.linear import pack_panels
+from fastformer.nn.linear import linear, pack_panels
 from helpers import randn
 from tolerances import assert_close
 
@@ -38,14 +37,13 @@ def test_packed_linear_splits_panels_over_threads(threads):
     assert_close(y, x.double() @ w.double().t() + b.double(), torch.float32, "y")
 
 
-def test_projection_takes_the_packed_kernel_at_any_row_count():
-    linear = torch.nn.Linear(40, 70)
-    proj = Projection.of(linear)
-    assert proj.panels is not None
-    for rows in (1, 5, 256, 641):
-        x = randn(rows, 40, dtype=torch.float32)
-        assert_close(proj(x), x.double() @ linear.weight.double().t() + linear.bias.double(), torch.float32)
-    assert Projection.of(torch.nn.Linear(8, 8).double()).panels is None  # float64: F.linear only
+def test_linear_takes_the_packed_kernel_at_any_row_count():
+    layer = torch.nn.Linear(40, 70)
+    with torch.no_grad():
+        for rows in (1, 5, 256, 641):
+            x = randn(rows, 40, dtype=torch.float32)
+            assert_close(linear(x, layer.weight, layer.bias),
+                         x.double() @ layer.weight.double().t() + layer.bias.double(), torch.float32)
 
 
 @pytest.mark.parametrize("args, message", [
