@@ -61,7 +61,7 @@ GEN_SRC_LEN, GEN_TGT_LEN = 12, 12
 
 def default_backend(device: str) -> str:
     """The backend that backend=None runs on ``device`` (the label of the rows): FASTFORMER_BACKEND if
-    set, else the automatic choice among the available backends (README, "API")."""
+    set, else the automatic choice among the available backends (docs/api.md, "Backends")."""
     if os.environ.get("FASTFORMER_BACKEND"):
         return os.environ["FASTFORMER_BACKEND"]
     available = fastformer.backends()

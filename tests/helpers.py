@@ -38,7 +38,7 @@ _DTYPE_NAMES = {
 
 
 def dtypes_for(backend):
-    """The dtypes every op supports on ``backend`` (README, "API": float64 only on torch and cpu)."""
+    """The dtypes every op supports on ``backend`` (docs/api.md: float64 only on torch and cpu)."""
     dtypes = [torch.float32, torch.float16, torch.bfloat16]
     if backend in ("torch", "cpu"):
         dtypes.insert(0, torch.float64)

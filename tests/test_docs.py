@@ -1,6 +1,6 @@
 """The docs name only what exists: every repository path that README.md and docs/*.md name, and every
 csrc/ path that a source comment names, is a file or folder of this repository; no file cites a document
-outside it; README's CPU tile sizes are the code's constants."""
+outside it; docs/cpu-kernels.md's tile sizes are the code's constants."""
 import itertools
 import pathlib
 import re

@@ -1,6 +1,6 @@
 """Backend ``cuda_sim``: the CUDA kernels of csrc/cuda/, unchanged, executed on CPU tensors.
 
-Test equipment (README, "How the CUDA kernels work (and how they run without a GPU)"), never a path for
+Test equipment (docs/cuda-kernels.md, "The CPU SIMT model"), never a path for
 users: the launchers csrc/cuda/<op>.cu and their kernels csrc/cuda/<op>.cuh are compiled as plain C++
 against the CPU SIMT execution model csrc/cuda_sim/simt.h, which runs every CUDA thread of a block as
 a fiber, treats __syncthreads, __syncwarp and warp shuffles as barriers, raises on divergent barriers

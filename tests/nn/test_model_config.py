@@ -1,6 +1,6 @@
 """TransformerConfig presets, parameter counts, shared embeddings, config validation and dropout modes.
 
-Preset sizes are those of the README ("Training, translation, evaluation") and of "Attention Is All You Need" (Vaswani et al., 2017, table 3):
+Preset sizes are those of the docs/training.md and of "Attention Is All You Need" (Vaswani et al., 2017, table 3):
 base N=6, d_model 512, d_ff 2048, h 8, P_drop 0.1, eps_ls 0.1 (65M parameters); big d_model 1024,
 d_ff 4096, h 16, P_drop 0.3 (213M); small 3+3 layers, d_model 256, 4 heads, d_ff 1024 with an 8,000-piece
 vocabulary; tiny 2+2 layers, d_model 32, 4 heads, d_ff 64 for tests.

@@ -1,6 +1,6 @@
 """Bad input raises a Python exception on every backend (never a crash), and odd strides just work.
 
-The contract (README, "API"): wrong rank, mismatched shapes, devices or dtypes, a mask of the wrong shape or dtype, dropout_p
+The contract (docs/correctness.md, "Bad input"): wrong rank, mismatched shapes, devices or dtypes, a mask of the wrong shape or dtype, dropout_p
 outside [0, 1), non-finite eps, a target that is not int64 or holds a class outside [0, V) (other than
 ignore_index), label_smoothing outside [0, 1] and unknown backend names raise ValueError; a named backend
 that cannot run the inputs raises ValueError or RuntimeError naming the backend, with no silent fallback.

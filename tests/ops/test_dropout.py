@@ -1,6 +1,6 @@
 """Dropout in attention and layer_norm_residual.
 
-Contract (README, "API", and the op docs): with dropout_p > 0 each call draws its seed from torch's default
+Contract (docs/api.md, and the op docs): with dropout_p > 0 each call draws its seed from torch's default
 CPU generator, the same way on every backend, and every backend generates the mask with the same
 counter-based generator (Philox4x32-10). So after the same torch.manual_seed every backend drops the same
 elements: a backend in any dtype must match the float64 torch reference within the normal tolerance,

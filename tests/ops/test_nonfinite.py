@@ -1,4 +1,4 @@
-"""Non-finite and degenerate inputs: one rule on every backend (README, "Correctness contract").
+"""Non-finite and degenerate inputs: one rule on every backend (docs/correctness.md, "Non-finite and degenerate input").
 
 - softmax: with a = scale * x and masked entries -inf, a row of only -inf gives zeros; a row with a NaN or
   +inf entry that is not masked gives NaN in every column (torch.softmax's answer); masked entries are
