@@ -75,7 +75,7 @@ def add_decoding_arguments(parser) -> None:
     parser.add_argument("--max-len-a", type=cli.float_at_least(0.0), default=decoding.MAX_LEN_A,
                         help="a sentence of n source tokens (its eos included) gets at most floor(a n + b) target "
                              "tokens before its eos")
-    parser.add_argument("--max-len-b", type=cli.int_at_least(0), default=decoding.MAX_LEN_B, help="see --max-len-a")
+    parser.add_argument("--max-len-b", type=cli.int_at_least(1), default=decoding.MAX_LEN_B, help="see --max-len-a (>= 1)")
     parser.add_argument("--backend", help="fastformer op backend (default: the best for the device)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
 

@@ -17,9 +17,8 @@ CHECKPOINT = Path(__file__).resolve().parent.parent / "data" / "tiny-bible-de-en
 BAD_NUMBERS = [
     *[(cmd, "--beam", v) for cmd in ("translate", "evaluate", "train") for v in ("0", "-1", "2.5", "x")],
     *[(cmd, "--lenpen", v) for cmd in ("translate", "evaluate", "train") for v in ("nan", "inf", "-inf", "-0.1")],
-    ("translate", "--max-len-a", "nan"),
-    ("translate", "--max-len-a", "-1"),
-    ("translate", "--max-len-b", "0"),
+    *[(cmd, "--max-len-a", v) for cmd in ("translate", "evaluate") for v in ("nan", "-1")],
+    *[(cmd, "--max-len-b", "0") for cmd in ("translate", "evaluate")],
     ("evaluate", "--limit", "0"),
     ("train", "--max-steps", "0"),
     ("train", "--max-minutes", "0"),
