@@ -13,8 +13,7 @@
 // (4 K N bytes, padded to kPanel columns), x once per panel from L1, y written once.
 // Panels are split over threads (at::parallel_for) when there are enough of them. With more rows the same
 // loop is compute-bound: R x kPanel / vector fused multiply-adds per kPanel / vector loads and R broadcasts
-// (AVX-512: 8 per 2 + 4), the panel re-read from L1/L2 per row group; one AVX-512 thread ran it at
-// 225-250 GFLOP/s from 1 to 2,560 rows (docs/benchmarks_cpu.md, 2026-11-22, AVX-512 VM).
+// (AVX-512: 8 per 2 + 4), the panel re-read from L1/L2 per row group.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>

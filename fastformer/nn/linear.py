@@ -2,9 +2,9 @@
 on the CPU in float32 run fastformer's own GEMM on the weight packed once into column panels.
 
 ``fastformer._C.packed_linear`` (csrc/cpu/packed_linear.cpp, built per CPU level) streams W^T as
-(ceil(out / P), in, P) panels, P = PACKED_LINEAR_PANEL, with ``at::vec`` fused multiply-adds; on one thread
-of the 2-core AVX-512 VM it ran at 225-250 GFLOP/s for 1 to 2,560 rows, where torch's MKL GEMM ran at
-98-114 (docs/benchmarks_cpu.md, 2026-11-22). It is used where no gradient can be wanted: grad disabled (``torch.no_grad``,
+(ceil(out / P), in, P) panels, P = PACKED_LINEAR_PANEL, with ``at::vec`` fused multiply-adds (the decoding
+benchmark, benchmarks/test_decoding.py, times the decoder built on it beside one on torch's GEMM; no
+generated table times the two GEMMs alone). It is used where no gradient can be wanted: grad disabled (``torch.no_grad``,
 ``inference_mode``: translation, evaluation), not under autocast, not while ``torch.compile`` traces, x
 float32 on the CPU. Everywhere else, training included, ``F.linear``.
 
