@@ -2,15 +2,19 @@
 decoder (benchmarks/plain_decoder.py, run by the same search) and against CTranslate2 on the model that
 ``python -m fastformer.export --ctranslate2`` writes (when ctranslate2 is installed and the device is the CPU).
 
+Compute types: float32, and int8 (``fastformer.quantize(model, "int8")`` beside CTranslate2's
+``compute_type="int8"`` and beside fastformer's own float32 model; the plain decoder is float32 only).
+
 A seeded random model of the config (small and base; tiny alone for --bench-sizes smoke) translates ``batch``
 random 20-token sentences with beam 1 or 4, length penalty 0.6, max_len_a 0 and max_len_b 30 (smoke: 4).
 Its eos embedding row is zeroed, so eos never beats the top candidates before the limit: every contender
-decodes the same steps, and the test asserts that all of them return the same tokens.
+decodes the same steps, and the test asserts that all of them return the same tokens (in float32; in int8
+each engine rounds its own way, so the test asserts the same lengths and reports the share of sentences
+whose tokens equal CTranslate2's, "same tokens as ctranslate2").
 
 pytest-benchmark times ``generate``; then the contenders run in alternating short turns, each after a
-0.2 s pause (CTranslate2's Intel OpenMP threads spin for 200 ms after a call), all on one CPU thread (the
-target's setting: torch.set_num_threads(1) for the test, CTranslate2's intra_threads=1; on the 2-core VM
-two threads made both engines slower and their ratio meaningless), and ``extra_info`` gets each one's
+0.2 s pause (CTranslate2's Intel OpenMP threads spin for 200 ms after a call), on ``threads`` CPU threads
+(1 or 2: torch.set_num_threads for the test, CTranslate2's intra_threads), and ``extra_info`` gets each one's
 median ms per sentence, tokens/s and the 90th percentile of a call's time (at batch 1: a sentence's
 latency), and fastformer's speed ratio over each ("x plain", "x ctranslate2": above 1 means fastformer
 is faster).
@@ -21,6 +25,7 @@ import time
 import pytest
 import torch
 
+import fastformer
 from fastformer.export import ctranslate2_translate, write_ctranslate2
 from fastformer.nn import Transformer, TransformerConfig
 from fastformer.nn.decoding import beam_search
@@ -35,8 +40,9 @@ def pytest_generate_tests(metafunc):
     metafunc.parametrize("size", ["tiny"] if smoke else ["small", "base"])
 
 
-def _ctranslate2_translator(model, pieces, ctx, tmp_path):
-    """A CTranslate2 Translator of the exported model, or None (not installed, or not the CPU)."""
+def _ctranslate2_translator(model, pieces, ctx, tmp_path, compute_type, threads):
+    """A CTranslate2 Translator of the exported model in ``compute_type``, or None (not installed, or not the
+    CPU)."""
     try:
         import ctranslate2
     except ImportError:
@@ -44,13 +50,26 @@ def _ctranslate2_translator(model, pieces, ctx, tmp_path):
     if ctx.device.type != "cpu":
         return None
     out = write_ctranslate2(model, pieces, str(tmp_path / "ct2"))
-    return ctranslate2.Translator(out, device="cpu", inter_threads=1, intra_threads=1)
+    return ctranslate2.Translator(out, device="cpu", compute_type=compute_type, inter_threads=1,
+                                  intra_threads=threads)
 
 
+@pytest.fixture(params=[1, 2], ids=lambda n: f"threads{n}")
+def threads(request):
+    """torch on 1 or 2 CPU threads for the test (CTranslate2 gets as many)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("compute", ["float32", "int8"])
 @pytest.mark.parametrize("beam", [1, 4])
 @pytest.mark.parametrize("batch", [1, 32])
-def test_decoding(bench, ctx, size, batch, beam, tmp_path, one_thread):
+def test_decoding(bench, ctx, size, batch, beam, compute, tmp_path, threads):
     smoke = size == "tiny"
+    if compute == "int8" and ctx.device.type != "cpu":
+        pytest.skip("int8 decoding runs on the CPU")
     config = getattr(TransformerConfig, size)(vocab_size=1000 if smoke else 8000)
     length = 4 if smoke else 30
     torch.manual_seed(0)
@@ -61,13 +80,20 @@ def test_decoding(bench, ctx, size, batch, beam, tmp_path, one_thread):
     src[:, -1] = config.eos_id
     settings = dict(length_penalty=LENGTH_PENALTY, max_len_a=0.0, max_len_b=length)
 
-    contenders = {
-        "fastformer": lambda: model.generate(src, beam_size=beam, **settings),
-        "plain": lambda: [h[0][0] for h in torch.no_grad()(beam_search)(
-            model, src, beam, LENGTH_PENALTY, 0.0, length, True, stepper=PlainDecoder)],
-    }
+    if compute == "float32":
+        contenders = {
+            "fastformer": lambda: model.generate(src, beam_size=beam, **settings),
+            "plain": lambda: [h[0][0] for h in torch.no_grad()(beam_search)(
+                model, src, beam, LENGTH_PENALTY, 0.0, length, True, stepper=PlainDecoder)],
+        }
+    else:
+        quantized = fastformer.quantize(model, "int8")
+        contenders = {
+            "fastformer": lambda: quantized.generate(src, beam_size=beam, **settings),
+            "fastformer float32": lambda: model.generate(src, beam_size=beam, **settings),
+        }
     pieces = ["<pad>", "<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(4, config.vocab_size)]  # made-up vocabulary
-    translator = _ctranslate2_translator(model, pieces, ctx, tmp_path)
+    translator = _ctranslate2_translator(model, pieces, ctx, tmp_path, compute, threads)
     if translator is not None:
         ids = [row[:-1] for row in src.tolist()]  # ctranslate2_translate appends the eos
         never = [[pieces[config.pad_id]], [pieces[config.bos_id]]]  # fastformer's search never produces them
@@ -77,10 +103,12 @@ def test_decoding(bench, ctx, size, batch, beam, tmp_path, one_thread):
 
     outputs = {name: fn() for name, fn in contenders.items()}
     for name, tokens in outputs.items():
-        assert tokens == outputs["fastformer"], f"{name} decodes other tokens than fastformer"
-    assert all(len(t) == length for t in outputs["fastformer"])
+        assert all(len(t) == length for t in tokens), f"{name} decodes other lengths"
+        if compute == "float32":
+            assert tokens == outputs["fastformer"], f"{name} decodes other tokens than fastformer"
 
-    shape = f"{size}, batch {batch}, beam {beam}, {SOURCE_LENGTH} -> {length} tokens"
+    shape = f"{size}, batch {batch}, beam {beam}, {SOURCE_LENGTH} -> {length} tokens, {compute}, {threads} thread" + \
+        ("s" if threads > 1 else "")
     bench(contenders["fastformer"], op="decoding", shape=shape, pass_="generate", impl="fastformer",
           per_second={"sentences/s": batch, "tokens/s": batch * length})
     if smoke or bench.benchmark.disabled:
@@ -95,6 +123,9 @@ def test_decoding(bench, ctx, size, batch, beam, tmp_path, one_thread):
             times[name].append(time.perf_counter() - start)
     median = {name: statistics.median(t) for name, t in times.items()}
     info = bench.benchmark.extra_info
+    if compute == "int8" and "ctranslate2" in outputs:
+        info["same tokens as ctranslate2"] = sum(
+            a == b for a, b in zip(outputs["fastformer"], outputs["ctranslate2"])) / batch
     info["side by side"] = {name: {"ms/sentence": 1e3 * m / batch, "tokens/s": batch * length / m,
                                    "p90 ms/call": 1e3 * statistics.quantiles(times[name], n=10)[-1]}
                             for name, m in median.items()}

@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 
 #include <string>
+#include <vector>
 
 namespace fastformer {
 
@@ -21,6 +22,15 @@ std::string set_cpu_kernels(const pybind11::capsule& kernels);
 // loaded level's table; ValueError on bad arguments.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
                          int64_t n);
+
+// y (M, n) = x (M, K) W^T + bias with W quantized to int8 (csrc/cpu/int8_linear.cpp): panels int8
+// (ceil(n / 32), ceil(K / 4), 32, 4), scale float32 (n,), colsum int32 (n,); variant: one of int8_variants()
+// ("" for the best); ValueError on bad arguments.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scale,
+                       const at::Tensor& colsum, const c10::optional<at::Tensor>& bias, int64_t n,
+                       const std::string& variant);
+// The int8 dot-product variants this CPU runs at the loaded level, best first.
+std::vector<std::string> int8_variants();
 
 // Binds fastformer._C.CpuDecoder, the incremental decoder's float32 CPU step (csrc/decoder.cpp).
 void bind_decoder(pybind11::module_& m);

@@ -13,7 +13,8 @@
 //
 // The weights cross from Python by name (fastformer/nn/layers.py DECODER_LAYER, the one description of the
 // decoder layer; fastformer/nn/decoding.py builds the dicts): per layer a dict holding each linear layer's
-// "<name>.panels" (packed_linear's layout) and "<name>.bias", and each LayerNorm's "<name>.weight" and
+// "<name>.panels" (packed_linear's layout), or in a quantized model its int8 form (Binder::linear), and
+// "<name>.bias", and each LayerNorm's "<name>.weight" and
 // "<name>.bias". Each is looked up by its name and checked against the shape its role gives it, and a
 // name not bound here is refused: a swapped self_out/cross_q/cross_out (all d x d) cannot get in by
 // position, and a weight added to the description cannot be silently left out of the C++ step.
@@ -34,12 +35,15 @@ namespace {
 
 using Named = std::map<std::string, Tensor>;
 
+void check_tensor(const Tensor& t, at::ScalarType dtype, std::vector<int64_t> shape, const std::string& name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous() && t.sizes().vec() == shape,
+                    "fastformer CpuDecoder: ", name, " must be a contiguous ", c10::toString(dtype),
+                    " CPU tensor of shape ", c10::IntArrayRef(shape), ", got ", t.scalar_type(), " ", t.sizes(),
+                    " on ", t.device(), t.is_contiguous() ? "" : " (not contiguous)");
+}
+
 void check_float(const Tensor& t, std::vector<int64_t> shape, const std::string& name) {
-  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
-                        t.sizes().vec() == shape,
-                    "fastformer CpuDecoder: ", name, " must be a contiguous float32 CPU tensor of shape ",
-                    c10::IntArrayRef(shape), ", got ", t.scalar_type(), " ", t.sizes(), " on ", t.device(),
-                    t.is_contiguous() ? "" : " (not contiguous)");
+  check_tensor(t, at::kFloat, std::move(shape), name);
 }
 
 // Looks weights up by name in one dict, checks each, and at the end that every name was bound.
@@ -47,18 +51,31 @@ class Binder {
  public:
   Binder(const Named& weights, std::string where) : weights_(weights), where_(std::move(where)) {}
 
-  const float* take(const std::string& name, std::vector<int64_t> shape) {
+  template <typename T = float>
+  const T* take(const std::string& name, std::vector<int64_t> shape) {
     auto it = weights_.find(name);
     TORCH_CHECK_VALUE(it != weights_.end(), "fastformer CpuDecoder: ", where_, " has no weight \"", name, "\"");
-    check_float(it->second, std::move(shape), where_ + " " + name);
+    check_tensor(it->second, c10::CppTypeToScalarType<T>::value, std::move(shape), where_ + " " + name);
     bound_.insert(name);
-    return it->second.const_data_ptr<float>();
+    return it->second.const_data_ptr<T>();
   }
-  // A linear layer d_in -> d_out as packed panels and a bias.
-  PackedProjection linear(const std::string& name, int64_t in, int64_t out) {
+  // A linear layer d_in -> d_out: float32 packed panels ("<name>.panels") or, in a quantized model, the
+  // int8 weight ("<name>.int8_panels", "<name>.int8_scale", "<name>.int8_colsum"; csrc/cpu/int8_linear.cpp);
+  // and a bias ("<name>.bias") unless bias is false.
+  PackedProjection linear(const std::string& name, int64_t in, int64_t out, bool bias = true) {
     constexpr int64_t P = kPackedLinearPanel;
-    const float* panels = take(name + ".panels", {(out + P - 1) / P, in, P});
-    return {panels, take(name + ".bias", {out})};
+    PackedProjection w{};
+    if (weights_.count(name + ".int8_panels")) {
+      TORCH_CHECK_VALUE(in <= 65536, "fastformer CpuDecoder: ", where_, " ", name, ": int8 projections take at "
+                        "most 65,536 inputs (the int32 accumulator's range), got ", in);
+      w.int8.panels = take<int8_t>(name + ".int8_panels", {(out + P - 1) / P, (in + 3) / 4, P, 4});
+      w.int8.scale = take(name + ".int8_scale", {out});
+      w.int8.colsum = take<int32_t>(name + ".int8_colsum", {out});
+    } else {
+      w.panels = take(name + ".panels", {(out + P - 1) / P, in, P});
+    }
+    if (bias) w.bias = take(name + ".bias", {out});
+    return w;
   }
   std::pair<const float*, const float*> norm(const std::string& name, int64_t d) {
     const float* weight = take(name + ".weight", {d});
@@ -101,13 +118,14 @@ class CpuDecoder {
   // layers: per layer its weights by name (above); cross: per layer (k, v), each (B, H, S, Dh);
   // src_padding (B, S) bool or none; embed (V, d); positions (>= steps, d); final_norm {"final_norm.weight",
   // "final_norm.bias"}
-  // for pre-norm, empty for post-norm; output: the embedding's panels; activation: the feed-forward's.
+  // for pre-norm, empty for post-norm; output: the output projection (the embedding) by name, {"output.panels"}
+  // or its int8 form {"output.int8_panels", "output.int8_scale", "output.int8_colsum"}; activation: the
+  // feed-forward's.
   CpuDecoder(std::vector<Named> layers, std::vector<Tensor> cross, c10::optional<Tensor> src_padding,
-             Tensor embed, Tensor positions, Named final_norm, Tensor output, int64_t beams, int64_t heads,
+             Tensor embed, Tensor positions, Named final_norm, Named output, int64_t beams, int64_t heads,
              int64_t d_ff, bool norm_first, double eps, int64_t steps, const std::string& activation)
       : layers_(std::move(layers)), cross_(std::move(cross)), embed_(std::move(embed)),
         positions_(std::move(positions)), final_norm_(std::move(final_norm)), output_(std::move(output)) {
-    constexpr int64_t P = kPackedLinearPanel;
     TORCH_CHECK_VALUE(beams >= 1 && heads >= 1 && d_ff >= 1 && steps >= 1,
                       "fastformer CpuDecoder: beams, heads, d_ff and steps must be >= 1");
     TORCH_CHECK_VALUE(embed_.dim() == 2, "fastformer CpuDecoder: embed must be (V, d)");
@@ -125,7 +143,6 @@ class CpuDecoder {
     TORCH_CHECK_VALUE(positions_.dim() == 2 && positions_.size(0) >= steps,
                       "fastformer CpuDecoder: positions must hold >= ", steps, " rows");
     check_float(positions_, {positions_.size(0), d}, "positions");
-    check_float(output_, {(V + P - 1) / P, d, P}, "output panels");
     const int64_t B = cross_[0].dim() == 4 ? cross_[0].size(0) : -1, S = cross_[0].dim() == 4 ? cross_[0].size(2) : -1;
     for (int64_t l = 0; l < L; ++l) {
       for (int i = 0; i < 2; ++i) {
@@ -160,7 +177,12 @@ class CpuDecoder {
     step_.embed = embed_.const_data_ptr<float>();
     step_.final_norm_weight = final.first;
     step_.final_norm_bias = final.second;
-    step_.output = {output_.const_data_ptr<float>(), nullptr};
+    {
+      Binder w(output_, "the output projection");
+      step_.output = w.linear("output", d, V, /*bias=*/false);
+      w.done();
+    }
+    step_.int8_variant = 0;
     step_.layers.resize(L);
     for (int64_t l = 0; l < L; ++l) {
       step_.layers[l] = bind_layer(layers_[l], l, d, d_ff);
@@ -246,7 +268,7 @@ class CpuDecoder {
   c10::optional<Tensor> src_padding_;
   Tensor embed_, positions_;
   Named final_norm_;
-  Tensor output_;
+  Named output_;
   std::vector<Tensor> caches_;  // per layer: keys, values (N0, H, T, Dh)
   std::vector<int64_t> slots_;  // (N, T): the cache row of each live row's earlier positions
   DecoderStep step_{};
@@ -257,9 +279,9 @@ class CpuDecoder {
 void bind_decoder(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<CpuDecoder>(m, "CpuDecoder",
-                         "The incremental decoder's state and step for float32 on the CPU (csrc/decoder.cpp); "
+                         "The incremental decoder's state and step for float32 (int8 projections in a quantized model) on the CPU (csrc/decoder.cpp); "
                          "built by fastformer.nn.decoding.IncrementalDecoder")
-      .def(py::init<std::vector<Named>, std::vector<Tensor>, c10::optional<Tensor>, Tensor, Tensor, Named, Tensor,
+      .def(py::init<std::vector<Named>, std::vector<Tensor>, c10::optional<Tensor>, Tensor, Tensor, Named, Named,
                     int64_t, int64_t, int64_t, bool, double, int64_t, const std::string&>(),
            py::arg("layers"), py::arg("cross"), py::arg("src_padding"), py::arg("embed"), py::arg("positions"),
            py::arg("final_norm"), py::arg("output"), py::arg("beams"), py::arg("heads"), py::arg("d_ff"),

@@ -50,6 +50,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &fastformer::packed_linear, py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("n"),
         "y (M, n) = x (M, K) W^T + bias, float32 on the CPU, W packed as panels (ceil(n / PACKED_LINEAR_PANEL), K, "
         "PACKED_LINEAR_PANEL) of W^T's columns (zeros past n): the model's projections at inference");
+  m.def("int8_linear", &fastformer::int8_linear, py::arg("x"), py::arg("panels"), py::arg("scale"),
+        py::arg("colsum"), py::arg("bias"), py::arg("n"), py::arg("variant") = "",
+        "y (M, n) = x (M, K) W^T + bias with W quantized to int8 per output channel and x per row "
+        "(csrc/cpu/int8_linear.cpp): a quantized model's projections; variant: one of int8_variants() (\"\": the best)");
+  m.def("int8_variants", &fastformer::int8_variants,
+        "the int8 dot-product variants this CPU runs at the loaded level, best first");
   fastformer::bind_decoder(m);
   fastformer::bind_beam_search(m);
 #ifdef FASTFORMER_WITH_CUDA

@@ -11,10 +11,10 @@ import argparse
 import json
 import sys
 
-from fastformer import checkpoint as ckpt
 from fastformer.cli import int_at_least
 from fastformer.data import load_bible, read_sentence_file
-from fastformer.translation import add_decoding_arguments, report_line_problems, score, translate_lines
+from fastformer.translation import (add_decoding_arguments, add_quantize_argument, load_for_translation,
+                                    report_line_problems, score, translate_lines)
 
 PROG = "python -m fastformer.evaluate"
 
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", metavar="F", help="also write the translations here")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_decoding_arguments(p)
+    add_quantize_argument(p)
     return p
 
 
@@ -54,7 +55,7 @@ def split_lines(data: dict, split: str) -> tuple[list, list, list[tuple[str, dic
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    model, tokenizer, state = ckpt.load_model_or_exit(args.checkpoint, backend=args.backend, device=args.device)
+    model, tokenizer, state = load_for_translation(PROG, args)
     sources, refs, problems = split_lines(state.get("data") or {}, args.split)
     if args.limit:
         sources, refs = sources[:args.limit], refs[:args.limit]

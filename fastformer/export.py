@@ -96,7 +96,7 @@ def ctranslate2_spec(model, pieces: list[str]):
                 weights = decoder_layer_weights(model.decoder.layers[i], cfg)
                 for w in DECODER_LAYER:
                     target = _CT2_DECODER_LAYER[w.name](layer)
-                    weight, bias = (t.detach().float().cpu().numpy() for t in weights[w.name])
+                    weight, bias = (t.detach().float().cpu().numpy() for t in weights[w.name][:2])
                     if w.kind == "norm":
                         target.gamma, target.beta = weight, bias
                     else:

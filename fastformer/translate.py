@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fastformer import checkpoint as ckpt
 from fastformer.data import read_sentences
-from fastformer.translation import add_decoding_arguments, report_line_problems, translate_lines
+from fastformer.translation import (add_decoding_arguments, add_quantize_argument, load_for_translation,
+                                    report_line_problems, translate_lines)
 
 
 PROG = "python -m fastformer.translate"
@@ -24,12 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", metavar="F", help="source text file (default: standard input)")
     p.add_argument("--output", metavar="F", help="where translations go (default: standard output)")
     add_decoding_arguments(p)
+    add_quantize_argument(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    model, tokenizer, _ = ckpt.load_model_or_exit(args.checkpoint, backend=args.backend, device=args.device)
+    model, tokenizer, _ = load_for_translation(PROG, args)
     if args.input:
         with open(args.input, "rb") as f:
             raw = f.read()

@@ -80,6 +80,29 @@ def add_decoding_arguments(parser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
 
 
+def add_quantize_argument(parser) -> None:
+    """--quantize: translate with ``fastformer.quantize(model, ...)`` (the CPU only)."""
+    from fastformer.nn.quantize import QUANTIZATIONS
+
+    parser.add_argument("--quantize", choices=QUANTIZATIONS,
+                        help="quantize the model's projections before translating (int8: weights per output "
+                             "channel, activations per row, as CTranslate2's int8; CPU only; docs/decoding.md)")
+
+
+def load_for_translation(prog: str, args):
+    """The checkpoint's model (quantized if --quantize), tokenizer and state, for translate and evaluate;
+    a bad checkpoint or a bad combination of flags ends the program with its message."""
+    from fastformer import checkpoint as ckpt
+    from fastformer.nn.quantize import quantize
+
+    if args.quantize and args.device != "cpu":
+        raise SystemExit(f"{prog}: error: --quantize {args.quantize} runs on the CPU; use --device cpu")
+    model, tokenizer, state = ckpt.load_model_or_exit(args.checkpoint, backend=args.backend, device=args.device)
+    if args.quantize:
+        model = quantize(model.float(), args.quantize)
+    return model, tokenizer, state
+
+
 def score(hypotheses: list[str], references: list[str]) -> dict:
     """sacrebleu BLEU (13a tokenization, on detokenized text) and chrF, with their signatures."""
     import sacrebleu

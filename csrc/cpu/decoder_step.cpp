@@ -36,7 +36,9 @@
 namespace fastformer::cpu {
 namespace {
 
-void project(const float* x, int64_t M, int64_t K, const PackedProjection& w, float* y, int64_t n) {
+// y (M, n) = x (M, K) W^T + b: float32 panels, or the int8 weight (activations quantized per row).
+void project(const float* x, int64_t M, int64_t K, const PackedProjection& w, float* y, int64_t n, int variant) {
+  if (w.int8.panels != nullptr) return int8_linear_rows(x, M, K, w.int8, w.bias, y, n, variant);
   packed_linear_rows(x, M, K, w.panels, w.bias, y, n);
 }
 
@@ -132,7 +134,7 @@ void decoder_step(const DecoderStep& s) {
     const DecoderLayerStep& layer = s.layers[l];
     // Self-attention: this position's k, v into cache row r, then one query per (row, head) against the
     // row's t + 1 keys: position j < t of row r lives in cache row slots[r T + j], position t in row r.
-    project(in, N, d, layer.qkv, qkv.data(), 3 * d);
+    project(in, N, d, layer.qkv, qkv.data(), 3 * d, s.int8_variant);
     for (int64_t r = 0; r < N; ++r) {
       for (int64_t hd = 0; hd < H; ++hd) {
         const int64_t cell = ((r * H + hd) * T + t) * Dh;
@@ -151,11 +153,11 @@ void decoder_step(const DecoderStep& s) {
                     a.data() + r * d + hd * Dh);
       }
     });
-    project(a.data(), N, d, layer.self_out, y.data(), d);
+    project(a.data(), N, d, layer.self_out, y.data(), d, s.int8_variant);
     residual(l, 0);
 
     // Cross-attention: the K beams of sentence r / K against that sentence's S keys.
-    project(in, N, d, layer.cross_q, qkv.data(), d);
+    project(in, N, d, layer.cross_q, qkv.data(), d, s.int8_variant);
     at::parallel_for(0, N * H, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(S);
       for (int64_t i = begin; i < end; ++i) {
@@ -168,16 +170,16 @@ void decoder_step(const DecoderStep& s) {
                     a.data() + r * d + hd * Dh);
       }
     });
-    project(a.data(), N, d, layer.cross_out, y.data(), d);
+    project(a.data(), N, d, layer.cross_out, y.data(), d, s.int8_variant);
     residual(l, 1);
 
     // Feed-forward.
-    project(in, N, d, layer.fc1, u.data(), s.d_ff);
+    project(in, N, d, layer.fc1, u.data(), s.d_ff, s.int8_variant);
     for (float& v : u) v = std::max(v, 0.0f);
-    project(u.data(), N, s.d_ff, layer.fc2, y.data(), d);
+    project(u.data(), N, s.d_ff, layer.fc2, y.data(), d, s.int8_variant);
     residual(l, 2);
   }
-  project(in, N, d, s.output, s.logits, s.vocab);
+  project(in, N, d, s.output, s.logits, s.vocab, s.int8_variant);
 }
 
 }  // namespace fastformer::cpu

@@ -7,10 +7,18 @@
 
 namespace fastformer {
 
-// A projection y = x W^T + b with W packed as column panels (packed_linear's layout).
+// A weight quantized to int8 (csrc/cpu/int8_linear.cpp has the arithmetic and the layout).
+struct Int8Weight {
+  const int8_t* panels;   // (ceil(out / 32), ceil(in / 4), 32, 4)
+  const float* scale;     // (out,): s_w, the step of each output channel
+  const int32_t* colsum;  // (out,): the sum of each output channel's int8 weights
+};
+
+// A projection y = x W^T + b with W packed as column panels (packed_linear's layout), or quantized.
 struct PackedProjection {
-  const float* panels;  // (ceil(out / kPackedLinearPanel), in, kPackedLinearPanel)
+  const float* panels;  // (ceil(out / kPackedLinearPanel), in, kPackedLinearPanel); nullptr when int8
   const float* bias;    // (out,) or nullptr
+  Int8Weight int8;      // int8.panels == nullptr: float32 (panels above)
 };
 
 struct DecoderLayerStep {
@@ -52,6 +60,7 @@ struct DecoderStep {
   const float* final_norm_bias;
   PackedProjection output;     // the embedding as the output projection (no bias): d -> V
   float* logits;               // (N, V), written
+  int int8_variant;            // which of int8_variants() the int8 projections use (0: the best)
 };
 
 }  // namespace fastformer

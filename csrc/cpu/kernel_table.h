@@ -31,6 +31,14 @@ Tensor packed_linear(const Tensor& x, const Tensor& panels, const c10::optional<
 void packed_linear_rows(const float* x, int64_t M, int64_t K, const float* panels, const float* bias, float* y,
                         int64_t n);
 
+// The same with W quantized to int8 (csrc/cpu/int8_linear.cpp), activations quantized per row here;
+// variant: an index into int8_variants() (0: the best this CPU runs at this level).
+void int8_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& w, const float* bias, float* y,
+                      int64_t n, int variant);
+// The int8 dot-product variants this CPU runs at this level, best first, null-terminated: "avx512_vnni",
+// "avx_vnni", "avx2", "default".
+const char* const* int8_variants();
+
 // The forward of layer_norm_residual without dropout on raw float32 rows (csrc/cpu/layer_norm_residual.cpp):
 // s = residual + x and y = LayerNorm(s), mean and rstd (R,) written. Row by row each input row is read
 // before that row's outputs are written, so y or s may be the residual itself.
@@ -48,7 +56,7 @@ void search_candidates(const float* logits, int64_t N, int64_t V, const bool* on
 }  // namespace cpu
 
 // Bumped whenever the table's layout changes: a module of another layout is refused at import.
-constexpr int kCpuKernelsAbi = 4;
+constexpr int kCpuKernelsAbi = 5;
 constexpr const char* kCpuKernelsCapsule = "fastformer.cpu_kernels";
 
 struct CpuKernels {
@@ -63,6 +71,8 @@ struct CpuKernels {
   decltype(&cpu::packed_linear) packed_linear;  // the decoder's small-M projections (not an op)
   decltype(&cpu::decoder_step) decoder_step;    // the incremental decoder's whole step (not an op)
   decltype(&cpu::search_candidates) search_candidates;  // the beam search's pass over the vocabulary
+  decltype(&cpu::int8_linear_rows) int8_linear_rows;    // the int8 projections (not an op)
+  decltype(&cpu::int8_variants) int8_variants;
 };
 
 }  // namespace fastformer

@@ -21,6 +21,8 @@ const fastformer::CpuKernels kTable = {
     &fastformer::cpu::packed_linear,
     &fastformer::cpu::decoder_step,
     &fastformer::cpu::search_candidates,
+    &fastformer::cpu::int8_linear_rows,
+    &fastformer::cpu::int8_variants,
 };
 
 }  // namespace

@@ -67,6 +67,14 @@ def length_limit(n: int, a: float, b: float) -> int:
     return max(0, math.floor(a * n + b))
 
 
+def _projection(name: str, weight: Tensor, int8) -> dict[str, Tensor]:
+    """A projection's weight as the C++ step binds it (csrc/decoder.cpp Binder::linear): packed float32
+    panels, or the int8 form of a quantized model."""
+    if int8 is None:
+        return {name + ".panels": packed_panels(weight)}
+    return {name + ".int8_panels": int8.panels, name + ".int8_scale": int8.scale, name + ".int8_colsum": int8.colsum}
+
+
 class _Norm(NamedTuple):
     """A LayerNorm's parameters as ``run_sublayers`` reads them."""
     weight: Tensor
@@ -126,17 +134,19 @@ class IncrementalDecoder:
         for weights in self.weights:
             named = {}
             for w in DECODER_LAYER:
-                weight, bias = weights[w.name]
+                weight, bias, int8 = weights[w.name]
                 if w.kind == "norm":
                     named[w.name + ".weight"], named[w.name + ".bias"] = weight, bias
                 elif w.name != "cross_attn.kv_proj":
-                    named[w.name + ".panels"], named[w.name + ".bias"] = packed_panels(weight), bias
+                    named.update(_projection(w.name, weight, int8))
+                    named[w.name + ".bias"] = bias
             layers.append(named)
         cfg, final = model.config, model.decoder.final_norm
         final_norm = {"final_norm.weight": final.weight, "final_norm.bias": final.bias} if cfg.norm_first else {}
+        output = _projection("output", self.embed, getattr(model, "output_int8", None))
         return C.CpuDecoder(
             layers, [t for kv in self.cross for t in kv], self.src_padding, self.embed,
-            model.positions(steps, torch.float32, cross_k.device).contiguous(), final_norm, packed_panels(self.embed),
+            model.positions(steps, torch.float32, cross_k.device).contiguous(), final_norm, output,
             self.K, self.H, cfg.d_ff, cfg.norm_first, cfg.layer_norm_eps, steps, ACTIVATION)
 
     def select(self, parents: Tensor, sentences: Optional[Tensor]) -> None:
@@ -197,7 +207,7 @@ class IncrementalDecoder:
             return lambda h: linear(activation(linear(h, *w["ffn.fc1"]), inplace=True), *w["ffn.fc2"])
 
         eps = self.model.config.layer_norm_eps
-        norm = lambda w, name: _Norm(*w[name], eps, (d,))  # noqa: E731
+        norm = lambda w, name: _Norm(w[name].weight, w[name].bias, eps, (d,))  # noqa: E731
         sublayers = []
         for index, w in enumerate(self.weights):
             sublayers += [(norm(w, "self_attn_norm"), self_attention(index, w)),
@@ -206,7 +216,7 @@ class IncrementalDecoder:
         decoder = self.model.decoder
         h = run_sublayers(x, sublayers, decoder.final_norm, decoder.config.norm_first, 0.0, self.backend)
         self.turn, self.step_index = 1 - self.turn, t + 1
-        return linear(h, self.embed)
+        return self.model.project(h)  # the embedding, transposed (int8 in a quantized model)
 
 
 class FullRecompute:

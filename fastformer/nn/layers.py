@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from fastformer import ops
 from fastformer.nn.attention import MultiHeadAttention
 from fastformer.nn.config import TransformerConfig
-from fastformer.nn.linear import Linear
+from fastformer.nn.linear import Int8Weight, Linear
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -59,9 +59,16 @@ def activation(x: Tensor, inplace: bool = False) -> Tensor:
     return F.relu(x, inplace=inplace)
 
 
-def decoder_layer_weights(layer: nn.Module, config: TransformerConfig) -> dict[str, tuple[Tensor, Tensor]]:
-    """name -> (weight, bias) of ``DECODER_LAYER``, looked up by name in ``layer``, each checked against its
-    described shape: a renamed or reshaped weight fails here, not as wrong numbers. The parameters
+class BoundWeight(NamedTuple):
+    """One weight of ``DECODER_LAYER`` as bound: ``linear(x, *bound)`` applies a linear one."""
+    weight: Tensor
+    bias: Tensor
+    int8: Optional[Int8Weight]  # a linear layer's int8 form in a quantized model, else None
+
+
+def decoder_layer_weights(layer: nn.Module, config: TransformerConfig) -> dict[str, BoundWeight]:
+    """name -> (weight, bias, int8) of ``DECODER_LAYER``, looked up by name in ``layer``, each checked against
+    its described shape: a renamed or reshaped weight fails here, not as wrong numbers. The parameters
     themselves (not detached copies): the packed panels of fastformer/nn/linear.py are cached per parameter."""
     units = {"d": config.d_model, "2d": 2 * config.d_model, "3d": 3 * config.d_model, "f": config.d_ff}
     out = {}
@@ -73,7 +80,7 @@ def decoder_layer_weights(layer: nn.Module, config: TransformerConfig) -> dict[s
             raise ValueError(f"decoder layer weight {w.name} ({w.kind}) must be {shape} with a bias of "
                              f"{shape[:1]}, got {tuple(weight.shape)} and "
                              f"{None if bias is None else tuple(bias.shape)}")
-        out[w.name] = (weight, bias)
+        out[w.name] = BoundWeight(weight, bias, getattr(module, "int8", None))
     return out
 
 

@@ -86,9 +86,12 @@ class Transformer(nn.Module):
             raise ValueError(f"src and tgt_in batch sizes differ: {src.shape[0]} vs {tgt_in.shape[0]}")
         return self.decoder(self._embed(tgt_in), memory, src_padding)
 
+    output_int8 = None  # the output projection's Int8Weight in a quantized model (fastformer/nn/quantize.py)
+
     def project(self, h: Tensor) -> Tensor:
-        """Logits (..., vocab) of decoder states (..., d): the embedding matrix, transposed."""
-        return linear(h, self.embed.weight)
+        """Logits (..., vocab) of decoder states (..., d): the embedding matrix, transposed (int8 in a quantized
+        model)."""
+        return linear(h, self.embed.weight, None, self.output_int8)
 
     def forward(self, src: Tensor, tgt_in: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         """Logits (B, T, vocab); with a bool ``positions`` mask (B, T), only those positions' logits, (n, vocab)

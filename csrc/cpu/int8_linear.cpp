@@ -1,0 +1,258 @@
+// y = x W^T + b with W quantized to int8 (fastformer.quantize(model, "int8"): the decoder step's projections,
+// csrc/cpu/decoder_step.cpp, and the quantized model's Linear layers, fastformer/nn/linear.py). Compiled per
+// instruction-set level like every CPU kernel; within a level, the best dot-product instruction this CPU has
+// is chosen at run time (int8_variants below).
+//
+// Arithmetic (the same as CTranslate2's int8 on the CPU), checked against a float64 reference of it in
+// tests/nn/test_int8.py:
+//   weight, once (fastformer/nn/quantize.py): per output channel n, s_w[n] = max_k |W[n, k]| / 127 and
+//     Wq[n, k] = round(W[n, k] * (127 / max_k |W[n, k]|)) in [-127, 127];
+//   activations, per call: per row m, s_x[m] = max_k |x[m, k]| / 127 and
+//     xq[m, k] = round-half-even(x[m, k] * (127 / max_k |x[m, k]|)) in [-127, 127] (float32 products);
+//   acc[m, n] = sum_k xq[m, k] Wq[n, k] in int32 (exact; vnni's unsigned sum, up to K 255 127, stays below 2^31 for
+//     K <= 65,536, which the callers check);
+//   y[m, n] = float(acc[m, n]) * (s_x[m] s_w[n]) + b[n] in float32. A row of zeros gives y = b.
+// Shapes: x (M, K) float32; panels (ceil(N / 32), K4 = ceil(K / 4), 32, 4) int8 (csrc/cpu/int8_linear_tile.h
+// has the layout; zeros past N and past K); s_w (N,) float32; colsum[n] = sum_k Wq[n, k] (N,) int32; bias
+// (N,) or none; y (M, N).
+// The dot products (4 byte products summed into an int32 lane):
+//   avx512_vnni: vpdpbusd on 16 lanes (unsigned x signed bytes: the activations go in as xq + 128, and
+//     128 colsum[n] comes off each accumulator);
+//   avx_vnni: the same instruction VEX-encoded on 8 lanes (AVX2-level CPUs that have it);
+//   avx2: |xq| (unsigned) times sign(xq) Wq (signed) with vpmaddubsw, pairs summed to int32 with vpmaddwd:
+//     exact, since a pair is at most 2 x 127 x 127 < 2^15 (no saturation), 3 instructions for vnni's 1;
+//   default: the same tile in plain C++ (baseline x86-64, or any other CPU).
+// Memory traffic: the weight once as bytes (a quarter of float32's), x once (quantized into a buffer of
+// M K bytes), y written once. Panels split over threads as packed_linear's; every output is computed by
+// one thread in a fixed order, so results do not depend on the thread count.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#include "cpu/kernel_table.h"
+
+namespace fastformer::cpu {
+namespace {
+
+constexpr int kInt8Panel = kPackedLinearPanel;  // columns per panel: the float32 panels' width
+
+inline int32_t four_bytes(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// ---- default: plain C++ ------------------------------------------------------------------------
+namespace plain {
+struct Isa {
+  struct Reg { int32_t lane[8]; };
+  struct Row { int8_t byte[4]; };
+  static constexpr int kLanes = 8, kRows = 4;
+  static Reg zero() { return Reg{}; }
+  static Row row(const uint8_t* four) {
+    Row r;
+    std::memcpy(r.byte, four, 4);
+    return r;
+  }
+  static Reg load(const int8_t* w) {
+    Reg r;
+    std::memcpy(r.lane, w, sizeof(r.lane));  // the bytes, reread per lane in dot
+    return r;
+  }
+  static Reg dot(Reg acc, const Row& a, const Reg& w) {
+    int8_t bytes[32];
+    std::memcpy(bytes, w.lane, 32);
+    for (int l = 0; l < 8; ++l)
+      for (int j = 0; j < 4; ++j) acc.lane[l] += int32_t(a.byte[j]) * int32_t(bytes[4 * l + j]);
+    return acc;
+  }
+  static void store(int32_t* out, const Reg& v) { std::memcpy(out, v.lane, sizeof(v.lane)); }
+};
+#include "cpu/int8_linear_tile.h"
+}  // namespace plain
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// ---- avx2: vpmaddubsw + vpmaddwd, exact ---------------------------------------------------------
+namespace avx2 {
+struct Isa {
+  using Reg = __m256i;
+  struct Row { __m256i abs, sign; };
+  static constexpr int kLanes = 8, kRows = 2;
+  static Reg zero() { return _mm256_setzero_si256(); }
+  static Row row(const uint8_t* four) {
+    const __m256i b = _mm256_set1_epi32(four_bytes(four));
+    return {_mm256_abs_epi8(b), b};
+  }
+  static Reg load(const int8_t* w) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)); }
+  static Reg dot(Reg acc, const Row& a, Reg w) {
+    // |x| (<= 127, unsigned) times w with x's sign (signed): x w, pairs <= 2 x 127^2 < 2^15.
+    const __m256i pairs = _mm256_maddubs_epi16(a.abs, _mm256_sign_epi8(w, a.sign));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+  static void store(int32_t* out, Reg v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), v); }
+};
+#include "cpu/int8_linear_tile.h"
+}  // namespace avx2
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512)
+// ---- avx512_vnni: vpdpbusd on zmm (only this region may use the VNNI instructions) -------------
+#pragma GCC push_options
+#pragma GCC target("avx512vnni")
+namespace vnni512 {
+struct Isa {
+  using Reg = __m512i;
+  using Row = __m512i;
+  static constexpr int kLanes = 16, kRows = 4;
+  static Reg zero() { return _mm512_setzero_si512(); }
+  static Row row(const uint8_t* four) { return _mm512_set1_epi32(four_bytes(four)); }
+  static Reg load(const int8_t* w) { return _mm512_loadu_si512(w); }
+  static Reg dot(Reg acc, const Row& a, Reg w) { return _mm512_dpbusd_epi32(acc, a, w); }
+  static void store(int32_t* out, Reg v) { _mm512_storeu_si512(out, v); }
+};
+#include "cpu/int8_linear_tile.h"
+}  // namespace vnni512
+#pragma GCC pop_options
+#elif defined(CPU_CAPABILITY_AVX2)
+// ---- avx_vnni: vpdpbusd VEX-encoded on ymm (only this region may use it) -----------------------
+#pragma GCC push_options
+#pragma GCC target("avxvnni")
+namespace vnni256 {
+struct Isa {
+  using Reg = __m256i;
+  using Row = __m256i;
+  static constexpr int kLanes = 8, kRows = 2;
+  static Reg zero() { return _mm256_setzero_si256(); }
+  static Row row(const uint8_t* four) { return _mm256_set1_epi32(four_bytes(four)); }
+  static Reg load(const int8_t* w) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)); }
+  static Reg dot(Reg acc, const Row& a, Reg w) { return _mm256_dpbusd_avx_epi32(acc, a, w); }
+  static void store(int32_t* out, Reg v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), v); }
+};
+#include "cpu/int8_linear_tile.h"
+}  // namespace vnni256
+#pragma GCC pop_options
+#endif
+
+// One dot-product variant: its name, whether its activations go in unsigned (xq + 128), rows per pass,
+// its tile, and whether this CPU runs it.
+struct Variant {
+  const char* name;
+  int offset;
+  int rows;
+  void (*tile)(int, const uint8_t*, int64_t, int64_t, const int8_t*, int32_t*);
+  bool (*runs)();
+};
+
+bool always() { return true; }
+#if defined(CPU_CAPABILITY_AVX512)
+bool has_avx512_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni");
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+bool has_avx_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avxvnni");
+}
+#endif
+
+// This level's variants, best first.
+const Variant kVariants[] = {
+#if defined(CPU_CAPABILITY_AVX512)
+    {"avx512_vnni", 128, vnni512::Isa::kRows, &vnni512::tile, &has_avx512_vnni},
+    {"avx2", 0, avx2::Isa::kRows, &avx2::tile, &always},
+#elif defined(CPU_CAPABILITY_AVX2)
+    {"avx_vnni", 128, vnni256::Isa::kRows, &vnni256::tile, &has_avx_vnni},
+    {"avx2", 0, avx2::Isa::kRows, &avx2::tile, &always},
+#endif
+    {"default", 0, plain::Isa::kRows, &plain::tile, &always},
+};
+
+// The variants this CPU runs, best first, as a null-terminated list of names (and their table rows).
+struct Runnable {
+  std::vector<const Variant*> variants;
+  std::vector<const char*> names;
+  Runnable() {
+    for (const Variant& v : kVariants) {
+      if (v.runs()) {
+        variants.push_back(&v);
+        names.push_back(v.name);
+      }
+    }
+    names.push_back(nullptr);
+  }
+};
+
+const Runnable& runnable() {
+  static const Runnable r;
+  return r;
+}
+
+// Rows of x (M, K) as bytes q (M, K4 4): xq + offset (see the top), zero-padded past K (offset bytes),
+// and their scales s_x (M,).
+void quantize_rows(const float* x, int64_t M, int64_t K, int offset, uint8_t* q, float* scales) {
+  const int64_t stride = (K + 3) / 4 * 4;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    float amax = 0.0f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+    uint8_t* out = q + m * stride;
+    std::fill(out, out + stride, static_cast<uint8_t>(offset));
+    scales[m] = amax / 127.0f;
+    if (amax == 0.0f) continue;
+    const float inv = 127.0f / amax;
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = std::min(127.0f, std::max(-127.0f, std::nearbyint(row[k] * inv)));
+      out[k] = static_cast<uint8_t>(static_cast<int>(v) + offset);
+    }
+  }
+}
+
+}  // namespace
+
+const char* const* int8_variants() { return runnable().names.data(); }
+
+void int8_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& w, const float* bias, float* y,
+                      int64_t n, int variant) {
+  if (M == 0 || n == 0) return;
+  const Runnable& run = runnable();
+  const Variant& v = *run.variants[variant >= 0 && variant < static_cast<int>(run.variants.size()) ? variant : 0];
+  const int64_t K4 = (K + 3) / 4, stride = K4 * 4;
+  std::vector<uint8_t> q(M * stride);
+  std::vector<float> sx(M);
+  quantize_rows(x, M, K, v.offset, q.data(), sx.data());
+  const int64_t P = (n + kInt8Panel - 1) / kInt8Panel;
+  // As packed_linear: about 64 K-long panel rows of work per task (a byte panel row is 4x cheaper to read,
+  // and the dot product does 4 k a lane).
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * M));
+  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    int32_t acc[4 * kInt8Panel];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kInt8Panel, width = std::min<int64_t>(kInt8Panel, n - n0);
+      const int8_t* panel = w.panels + p * K4 * kInt8Panel * 4;
+      for (int64_t m0 = 0; m0 < M; m0 += v.rows) {
+        const int rows = static_cast<int>(std::min<int64_t>(v.rows, M - m0));
+        v.tile(rows, q.data() + m0 * stride, stride, K4, panel, acc);
+        for (int r = 0; r < rows; ++r) {
+          float* out = y + (m0 + r) * n + n0;
+          const int32_t* a = acc + r * kInt8Panel;
+          const float s = sx[m0 + r];
+          for (int64_t c = 0; c < width; ++c) {
+            const int32_t exact = a[c] - v.offset * w.colsum[n0 + c];
+            out[c] = static_cast<float>(exact) * (s * w.scale[n0 + c]) + (bias != nullptr ? bias[n0 + c] : 0.0f);
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace fastformer::cpu

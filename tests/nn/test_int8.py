@@ -1,0 +1,221 @@
+"""int8 translation: the int8 GEMM (``fastformer._C.int8_linear``, csrc/cpu/int8_linear.cpp) against a float64
+reference of the same quantized arithmetic, for every dot-product variant this CPU runs at the loaded level
+(CI runs this file at every level the machine supports); ``fastformer.quantize`` and its model (the C++
+decoder step in int8 against the Python step over the same quantized weights; the log-probabilities beside
+float32's); bad input."""
+import copy
+
+import pytest
+import torch
+
+import fastformer
+from fastformer._ext import C
+from fastformer.nn import TransformerConfig
+from fastformer.nn.decoding import IncrementalDecoder
+from fastformer.nn.linear import Linear
+from fastformer.nn.quantize import quantize_weight
+from model_reference import varied_model
+from test_model_decoding import make_src
+
+VARIANTS = C.int8_variants()
+SHAPES = [(1, 1, 1), (7, 97, 113), (4, 64, 32), (13, 203, 70), (97, 7, 33), (2, 5, 1), (3, 8, 64)]
+
+
+def quantize_rows_reference(x):
+    """The activations' quantization as the kernel states it: per row s = amax / 127 and
+    q = round-half-even(x (127 / amax)) in [-127, 127], in float32."""
+    amax = x.abs().amax(dim=1)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    return torch.round(x * inv[:, None]).clamp(-127, 127), amax / 127.0
+
+
+def int8_linear_reference(x, weight, bias):
+    """float64 of the quantized arithmetic: Wq per output channel (derived here from W, not from the packed
+    panels), xq per row, exact integer products, then the scales and the bias."""
+    w_amax = weight.abs().amax(dim=1)
+    w_inv = torch.where(w_amax > 0, torch.tensor(127.0) / w_amax, torch.zeros_like(w_amax))
+    wq, sw = torch.round(weight * w_inv[:, None]).clamp(-127, 127), w_amax / 127.0
+    xq, sx = quantize_rows_reference(x)
+    y = (xq.double() @ wq.double().T) * (sx.double()[:, None] * sw.double()[None, :])
+    return y if bias is None else y + bias.double()
+
+
+def make_case(M, K, N, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g) * 3
+    weight = torch.randn(N, K, generator=g) / K ** 0.5
+    if M > 2:
+        x[1] = 0.0  # a row of zeros: y = b
+    if N > 2:
+        weight[2] = 0.0  # a channel of zeros
+    return x, weight, (torch.randn(N, generator=g) if bias else None)
+
+
+def test_this_cpu_runs_a_variant_of_its_level():
+    expected = {"avx512": "avx512_vnni", "avx2": "avx_vnni"}.get(fastformer.cpu_capability())
+    with open("/proc/cpuinfo") as f:
+        flags = set(f.read().split())
+    best = expected if expected and {"avx512_vnni": "avx512_vnni", "avx_vnni": "avx_vnni"}[expected] in flags \
+        else {"avx512": "avx2", "avx2": "avx2"}.get(fastformer.cpu_capability(), "default")
+    assert VARIANTS[0] == best, (VARIANTS, fastformer.cpu_capability())
+    assert VARIANTS[-1] in ("avx2", "default")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("M, K, N", SHAPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_linear_matches_the_float64_reference_of_its_arithmetic(variant, M, K, N, bias):
+    x, weight, b = make_case(M, K, N, bias)
+    q = quantize_weight(weight)
+    y = C.int8_linear(x, q.panels, q.scale, q.colsum, b, N, variant)
+    ref = int8_linear_reference(x, weight, b)
+    # float32 epilogue: the int32 sum rounded to float, times a float32 product of the scales, plus the bias
+    torch.testing.assert_close(y.double(), ref, rtol=2e-6, atol=2e-6 * float(ref.abs().max()) + 1e-7)
+    if M > 2 and b is not None:
+        assert torch.equal(y[1], b)  # a row of zeros gives the bias exactly
+    if N > 2:
+        assert torch.equal(y[:, 2], b[2].expand(M) if b is not None else torch.zeros(M))
+
+
+@pytest.mark.parametrize("M, K, N", SHAPES)
+def test_int8_variants_agree_bit_for_bit(M, K, N):
+    """The same int32 sums, whichever dot-product instruction made them, and the same epilogue."""
+    x, weight, b = make_case(M, K, N, seed=1)
+    q = quantize_weight(weight)
+    outs = [C.int8_linear(x, q.panels, q.scale, q.colsum, b, N, v) for v in VARIANTS]
+    for v, y in zip(VARIANTS[1:], outs[1:]):
+        assert torch.equal(y, outs[0]), (VARIANTS[0], v)
+
+
+def test_int8_linear_does_not_depend_on_the_thread_count():
+    x, weight, b = make_case(64, 203, 1000, seed=2)
+    q = quantize_weight(weight)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(C.int8_linear(x, q.panels, q.scale, q.colsum, b, 1000))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_quantize_weight_packs_and_dequantizes():
+    weight = torch.randn(70, 13)
+    q = quantize_weight(weight)
+    assert q.panels.dtype == torch.int8 and q.panels.shape == (3, 4, 32, 4)
+    assert q.panels.abs().max() <= 127
+    # every weight within half a step of its dequantized value, the largest of a channel exactly +-127 steps
+    assert ((q.weight - weight).abs() <= q.scale[:, None] / 2 * (1 + 1e-5)).all()
+    unpacked = q.panels.transpose(1, 2).reshape(96, 16)[:70, :13].float()
+    torch.testing.assert_close(unpacked * q.scale[:, None], q.weight)
+    assert torch.equal(q.colsum, unpacked.sum(1).int())
+    assert (unpacked.abs().amax(1) == 127).all()
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda x, q, b: C.int8_linear(x.double(), q.panels, q.scale, q.colsum, b, 33), "x must be a 2-D float32"),
+    (lambda x, q, b: C.int8_linear(x, q.panels.float(), q.scale, q.colsum, b, 33), "panels must be int8"),
+    (lambda x, q, b: C.int8_linear(x, q.panels, q.scale, q.colsum, b, 65), "panels must be int8"),
+    (lambda x, q, b: C.int8_linear(x[:, :4], q.panels, q.scale, q.colsum, b, 33), "panels must be int8"),
+    (lambda x, q, b: C.int8_linear(x, q.panels, q.scale.double(), q.colsum, b, 33), "scale must be a float32"),
+    (lambda x, q, b: C.int8_linear(x, q.panels, q.scale, q.colsum.long(), b, 33), "colsum must be an int32"),
+    (lambda x, q, b: C.int8_linear(x, q.panels, q.scale, q.colsum, b[:5], 33), "bias must be a float32"),
+    (lambda x, q, b: C.int8_linear(x, q.panels, q.scale, q.colsum, b, 33, "sse9"), 'variant "sse9" does not run'),
+    (lambda x, q, b: C.int8_linear(torch.zeros(1, 65537), q.panels, q.scale, q.colsum, b, 33), "at most 65,536"),
+])
+def test_int8_linear_bad_arguments_raise(call, message):
+    x, weight, b = make_case(4, 7, 33)
+    with pytest.raises(ValueError, match=message):
+        call(x, quantize_weight(weight), b)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The quantized model
+
+CONFIG = TransformerConfig.tiny(d_model=64, n_heads=4, d_ff=96, vocab_size=97)
+
+
+def test_quantize_copies_the_model_and_quantizes_every_projection():
+    model = varied_model(CONFIG, "cpu", seed=4, dtype=torch.float32)
+    before = copy.deepcopy(model.state_dict())
+    quantized = fastformer.quantize(model, "int8")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the original untouched
+    linears = [m for m in quantized.modules() if isinstance(m, Linear)]
+    assert linears and all(m.int8 is not None and m.weight is m.int8.weight for m in linears)
+    assert quantized.output_int8 is not None and quantized.quantization == "int8"
+    assert not any(p.requires_grad for p in quantized.parameters())
+    # the Linear layers hold the dequantized weights
+    layer = quantized.decoder.layers[0].ffn.fc1
+    assert torch.equal(layer.weight, quantize_weight(model.decoder.layers[0].ffn.fc1.weight).weight)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda m: fastformer.quantize(m, "int4"), "dtype must be one of int8, got 'int4'"),
+    (lambda m: fastformer.quantize(m.double(), "int8"), "int8 runs on the CPU in float32"),
+    (lambda m: fastformer.quantize(fastformer.quantize(m)), "already quantized"),
+    (lambda m: fastformer.quantize(torch.nn.Linear(2, 2)), "expected a fastformer.nn.Transformer"),
+])
+def test_quantize_bad_arguments_raise(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(varied_model(CONFIG, "cpu", seed=4, dtype=torch.float32))
+
+
+def test_cpp_int8_step_matches_the_python_int8_step():
+    """The C++ decoder step (int8 projections inside the step) against the Python step (backend "torch":
+    each projection one C.int8_linear call) over the same quantized model and rows, through beam reorders."""
+    model = fastformer.quantize(varied_model(CONFIG, "cpu", seed=4, dtype=torch.float32))
+    python_model = copy.copy(model)
+    python_model.backend = "torch"
+    K, lengths, steps = 2, [5, 3, 6], 5
+    src = make_src(CONFIG, lengths)
+    with torch.no_grad():
+        native = IncrementalDecoder(model, *model.encode(src), K, steps)
+        python = IncrementalDecoder(python_model, *model.encode(src), K, steps)
+        assert native.native is not None and python.native is None
+        prefixes = torch.full((len(lengths) * K, 1), CONFIG.bos_id)
+        generator = torch.Generator().manual_seed(0)
+        for step in range(steps):
+            # both in float32, and an activation's quantization step can fall either side of a rounding
+            # boundary when the float32 attention and LayerNorm before it round differently
+            a, b = native.logits(prefixes), python.logits(prefixes)
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3 * float(b.abs().max()), msg=f"step {step}")
+            parents = torch.tensor([i * K + int(torch.randint(0, K, (), generator=generator))
+                                    for i in range(len(lengths)) for _ in range(K)])
+            prefixes = torch.cat([prefixes[parents], torch.randint(4, CONFIG.vocab_size, (len(parents), 1),
+                                                                   generator=generator)], dim=1)
+            native.select(parents, None)
+            python.select(parents, None)
+
+
+# The quantized model's log-probabilities beside float32's, teacher-forced over random targets: the bound
+# this test states (docs/decoding.md repeats it). Each projection's inputs and weights carry a relative
+# rounding error of at most 1/254 of their row's or channel's largest magnitude.
+MEAN_LOGPROB_BOUND, MAX_LOGPROB_BOUND = 0.05, 0.5
+
+
+def test_quantized_log_probabilities_stay_near_float32():
+    model = varied_model(CONFIG, "cpu", seed=4, dtype=torch.float32)
+    quantized = fastformer.quantize(model)
+    src = make_src(CONFIG, [9, 7, 12, 5])
+    tgt = torch.randint(4, CONFIG.vocab_size, (4, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        lp = torch.log_softmax(model(src, tgt).double(), -1)
+        lq = torch.log_softmax(quantized(src, tgt).double(), -1)
+    diff = (lp - lq).abs()
+    assert float(diff.mean()) < MEAN_LOGPROB_BOUND and float(diff.max()) < MAX_LOGPROB_BOUND, \
+        (float(diff.mean()), float(diff.max()))
+    assert float(diff.max()) > 0  # the int8 path ran
+
+
+def test_quantized_generate_takes_the_float_models_arguments():
+    model = varied_model(CONFIG, "cpu", seed=4, dtype=torch.float32)
+    quantized = fastformer.quantize(model)
+    src = make_src(CONFIG, [9, 7, 12, 5])
+    for kwargs in ({}, {"beam_size": 1}, {"beam_size": 3, "length_penalty": 1.0, "max_len_a": 1.0, "max_len_b": 4}):
+        out = quantized.generate(src, **kwargs)
+        assert len(out) == 4 and all(isinstance(t, int) for hyp in out for t in hyp)
+    # most sentences translate as the float model does (random weights: not all)
+    same = sum(a == b for a, b in zip(quantized.generate(src), model.generate(src)))
+    assert same >= 2, same
