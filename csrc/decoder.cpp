@@ -35,9 +35,18 @@ namespace {
 
 using Named = std::map<std::string, Tensor>;
 
+const char* dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kChar: return "int8";
+    case at::kInt: return "int32";
+    default: return c10::toString(t);
+  }
+}
+
 void check_tensor(const Tensor& t, at::ScalarType dtype, std::vector<int64_t> shape, const std::string& name) {
   TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous() && t.sizes().vec() == shape,
-                    "fastformer CpuDecoder: ", name, " must be a contiguous ", c10::toString(dtype),
+                    "fastformer CpuDecoder: ", name, " must be a contiguous ", dtype_name(dtype),
                     " CPU tensor of shape ", c10::IntArrayRef(shape), ", got ", t.scalar_type(), " ", t.sizes(),
                     " on ", t.device(), t.is_contiguous() ? "" : " (not contiguous)");
 }

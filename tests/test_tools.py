@@ -21,3 +21,21 @@ def test_profile_step_reports_both_models(tmp_path):
     # Each profile is of its own step: the fused loss in fastformer's, PyTorch's in the baseline's.
     assert "fastformer::cross_entropy_fwd" in ours and "fastformer::" not in theirs
     assert "aten::cross_entropy_loss" in theirs
+
+
+def test_translation_report_scores_every_engine(tmp_path):
+    """tools/translation_report.py on the tiny trained checkpoint of tests/data: a table per batch size with
+    BLEU, chrF and time for fastformer float32 and int8 (and CTranslate2's two where it is installed)."""
+    spec = importlib.util.spec_from_file_location("translation_report", ROOT / "tools" / "translation_report.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "translation.md"
+    tool.main([str(ROOT / "tests" / "data" / "tiny-bible-de-en.pt"), "--batch", "1", "3", "--limit", "5",
+               "-o", str(out)])
+    report = out.read_text()
+    assert "commit " in report.splitlines()[0] and "5 test sentences" in report
+    for size in (1, 3):
+        assert f"Batch {size}:" in report
+    rows = [line for line in report.splitlines() if line.startswith("| fastformer int8 |")]
+    assert len(rows) == 2 and all(row.endswith("| 1.00x |") for row in rows)
+    assert report.count("| fastformer float32 |") == 2

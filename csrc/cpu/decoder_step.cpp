@@ -18,8 +18,9 @@
 //   cross-attention: q = in W_q^T + b; per (row, head) one query against the S keys of its sentence
 //     (row / K), padding masked (a fully masked row gives zeros); out projection.
 //   feed-forward: relu(in W_1^T + b_1) W_2^T + b_2.
-// Every projection is packed_linear_rows (the weight streamed once from its panels): at a few rows the step
-// is a stream of the decoder's weights and of the embedding. The attentions read the caches once.
+// Every projection is packed_linear_rows (the weight streamed once from its panels), or int8_linear_rows in a
+// quantized model (a quarter of the bytes): at a few rows the step is a stream of the decoder's weights and
+// of the embedding. The attentions read the caches once.
 // Attention math per (row, head), scale = 1/sqrt(Dh): s_j = (q . k_j) scale, m = max_j s_j,
 // out = sum_j e^(s_j - m) v_j / sum_j e^(s_j - m), in float, over rows x heads split across threads; the
 // cache reads are t + 1 keys and values of Dh floats a (row, head), each contiguous.

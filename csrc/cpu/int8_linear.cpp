@@ -26,6 +26,8 @@
 // M K bytes), y written once. Panels split over threads as packed_linear's; every output is computed by
 // one thread in a fixed order, so results do not depend on the thread count.
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <cmath>
@@ -197,23 +199,36 @@ const Runnable& runnable() {
 }
 
 // Rows of x (M, K) as bytes q (M, K4 4): xq + offset (see the top), zero-padded past K (offset bytes),
-// and their scales s_x (M,).
+// and their scales s_x (M,). Vectorized (at::vec: abs, max, multiply, round-half-even, clamp), rows split
+// over threads; a row's bytes depend on that row alone.
 void quantize_rows(const float* x, int64_t M, int64_t K, int offset, uint8_t* q, float* scales) {
+  using Vec = at::vec::Vectorized<float>;
   const int64_t stride = (K + 3) / 4 * 4;
-  for (int64_t m = 0; m < M; ++m) {
-    const float* row = x + m * K;
-    float amax = 0.0f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
-    uint8_t* out = q + m * stride;
-    std::fill(out, out + stride, static_cast<uint8_t>(offset));
-    scales[m] = amax / 127.0f;
-    if (amax == 0.0f) continue;
-    const float inv = 127.0f / amax;
-    for (int64_t k = 0; k < K; ++k) {
-      const float v = std::min(127.0f, std::max(-127.0f, std::nearbyint(row[k] * inv)));
-      out[k] = static_cast<uint8_t>(static_cast<int>(v) + offset);
+  at::parallel_for(0, M, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, K)), [&](int64_t m0, int64_t m1) {
+    alignas(64) float chunk[256];
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* row = x + m * K;
+      const float amax = at::vec::map_reduce_all<float>([](Vec v) { return v.abs(); },
+                                                        [](Vec a, Vec b) { return at::vec::maximum(a, b); }, row, K);
+      uint8_t* out = q + m * stride;
+      std::fill(out + K, out + stride, static_cast<uint8_t>(offset));
+      scales[m] = amax / 127.0f;
+      if (!(amax > 0.0f)) {  // a row of zeros (or NaN): xq = 0
+        std::fill(out, out + K, static_cast<uint8_t>(offset));
+        continue;
+      }
+      const Vec inv(127.0f / amax), lo(-127.0f), hi(127.0f);
+      for (int64_t k0 = 0; k0 < K; k0 += 256) {
+        const int64_t n = std::min<int64_t>(256, K - k0);
+        at::vec::map([&](Vec v) { return at::vec::clamp((v * inv).round(), lo, hi); }, chunk, row + k0, n);
+        // local copies: a store through uint8_t* may alias anything, so a captured offset would be reloaded
+        // every byte and the loop would not vectorize
+        const int32_t off = offset;
+        uint8_t* __restrict dst = out + k0;
+        for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<uint8_t>(static_cast<int32_t>(chunk[j]) + off);
+      }
     }
-  }
+  });
 }
 
 }  // namespace
@@ -230,9 +245,9 @@ void int8_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& w,
   std::vector<float> sx(M);
   quantize_rows(x, M, K, v.offset, q.data(), sx.data());
   const int64_t P = (n + kInt8Panel - 1) / kInt8Panel;
-  // As packed_linear: about 64 K-long panel rows of work per task (a byte panel row is 4x cheaper to read,
-  // and the dot product does 4 k a lane).
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * M));
+  // packed_linear's grain (about 64 K-long panel rows of work per task) times 4: a panel row of bytes is a
+  // quarter of float32's to read, and one dot-product instruction does 4 k a lane.
+  const int64_t grain = std::max<int64_t>(1, 262144 / std::max<int64_t>(1, K * M));
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
     int32_t acc[4 * kInt8Panel];
     for (int64_t p = p0; p < p1; ++p) {

@@ -219,3 +219,38 @@ def test_quantized_generate_takes_the_float_models_arguments():
     # most sentences translate as the float model does (random weights: not all)
     same = sum(a == b for a, b in zip(quantized.generate(src), model.generate(src)))
     assert same >= 2, same
+
+
+def test_cpp_decoder_binds_int8_projections_by_name():
+    """A quantized model's projections cross into the C++ step as "<name>.int8_panels", "<name>.int8_scale" and
+    "<name>.int8_colsum" (the output projection as "output.int8_*"), each checked like the float32 panels."""
+    model = fastformer.quantize(varied_model(CONFIG, "cpu", seed=4, dtype=torch.float32))
+    caught = {}
+
+    class Catch:
+        def __init__(self, *args):
+            caught["args"] = list(args)
+
+    with torch.no_grad():
+        memory, src_padding = model.encode(make_src(CONFIG, [3, 2]))
+        real, C.CpuDecoder = C.CpuDecoder, Catch
+        try:
+            IncrementalDecoder(model, memory, src_padding, 2, steps=2)
+        finally:
+            C.CpuDecoder = real
+    args = caught["args"]
+    assert set(args[6]) == {"output.int8_panels", "output.int8_scale", "output.int8_colsum"}
+    assert "ffn.fc1.int8_panels" in args[0][0] and "ffn.fc1.panels" not in args[0][0]
+    C.CpuDecoder(*args)  # as given: accepted
+    layers = [dict(w) for w in args[0]]
+    layers[0]["ffn.fc1.int8_panels"] = layers[0]["ffn.fc2.int8_panels"]
+    with pytest.raises(ValueError, match="ffn.fc1.int8_panels must be a contiguous int8 CPU tensor of shape"):
+        C.CpuDecoder(layers, *args[1:])
+    layers = [dict(w) for w in args[0]]
+    layers[0]["ffn.fc1.int8_scale"] = layers[0]["ffn.fc1.int8_scale"].double()
+    with pytest.raises(ValueError, match="ffn.fc1.int8_scale must be a contiguous float32"):
+        C.CpuDecoder(layers, *args[1:])
+    layers = [dict(w) for w in args[0]]
+    del layers[0]["ffn.fc1.int8_colsum"]
+    with pytest.raises(ValueError, match='has no weight "ffn.fc1.int8_colsum"'):
+        C.CpuDecoder(layers, *args[1:])

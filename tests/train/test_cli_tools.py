@@ -64,6 +64,26 @@ def test_evaluate_prints_bleu_chrf_and_signature(run_dir):
     assert text.returncode == 0 and "BLEU signature: nrefs:1" in text.stdout and "chrF" in text.stdout
 
 
+def test_translate_and_evaluate_quantize_int8(run_dir, tmp_path):
+    """--quantize int8 translates with fastformer.quantize's model: line-aligned output, a BLEU near the
+    float32 model's on the same sentences (a 30-step tiny model: near-zero BLEU either way, so the check is
+    loose; docs/results/ holds the trained model's), and a clear error on CUDA."""
+    done = run("fastformer.translate", "--checkpoint", str(run_dir), "--quantize", "int8", "--beam", "2",
+               stdin="Im Anfang schuf Gott die Himmel und die Erde.\nUnd Gott sprach.\n")
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.splitlines()) == 2 and "translated 2 sentences" in done.stderr
+    scores = {}
+    for quantize in ([], ["--quantize", "int8"]):
+        out = run("fastformer.evaluate", "--checkpoint", str(run_dir), "--split", "test", "--beam", "1", "--json",
+                  "--limit", "20", *quantize)
+        assert out.returncode == 0, out.stderr
+        scores[bool(quantize)] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert scores[True]["sentences"] == 20 and abs(scores[True]["chrf"] - scores[False]["chrf"]) < 10, scores
+    refused = run("fastformer.translate", "--checkpoint", str(run_dir), "--quantize", "int8", "--device", "cuda",
+                  stdin="Und Gott sprach.\n")
+    assert refused.returncode != 0 and "--quantize int8 runs on the CPU; use --device cpu" in refused.stderr
+
+
 def test_visualize_writes_one_png_per_layer(run_dir, tmp_path):
     done = run("fastformer.visualize", "--checkpoint", str(run_dir), "--text", "Und Gott sprach.",
                "--out", str(tmp_path / "att.png"), "--beam", "1")
