@@ -94,6 +94,10 @@ void attend_head(const float* q, KeyAt key, ValueAt value, const bool* mask, int
   }
 }
 
+// The grain of a parallel loop over (row, head) pairs that each attend to L keys of Dh: at least 16 pairs,
+// and at least 64K multiply-adds (2 L Dh a pair) a task.
+int64_t attention_grain(int64_t L, int64_t Dh) { return std::max<int64_t>(16, 32768 / std::max<int64_t>(1, L * Dh)); }
+
 }  // namespace
 
 void decoder_step(const DecoderStep& s) {
@@ -103,10 +107,12 @@ void decoder_step(const DecoderStep& s) {
   std::vector<float> x(N * d), h(s.norm_first ? N * d : 0), qkv(N * 3 * d), a(N * d), y(N * d), u(N * s.d_ff);
   std::vector<float> stats(2 * N), scratch(s.norm_first ? 0 : N * d);  // mean, rstd; post-norm's s
 
-  for (int64_t r = 0; r < N; ++r) {
-    const float* e = s.embed + s.tokens[r] * d;
-    for (int64_t j = 0; j < d; ++j) x[r * d + j] = e[j] * s.embed_scale + s.position_row[j];
-  }
+  at::parallel_for(0, N, 32, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* e = s.embed + s.tokens[r] * d;
+      for (int64_t j = 0; j < d; ++j) x[r * d + j] = e[j] * s.embed_scale + s.position_row[j];
+    }
+  });
   // The LayerNorms are layer_norm_residual's kernel: LayerNorm(residual + branch).
   auto layer_norm = [&](const float* branch, const float* weight, const float* bias, float* out, float* sum) {
     layer_norm_residual_rows(branch, x.data(), weight, bias, out, sum, stats.data(), stats.data() + N, N, d, s.eps);
@@ -136,14 +142,18 @@ void decoder_step(const DecoderStep& s) {
     // Self-attention: this position's k, v into cache row r, then one query per (row, head) against the
     // row's t + 1 keys: position j < t of row r lives in cache row slots[r T + j], position t in row r.
     project(in, N, d, layer.qkv, qkv.data(), 3 * d, s.int8_variant);
-    for (int64_t r = 0; r < N; ++r) {
-      for (int64_t hd = 0; hd < H; ++hd) {
-        const int64_t cell = ((r * H + hd) * T + t) * Dh;
-        std::copy_n(qkv.data() + r * 3 * d + d + hd * Dh, Dh, layer.k_cache + cell);
-        std::copy_n(qkv.data() + r * 3 * d + 2 * d + hd * Dh, Dh, layer.v_cache + cell);
+    at::parallel_for(0, N, 32, [&](int64_t r0, int64_t r1) {  // rows split over threads, as everything a step does
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t hd = 0; hd < H; ++hd) {
+          const int64_t cell = ((r * H + hd) * T + t) * Dh;
+          std::copy_n(qkv.data() + r * 3 * d + d + hd * Dh, Dh, layer.k_cache + cell);
+          std::copy_n(qkv.data() + r * 3 * d + 2 * d + hd * Dh, Dh, layer.v_cache + cell);
+        }
       }
-    }
-    at::parallel_for(0, N * H, 16, [&](int64_t begin, int64_t end) {
+    });
+    // (row, head) pairs split over threads once there are about 64K multiply-adds of keys and values per
+    // task (below that, waking a second thread costs more than it saves: batch 1)
+    at::parallel_for(0, N * H, attention_grain(t + 1, Dh), [&](int64_t begin, int64_t end) {
       std::vector<float> scores(t + 1);
       for (int64_t i = begin; i < end; ++i) {
         const int64_t r = i / H, hd = i % H;
@@ -159,7 +169,7 @@ void decoder_step(const DecoderStep& s) {
 
     // Cross-attention: the K beams of sentence r / K against that sentence's S keys.
     project(in, N, d, layer.cross_q, qkv.data(), d, s.int8_variant);
-    at::parallel_for(0, N * H, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, N * H, attention_grain(S, Dh), [&](int64_t begin, int64_t end) {
       std::vector<float> scores(S);
       for (int64_t i = begin; i < end; ++i) {
         const int64_t r = i / H, hd = i % H, sentence = r / K;
@@ -176,7 +186,9 @@ void decoder_step(const DecoderStep& s) {
 
     // Feed-forward.
     project(in, N, d, layer.fc1, u.data(), s.d_ff, s.int8_variant);
-    for (float& v : u) v = std::max(v, 0.0f);
+    at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+      for (float* v = u.data() + r0 * s.d_ff; v != u.data() + r1 * s.d_ff; ++v) *v = std::max(*v, 0.0f);
+    });
     project(u.data(), N, s.d_ff, layer.fc2, y.data(), d, s.int8_variant);
     residual(l, 2);
   }

@@ -256,13 +256,19 @@ void int8_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& w,
       for (int64_t m0 = 0; m0 < M; m0 += v.rows) {
         const int rows = static_cast<int>(std::min<int64_t>(v.rows, M - m0));
         v.tile(rows, q.data() + m0 * stride, stride, K4, panel, acc);
+        // The epilogue, on local restrict pointers so that it vectorizes.
+        const int32_t off = v.offset;
+        const int32_t* __restrict colsum = w.colsum + n0;
+        const float* __restrict sw = w.scale + n0;
         for (int r = 0; r < rows; ++r) {
-          float* out = y + (m0 + r) * n + n0;
-          const int32_t* a = acc + r * kInt8Panel;
+          float* __restrict out = y + (m0 + r) * n + n0;
+          const int32_t* __restrict a = acc + r * kInt8Panel;
           const float s = sx[m0 + r];
-          for (int64_t c = 0; c < width; ++c) {
-            const int32_t exact = a[c] - v.offset * w.colsum[n0 + c];
-            out[c] = static_cast<float>(exact) * (s * w.scale[n0 + c]) + (bias != nullptr ? bias[n0 + c] : 0.0f);
+          if (bias != nullptr) {
+            const float* __restrict b = bias + n0;
+            for (int64_t c = 0; c < width; ++c) out[c] = static_cast<float>(a[c] - off * colsum[c]) * (s * sw[c]) + b[c];
+          } else {
+            for (int64_t c = 0; c < width; ++c) out[c] = static_cast<float>(a[c] - off * colsum[c]) * (s * sw[c]);
           }
         }
       }
