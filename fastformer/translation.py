@@ -77,7 +77,8 @@ def add_decoding_arguments(parser) -> None:
                              "tokens before its eos")
     parser.add_argument("--max-len-b", type=cli.int_at_least(1), default=decoding.MAX_LEN_B, help="see --max-len-a (>= 1)")
     parser.add_argument("--backend", help="fastformer op backend (default: the best for the device)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when a GPU is visible, else cpu; cpu with "
+                                         "--quantize)")
 
 
 def add_quantize_argument(parser) -> None:
@@ -90,12 +91,15 @@ def add_quantize_argument(parser) -> None:
 
 
 def load_for_translation(prog: str, args):
-    """The checkpoint's model (quantized if --quantize), tokenizer and state, for translate and evaluate;
-    a bad checkpoint or a bad combination of flags ends the program with its message."""
+    """The checkpoint's model (quantized if --quantize), tokenizer and state, for translate and evaluate; sets
+    args.device when it was not given. A bad checkpoint or a bad combination of flags ends the program with
+    its message."""
     from fastformer import checkpoint as ckpt
     from fastformer.nn.quantize import quantize
 
-    if args.quantize and args.device != "cpu":
+    if args.device is None:
+        args.device = "cpu" if args.quantize or not torch.cuda.is_available() else "cuda"
+    if args.quantize and torch.device(args.device).type != "cpu":
         raise SystemExit(f"{prog}: error: --quantize {args.quantize} runs on the CPU; use --device cpu")
     model, tokenizer, state = ckpt.load_model_or_exit(args.checkpoint, backend=args.backend, device=args.device)
     if args.quantize:

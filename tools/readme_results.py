@@ -6,6 +6,7 @@ figure that no command made:
     python benchmarks/to_markdown.py out.json -o docs/results/cpu-benchmarks.md      # the kernels, the step
     pytest benchmarks/test_decoding.py --benchmark-only --benchmark-json dec.json
     python benchmarks/to_markdown.py dec.json -o docs/results/decoding.md            # beside CTranslate2
+    python tools/translation_report.py RUN_DIR -o docs/results/translation.md        # BLEU and speed, int8
     python tools/readme_results.py                                                   # README's block
 
 Each generated file opens with the line that names its machine, CPU kernel level, torch, commit, date and
@@ -22,8 +23,11 @@ RESULTS = ROOT / "docs" / "results"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 # file, title, whether README shows the whole file (else its provenance line and a link)
 SECTIONS = (("main-job.md", "The main job, `python -m fastformer.train`", True),
-            ("decoding.md", "Decoding beside CTranslate2 and a plain-PyTorch decoder: float32, one CPU thread (the header "
-                            "names the machine's threads), fastformer's speedup measured side by side in one run", True),
+            ("translation.md", "The main job's model translating its test split, float32 and int8, beside CTranslate2 "
+                               "(engines taking turns batch by batch in one run)", True),
+            ("decoding.md", "Decoding beside CTranslate2 and a plain-PyTorch decoder, random models of the small and "
+                            "base configs: float32 and int8, batch 1 and 32, beam 1 and 4, 1 and 2 threads, side by "
+                            "side in one run", False),
             ("cpu-benchmarks.md", "Every CPU kernel and the training step beside the PyTorch code they replace", False))
 
 

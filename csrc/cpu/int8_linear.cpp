@@ -19,9 +19,12 @@
 //   avx512_vnni: vpdpbusd on 16 lanes (unsigned x signed bytes: the activations go in as xq + 128, and
 //     128 colsum[n] comes off each accumulator);
 //   avx_vnni: the same instruction VEX-encoded on 8 lanes (AVX2-level CPUs that have it);
-//   avx2: |xq| (unsigned) times sign(xq) Wq (signed) with vpmaddubsw, pairs summed to int32 with vpmaddwd:
-//     exact, since a pair is at most 2 x 127 x 127 < 2^15 (no saturation), 3 instructions for vnni's 1;
-//   default: the same tile in plain C++ (baseline x86-64, or any other CPU).
+//   avx2: |xq| (unsigned) times sign(xq) Wq (signed, vpsignb) with vpmaddubsw, pairs summed to int32 with
+//     vpmaddwd, then vpaddd: exact, since a pair is at most 2 x 127 x 127 < 2^15 (no saturation); 4
+//     instructions for vnni's 1;
+//   default: the same tile in plain C++ (in every level's list; the only one at the baseline level).
+// The VNNI variants are compiled into the avx2 and avx512 modules under `#pragma GCC target` (only their
+// region may use the instructions) and chosen only after __builtin_cpu_supports says the CPU has them.
 // Memory traffic: the weight once as bytes (a quarter of float32's), x once (quantized into a buffer of
 // M K bytes), y written once. Panels split over threads as packed_linear's; every output is computed by
 // one thread in a fixed order, so results do not depend on the thread count.
