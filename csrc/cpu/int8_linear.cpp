@@ -36,6 +36,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -244,9 +245,9 @@ void int8_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& w,
   const Runnable& run = runnable();
   const Variant& v = *run.variants[variant >= 0 && variant < static_cast<int>(run.variants.size()) ? variant : 0];
   const int64_t K4 = (K + 3) / 4, stride = K4 * 4;
-  std::vector<uint8_t> q(M * stride);
+  std::unique_ptr<uint8_t[]> q(new uint8_t[M * stride]);  // every byte written by quantize_rows
   std::vector<float> sx(M);
-  quantize_rows(x, M, K, v.offset, q.data(), sx.data());
+  quantize_rows(x, M, K, v.offset, q.get(), sx.data());
   const int64_t P = (n + kInt8Panel - 1) / kInt8Panel;
   // packed_linear's grain (about 64 K-long panel rows of work per task) times 4: a panel row of bytes is a
   // quarter of float32's to read, and one dot-product instruction does 4 k a lane.
@@ -258,7 +259,7 @@ void int8_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& w,
       const int8_t* panel = w.panels + p * K4 * kInt8Panel * 4;
       for (int64_t m0 = 0; m0 < M; m0 += v.rows) {
         const int rows = static_cast<int>(std::min<int64_t>(v.rows, M - m0));
-        v.tile(rows, q.data() + m0 * stride, stride, K4, panel, acc);
+        v.tile(rows, q.get() + m0 * stride, stride, K4, panel, acc);
         // The epilogue, on local restrict pointers so that it vectorizes.
         const int32_t off = v.offset;
         const int32_t* __restrict colsum = w.colsum + n0;

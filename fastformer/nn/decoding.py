@@ -143,7 +143,7 @@ class IncrementalDecoder:
             layers.append(named)
         cfg, final = model.config, model.decoder.final_norm
         final_norm = {"final_norm.weight": final.weight, "final_norm.bias": final.bias} if cfg.norm_first else {}
-        output = _projection("output", self.embed, getattr(model, "output_int8", None))
+        output = _projection("output", self.embed, model.output_int8)
         return C.CpuDecoder(
             layers, [t for kv in self.cross for t in kv], self.src_padding, self.embed,
             model.positions(steps, torch.float32, cross_k.device).contiguous(), final_norm, output,
