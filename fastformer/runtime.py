@@ -145,6 +145,8 @@ def provenance() -> dict:
     spec = getattr(main, "__spec__", None)
     if spec is not None and spec.name:
         argv = ["python", "-m", spec.name.removesuffix(".__main__")] + argv[1:]
+    elif argv and argv[0].endswith(".py"):  # a script: python tools/x.py ...
+        argv = ["python"] + argv
     return {"cpu": _cpu_model(), "cpu_level": fastformer.cpu_capability(), "cores": os.cpu_count(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "commit": _source_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
