@@ -18,7 +18,13 @@ pytest-benchmark times ``generate``; then the contenders run in alternating shor
 median ms per sentence, tokens/s and the 90th percentile of a call's time (at batch 1: a sentence's
 latency), and fastformer's speed ratio over each ("x plain", "x ctranslate2": above 1 means fastformer
 is faster).
+
+``test_decoding_threads`` measures thread scaling apart from the engines: fastformer's ``generate`` (float32
+and int8, batch 1 and 32, beam 4) at 1 and 2 threads beside a large float32 GEMM at 1 and 2 threads, in
+alternating turns, and reports decoding's speed-up as a share of the GEMM's (benchmarks/to_markdown.py
+renders them as a table of their own).
 """
+import os
 import statistics
 import time
 
@@ -132,3 +138,71 @@ def test_decoding(bench, ctx, size, batch, beam, compute, tmp_path, threads):
     for name in contenders:
         if name != "fastformer":
             info[f"x {name}"] = median[name] / median["fastformer"]
+
+
+GEMM_SIZE = 2048  # the large float32 GEMM beside which thread scaling is judged (torch.mm, n x n x n)
+
+
+@pytest.mark.parametrize("compute", ["float32", "int8"])
+@pytest.mark.parametrize("batch", [1, 32])
+def test_decoding_threads(bench, ctx, size, batch, compute):
+    """Thread scaling: ``generate`` (beam 4, the setup of test_decoding) at 1 and at 2 threads, beside a large
+    float32 GEMM (torch.mm, GEMM_SIZE^3) at 1 and at 2 threads, in alternating turns of one run, each after a
+    0.2 s pause. extra_info gets the median time of each at each thread count, each one's speed-up
+    (the median over turns of a turn's 1-thread time / its 2-thread time) and decoding's speed-up as a
+    share of the GEMM's: how well decoding uses a second core compared with what the machine gives a
+    compute-bound kernel (target: at least 90% at batch 32; at batch 1, not slower at 2 threads than at
+    1). pytest-benchmark times ``generate`` at 2 threads."""
+    if ctx.device.type != "cpu":
+        pytest.skip("thread scaling is a CPU measurement")
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("thread scaling needs at least 2 CPU cores")
+    smoke = size == "tiny"
+    config = getattr(TransformerConfig, size)(vocab_size=1000 if smoke else 8000)
+    length = 4 if smoke else 30
+    torch.manual_seed(0)
+    model = Transformer(config).eval()
+    with torch.no_grad():
+        model.embed.weight[config.eos_id].zero_()
+    if compute == "int8":
+        model = fastformer.quantize(model, "int8")
+    src = torch.randint(4, config.vocab_size, (batch, SOURCE_LENGTH))
+    src[:, -1] = config.eos_id
+    generate = lambda: model.generate(src, beam_size=4, length_penalty=LENGTH_PENALTY, max_len_a=0.0,  # noqa: E731
+                                      max_len_b=length)
+    n = 64 if smoke else GEMM_SIZE
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    gemm = lambda: torch.mm(a, b)  # noqa: E731
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        shape = f"{size}, batch {batch}, beam 4, {SOURCE_LENGTH} -> {length} tokens, {compute}"
+        bench(generate, op="threads", shape=shape, pass_="generate", impl="fastformer",
+              per_second={"sentences/s": batch})
+        if smoke or bench.benchmark.disabled:
+            return
+        times = {(name, threads): [] for name in ("decoding", "gemm") for threads in (1, 2)}
+        for threads in (1, 2):  # warm-up at each thread count
+            torch.set_num_threads(threads)
+            generate(), gemm()
+        for _ in range(5):
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for name, fn in (("gemm", gemm), ("decoding", generate)):
+                    time.sleep(0.2)
+                    start = time.perf_counter()
+                    fn()
+                    times[name, threads].append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    # Each turn's speed-up (its 1-thread time over its 2-thread time), then their median: a shared machine's
+    # slow spells hit both halves of a turn alike.
+    speedup = {name: statistics.median(one / two for one, two in zip(times[name, 1], times[name, 2]))
+               for name in ("decoding", "gemm")}
+    info = bench.benchmark.extra_info
+    for name in ("decoding", "gemm"):
+        info[f"{name} ms"] = {str(threads): 1e3 * statistics.median(times[name, threads]) for threads in (1, 2)}
+        info[f"{name} speed-up"] = speedup[name]
+    info["gemm"] = f"{n} x {n} x {n} float32, torch.mm"
+    info["share of gemm's speed-up"] = speedup["decoding"] / speedup["gemm"]

@@ -129,12 +129,35 @@ def overhead_table(benchmarks: list[dict]) -> list[str]:
     return lines
 
 
+def threads_table(benchmarks: list[dict]) -> list[str]:
+    """The lines of the thread-scaling table (benchmarks/test_decoding.py test_decoding_threads): one row
+    per decoding setup, its median time at 1 and 2 threads beside the GEMM's of the same turns."""
+    rows = [b for b in sorted(benchmarks, key=_order) if "decoding speed-up" in b["extra_info"]]
+    if not rows:
+        return []
+    gemm = rows[0]["extra_info"]["gemm"]
+    lines = [f"Thread scaling: decoding (beam 4) and a large GEMM ({gemm}), each at 1 and 2 threads, in "
+             "alternating turns of one run; speed-up = the median over turns of a turn's time at 1 thread / at 2 "
+             "threads; share = decoding's speed-up / the GEMM's of the same turns (target: >= 90% at batch 32; "
+             "batch 1 not slower at 2 threads).", "",
+             "| decoding | 1 thread | 2 threads | speed-up | GEMM 1 / 2 threads | GEMM speed-up | share |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for bench in rows:
+        info = bench["extra_info"]
+        dec, mm, share = info["decoding ms"], info["gemm ms"], info["share of gemm's speed-up"]
+        lines.append(f"| {info['shape']} | {_sig(dec['1'])} ms | {_sig(dec['2'])} ms | "
+                     f"{info['decoding speed-up']:.2f}x | {_sig(mm['1'])} / {_sig(mm['2'])} ms | "
+                     f"{info['gemm speed-up']:.2f}x | {share:.0%} |")
+    return lines
+
+
 def render(benchmarks: list[dict], session: dict | None = None, machine: dict | None = None,
            run: dict | None = None) -> str:
     """The markdown table of pytest-benchmark JSON entries (group, extra_info, stats.median), and below it
     the call-overhead table of the "overhead" entries."""
     overhead = [b for b in benchmarks if b["extra_info"].get("op") == "overhead"]
-    others = [b for b in benchmarks if b["extra_info"].get("op") != "overhead"]
+    threads = [b for b in benchmarks if b["extra_info"].get("op") == "threads"]
+    others = [b for b in benchmarks if b["extra_info"].get("op") not in ("overhead", "threads")]
     lines = []
     if session or machine:
         lines += [header(session or {}, machine, run), ""]
@@ -147,6 +170,9 @@ def render(benchmarks: list[dict], session: dict | None = None, machine: dict | 
                      f"{speedup(info)} |")
     if overhead:
         lines += ([""] if others else []) + overhead_table(overhead)
+    scaling = threads_table(threads)
+    if scaling:
+        lines += ([""] if others or overhead else []) + scaling
     return "\n".join(lines)
 
 

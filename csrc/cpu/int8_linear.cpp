@@ -25,9 +25,9 @@
 //   default: the same tile in plain C++ (in every level's list; the only one at the baseline level).
 // The VNNI variants are compiled into the avx2 and avx512 modules under `#pragma GCC target` (only their
 // region may use the instructions) and chosen only after __builtin_cpu_supports says the CPU has them.
-// Memory traffic: the weight once as bytes (a quarter of float32's), x once (quantized into a buffer of
-// M K bytes), y written once. Panels split over threads as packed_linear's; every output is computed by
-// one thread in a fixed order, so results do not depend on the thread count.
+// Memory traffic: the weight once as bytes (a quarter of float32's) a task, x once (quantized into a
+// buffer of M K bytes), y written once. (Panel, row block) units split over threads; every output is
+// computed by one thread in a fixed order, so results do not depend on the thread count.
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -49,6 +49,8 @@ namespace fastformer::cpu {
 namespace {
 
 constexpr int kInt8Panel = kPackedLinearPanel;  // columns per panel: the float32 panels' width
+constexpr int64_t kInt8BlockRows = 16;           // rows per work unit: a multiple of every variant's rows
+constexpr int64_t kInt8TaskBytes = 65536;        // the least work of a task: K x rows, summed over its units
 
 inline int32_t four_bytes(const uint8_t* p) {
   int32_t v;
@@ -208,7 +210,7 @@ const Runnable& runnable() {
 void quantize_rows(const float* x, int64_t M, int64_t K, int offset, uint8_t* q, float* scales) {
   using Vec = at::vec::Vectorized<float>;
   const int64_t stride = (K + 3) / 4 * 4;
-  at::parallel_for(0, M, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, K)), [&](int64_t m0, int64_t m1) {
+  at::parallel_for(0, M, std::max<int64_t>(1, 8192 / std::max<int64_t>(1, K)), [&](int64_t m0, int64_t m1) {
     alignas(64) float chunk[256];
     for (int64_t m = m0; m < m1; ++m) {
       const float* row = x + m * K;
@@ -249,16 +251,22 @@ void int8_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& w,
   std::vector<float> sx(M);
   quantize_rows(x, M, K, v.offset, q.get(), sx.data());
   const int64_t P = (n + kInt8Panel - 1) / kInt8Panel;
-  // packed_linear's grain (about 64 K-long panel rows of work per task) times 4: a panel row of bytes is a
-  // quarter of float32's to read, and one dot-product instruction does 4 k a lane.
-  const int64_t grain = std::max<int64_t>(1, 262144 / std::max<int64_t>(1, K * M));
-  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+  // Work units: (panel, block of up to kInt8BlockRows rows), panel-major, so that the units of a task share
+  // their panels (each read from memory once a task, then from L1). Split by rows as well as panels so
+  // that a projection with few panels and many rows (d x d at batch 32, beam 4: 8 panels, 128 rows) still
+  // spreads over the threads. A task is at least kInt8TaskBytes activation bytes a panel column (K x rows
+  // of a unit, summed over its units: 2M byte products): below that, waking a second thread costs more
+  // than it saves (batch 1).
+  const int64_t block = std::min<int64_t>(M, kInt8BlockRows), blocks = (M + block - 1) / block;
+  const int64_t grain = std::max<int64_t>(1, kInt8TaskBytes / std::max<int64_t>(1, K * block));
+  at::parallel_for(0, P * blocks, grain, [&](int64_t u0, int64_t u1) {
     int32_t acc[4 * kInt8Panel];
-    for (int64_t p = p0; p < p1; ++p) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t p = u / blocks, b0 = u % blocks * block, b1 = std::min(M, b0 + block);
       const int64_t n0 = p * kInt8Panel, width = std::min<int64_t>(kInt8Panel, n - n0);
       const int8_t* panel = w.panels + p * K4 * kInt8Panel * 4;
-      for (int64_t m0 = 0; m0 < M; m0 += v.rows) {
-        const int rows = static_cast<int>(std::min<int64_t>(v.rows, M - m0));
+      for (int64_t m0 = b0; m0 < b1; m0 += v.rows) {
+        const int rows = static_cast<int>(std::min<int64_t>(v.rows, b1 - m0));
         v.tile(rows, q.get() + m0 * stride, stride, K4, panel, acc);
         // The epilogue, on local restrict pointers so that it vectorizes.
         const int32_t off = v.offset;

@@ -18,7 +18,9 @@ from model_reference import varied_model
 from test_model_decoding import make_src
 
 VARIANTS = C.int8_variants()
-SHAPES = [(1, 1, 1), (7, 97, 113), (4, 64, 32), (13, 203, 70), (97, 7, 33), (2, 5, 1), (3, 8, 64)]
+# (113, 256, 70): rows split into blocks of 16 (the last one short) over three panels, as a d x d
+# projection at batch 32 splits
+SHAPES = [(1, 1, 1), (7, 97, 113), (4, 64, 32), (13, 203, 70), (97, 7, 33), (2, 5, 1), (3, 8, 64), (113, 256, 70)]
 
 
 def quantize_rows_reference(x):
@@ -87,15 +89,17 @@ def test_int8_variants_agree_bit_for_bit(M, K, N):
         assert torch.equal(y, outs[0]), (VARIANTS[0], v)
 
 
-def test_int8_linear_does_not_depend_on_the_thread_count():
-    x, weight, b = make_case(64, 203, 1000, seed=2)
+@pytest.mark.parametrize("M, K, N", [(64, 203, 1000), (113, 1031, 70), (203, 512, 40)])
+def test_int8_linear_does_not_depend_on_the_thread_count(M, K, N):
+    """Many panels; few panels and many rows (split by row blocks too), unevenly over 2 and 3 threads."""
+    x, weight, b = make_case(M, K, N, seed=2)
     q = quantize_weight(weight)
     threads = torch.get_num_threads()
     try:
         outs = []
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            outs.append(C.int8_linear(x, q.panels, q.scale, q.colsum, b, 1000))
+            outs.append(C.int8_linear(x, q.panels, q.scale, q.colsum, b, N))
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
