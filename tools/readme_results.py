@@ -27,7 +27,7 @@ SECTIONS = (("main-job.md", "The main job, `python -m fastformer.train`", True),
                                "(engines taking turns batch by batch in one run)", True),
             ("decoding.md", "Decoding beside CTranslate2 and a plain-PyTorch decoder, random models of the small and "
                             "base configs: float32 and int8, batch 1 and 32, beam 1 and 4, 1 and 2 threads, side by "
-                            "side in one run", False),
+                            "side in one run; and decoding's thread scaling beside a large GEMM's", False),
             ("cpu-benchmarks.md", "Every CPU kernel and the training step beside the PyTorch code they replace", False))
 
 
