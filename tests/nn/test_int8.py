@@ -16,6 +16,7 @@ from fastformer.nn.linear import Linear
 from fastformer.nn.quantize import quantize_weight
 from model_reference import varied_model
 from test_model_decoding import make_src
+from test_native_decoding import cpp_decoder_arguments
 
 VARIANTS = C.int8_variants()
 # (113, 256, 70): rows split into blocks of 16 (the last one short) over three panels, as a d x d
@@ -229,20 +230,7 @@ def test_cpp_decoder_binds_int8_projections_by_name():
     """A quantized model's projections cross into the C++ step as "<name>.int8_panels", "<name>.int8_scale" and
     "<name>.int8_colsum" (the output projection as "output.int8_*"), each checked like the float32 panels."""
     model = fastformer.quantize(varied_model(CONFIG, "cpu", seed=4, dtype=torch.float32))
-    caught = {}
-
-    class Catch:
-        def __init__(self, *args):
-            caught["args"] = list(args)
-
-    with torch.no_grad():
-        memory, src_padding = model.encode(make_src(CONFIG, [3, 2]))
-        real, C.CpuDecoder = C.CpuDecoder, Catch
-        try:
-            IncrementalDecoder(model, memory, src_padding, 2, steps=2)
-        finally:
-            C.CpuDecoder = real
-    args = caught["args"]
+    args = cpp_decoder_arguments(CONFIG, model)
     assert set(args[6]) == {"output.int8_panels", "output.int8_scale", "output.int8_colsum"}
     assert "ffn.fc1.int8_panels" in args[0][0] and "ffn.fc1.panels" not in args[0][0]
     C.CpuDecoder(*args)  # as given: accepted

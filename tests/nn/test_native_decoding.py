@@ -177,9 +177,10 @@ def test_cpp_decoder_bad_arguments_raise():
         decoder.logits(torch.full((4,), 5))
 
 
-def _cpp_decoder_arguments(config):
-    """The arguments IncrementalDecoder gives fastformer._C.CpuDecoder, caught on their way."""
-    model = varied_model(config, "cpu", seed=4, dtype=torch.float32)
+def cpp_decoder_arguments(config, model=None):
+    """The arguments IncrementalDecoder gives fastformer._C.CpuDecoder for ``model`` (default: a varied
+    float32 model of ``config``), caught on their way."""
+    model = model if model is not None else varied_model(config, "cpu", seed=4, dtype=torch.float32)
     caught = {}
 
     class Catch:
@@ -210,7 +211,7 @@ def _cpp_decoder_arguments(config):
 def test_cpp_decoder_binds_weights_by_name(change, message):
     """The C++ step takes each decoder weight by its DECODER_LAYER name and checks its shape: a missing,
     unknown or misshapen weight is refused with its name, never read by position."""
-    args = _cpp_decoder_arguments(TransformerConfig.tiny(d_ff=64))
+    args = cpp_decoder_arguments(TransformerConfig.tiny(d_ff=64))
     C.CpuDecoder(*args)  # as given: accepted
     layers = [dict(w) for w in args[0]]
     change(layers[0])
@@ -219,7 +220,7 @@ def test_cpp_decoder_binds_weights_by_name(change, message):
 
 
 def test_cpp_decoder_refuses_another_activation():
-    args = _cpp_decoder_arguments(TransformerConfig.tiny())
+    args = cpp_decoder_arguments(TransformerConfig.tiny())
     with pytest.raises(ValueError, match='implements the relu activation, not "gelu"'):
         C.CpuDecoder(*args[:-1], "gelu")
 
@@ -228,7 +229,7 @@ def test_cpp_decoder_binds_every_weight_of_the_description():
     """Every linear layer and LayerNorm of DECODER_LAYER crosses into C++ by name (the cross-attention's
     k|v projection is applied in Python, once per sentence)."""
     from fastformer.nn.layers import DECODER_LAYER
-    layers = _cpp_decoder_arguments(TransformerConfig.tiny())[0]
+    layers = cpp_decoder_arguments(TransformerConfig.tiny())[0]
     expected = {f"{w.name}.{part}" for w in DECODER_LAYER if w.name != "cross_attn.kv_proj"
                 for part in (("weight", "bias") if w.kind == "norm" else ("panels", "bias"))}
     assert all(set(layer) == expected for layer in layers)
