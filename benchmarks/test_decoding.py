@@ -60,6 +60,21 @@ def _ctranslate2_translator(model, pieces, ctx, tmp_path, compute_type, threads)
                                   intra_threads=threads)
 
 
+def _model_and_sources(size: str, batch: int, device: torch.device):
+    """(config, model, src, target length): a seeded random model of the config in eval mode, its eos
+    embedding row zeroed (so eos never wins before the length limit and every contender decodes the same
+    steps), and ``batch`` random SOURCE_LENGTH-token sentences ending in eos."""
+    smoke = size == "tiny"
+    config = getattr(TransformerConfig, size)(vocab_size=1000 if smoke else 8000)
+    torch.manual_seed(0)
+    model = Transformer(config).to(device).eval()
+    with torch.no_grad():
+        model.embed.weight[config.eos_id].zero_()
+    src = torch.randint(4, config.vocab_size, (batch, SOURCE_LENGTH), device=device)
+    src[:, -1] = config.eos_id
+    return config, model, src, 4 if smoke else 30
+
+
 @pytest.fixture(params=[1, 2], ids=lambda n: f"threads{n}")
 def threads(request):
     """torch on 1 or 2 CPU threads for the test (CTranslate2 gets as many)."""
@@ -76,14 +91,7 @@ def test_decoding(bench, ctx, size, batch, beam, compute, tmp_path, threads):
     smoke = size == "tiny"
     if compute == "int8" and ctx.device.type != "cpu":
         pytest.skip("int8 decoding runs on the CPU")
-    config = getattr(TransformerConfig, size)(vocab_size=1000 if smoke else 8000)
-    length = 4 if smoke else 30
-    torch.manual_seed(0)
-    model = Transformer(config).to(ctx.device).eval()
-    with torch.no_grad():
-        model.embed.weight[config.eos_id].zero_()
-    src = torch.randint(4, config.vocab_size, (batch, SOURCE_LENGTH), device=ctx.device)
-    src[:, -1] = config.eos_id
+    config, model, src, length = _model_and_sources(size, batch, ctx.device)
     settings = dict(length_penalty=LENGTH_PENALTY, max_len_a=0.0, max_len_b=length)
 
     if compute == "float32":
@@ -160,16 +168,9 @@ def test_decoding_threads(bench, ctx, size, batch, compute):
     if (os.cpu_count() or 1) < 2:
         pytest.skip("thread scaling needs at least 2 CPU cores")
     smoke = size == "tiny"
-    config = getattr(TransformerConfig, size)(vocab_size=1000 if smoke else 8000)
-    length = 4 if smoke else 30
-    torch.manual_seed(0)
-    model = Transformer(config).eval()
-    with torch.no_grad():
-        model.embed.weight[config.eos_id].zero_()
+    _, model, src, length = _model_and_sources(size, batch, ctx.device)
     if compute == "int8":
         model = fastformer.quantize(model, "int8")
-    src = torch.randint(4, config.vocab_size, (batch, SOURCE_LENGTH))
-    src[:, -1] = config.eos_id
     generate = lambda: model.generate(src, beam_size=4, length_penalty=LENGTH_PENALTY, max_len_a=0.0,  # noqa: E731
                                       max_len_b=length)
     n = 64 if smoke else GEMM_SIZE
