@@ -24,6 +24,7 @@ and int8, batch 1 and 32, beam 4) at 1 and 2 threads beside a large float32 GEMM
 alternating turns, and reports decoding's speed-up as a share of the GEMM's (benchmarks/to_markdown.py
 renders them as a table of their own).
 """
+import math
 import os
 import statistics
 import time
@@ -151,14 +152,17 @@ def test_decoding(bench, ctx, size, batch, beam, compute, tmp_path, threads):
 
 
 GEMM_SIZE = 2048  # the large float32 GEMM beside which thread scaling is judged (torch.mm, n x n x n)
+TURNS = 7  # alternating turns of the thread-scaling measurement: each times both at 1 and at 2 threads
+TIMING_SECONDS = 0.15  # the least time of one timing (repeated calls of a short function)
 
 
 @pytest.mark.parametrize("compute", ["float32", "int8"])
 @pytest.mark.parametrize("batch", [1, 32])
 def test_decoding_threads(bench, ctx, size, batch, compute):
     """Thread scaling: ``generate`` (beam 4, the setup of test_decoding) at 1 and at 2 threads, beside a large
-    float32 GEMM (torch.mm, GEMM_SIZE^3) at 1 and at 2 threads, in alternating turns of one run, each after a
-    0.2 s pause. extra_info gets the median time of each at each thread count, each one's speed-up
+    float32 GEMM (torch.mm, GEMM_SIZE^3) at 1 and at 2 threads, in TURNS alternating turns of one run; a timing
+    is as many calls as take TIMING_SECONDS at 1 thread, after one untimed call (steady state: both threads
+    awake). extra_info gets the median time of each at each thread count, each one's speed-up
     (the median over turns of a turn's 1-thread time / its 2-thread time) and decoding's speed-up as a
     share of the GEMM's: how well decoding uses a second core compared with what the machine gives a
     compute-bound kernel (target: at least 90% at batch 32; at batch 1, not slower at 2 threads than at
@@ -187,18 +191,30 @@ def test_decoding_threads(bench, ctx, size, batch, compute):
               per_second={"sentences/s": batch})
         if smoke or bench.benchmark.disabled:
             return
-        times = {(name, threads): [] for name in ("decoding", "gemm") for threads in (1, 2)}
-        for threads in (1, 2):  # warm-up at each thread count
+        def timed(fn, calls):  # seconds a call, over `calls` calls back to back
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            return (time.perf_counter() - start) / calls
+
+        # Warm-up at each thread count; a timing is as many calls as make about TIMING_SECONDS at 1 thread
+        # (a batch-1 decoding is 10 to 50 ms, within the noise of a shared VM a call).
+        calls = {}
+        for threads in (1, 2):
             torch.set_num_threads(threads)
-            generate(), gemm()
-        for _ in range(5):
-            for threads in (1, 2):
+            for name, fn in (("gemm", gemm), ("decoding", generate)):
+                calls[name] = max(1, math.ceil(TIMING_SECONDS / timed(fn, 1)))
+        times = {(name, threads): [] for name in ("decoding", "gemm") for threads in (1, 2)}
+        for turn in range(TURNS):
+            for threads in (1, 2) if turn % 2 == 0 else (2, 1):  # the order alternates: drift cancels
                 torch.set_num_threads(threads)
                 for name, fn in (("gemm", gemm), ("decoding", generate)):
-                    time.sleep(0.2)
-                    start = time.perf_counter()
+                    # One untimed call first: the timing finds the threads awake and the caches warm. (No
+                    # pause between timings: after one, a call at 2 threads first waits for the sleeping
+                    # second core, which on this project's VMs made a 10 ms batch-1 decoding up to 2x slower
+                    # in some turns: a wake-up measurement, not thread scaling.)
                     fn()
-                    times[name, threads].append(time.perf_counter() - start)
+                    times[name, threads].append(timed(fn, calls[name]))
     finally:
         torch.set_num_threads(before)
     # Each turn's speed-up (its 1-thread time over its 2-thread time), then their median: a shared machine's
@@ -210,4 +226,5 @@ def test_decoding_threads(bench, ctx, size, batch, compute):
         info[f"{name} ms"] = {str(threads): 1e3 * statistics.median(times[name, threads]) for threads in (1, 2)}
         info[f"{name} speed-up"] = speedup[name]
     info["gemm"] = f"{n} x {n} x {n} float32, torch.mm"
+    info["calls a timing"] = calls
     info["share of gemm's speed-up"] = speedup["decoding"] / speedup["gemm"]

@@ -137,7 +137,8 @@ def threads_table(benchmarks: list[dict]) -> list[str]:
         return []
     gemm = rows[0]["extra_info"]["gemm"]
     lines = [f"Thread scaling: decoding (beam 4) and a large GEMM ({gemm}), each at 1 and 2 threads, in "
-             "alternating turns of one run; speed-up = the median over turns of a turn's time at 1 thread / at 2 "
+             "alternating turns of one run (a timing: one untimed call, then calls of at least 0.15 s: steady "
+             "state, both threads awake); speed-up = the median over turns of a turn's time at 1 thread / at 2 "
              "threads; share = decoding's speed-up / the GEMM's of the same turns (target: >= 90% at batch 32; "
              "batch 1 not slower at 2 threads).", "",
              "| decoding | 1 thread | 2 threads | speed-up | GEMM 1 / 2 threads | GEMM speed-up | share |",
