@@ -1,8 +1,9 @@
 """Builds the pybind11 extension ``fastformer._C`` and the CPU kernel modules ``fastformer._cpu_<level>``.
 
-The CPU kernels (csrc/cpu/*.cpp) are always compiled, once per instruction-set level: ``default``
-(baseline x86-64, or the target's baseline elsewhere) and, on x86-64, ``avx2`` and ``avx512``, each into a
-module of its own (csrc/cpu/kernel_table.h says why); the best level the running CPU supports is loaded
+The CPU kernels (LEVEL_SOURCES: the ops' csrc/cpu/*.cpp and the per-level files of the decoding GEMMs,
+csrc/gemm/, and of the inference room, csrc/inference/) are always compiled, once per instruction-set level:
+``default`` (baseline x86-64, or the target's baseline elsewhere) and, on x86-64, ``avx2`` and ``avx512``, each
+into a module of its own (csrc/cpu/kernel_table.h says why); the best level the running CPU supports is loaded
 at import, or a lower one named by FASTFORMER_CPU_CAPABILITY at run time (fastformer/_ext.py). The CUDA kernels (csrc/cuda/*.cu) are compiled
 when torch is a CUDA build, nvcc is found, and either a GPU is visible or FASTFORMER_FORCE_CUDA=1;
 FASTFORMER_FORCE_CUDA=0 skips them. TORCH_CUDA_ARCH_LIST selects the architectures (torch's own rule).
@@ -80,13 +81,32 @@ def want_cuda():
     return bool(have_toolkit and torch.cuda.is_available())
 
 
+# The sources compiled once per CPU level (the rest of csrc/gemm and csrc/inference goes into fastformer._C).
+LEVEL_SOURCES = sorted(glob.glob("csrc/cpu/*.cpp")) + [
+    "csrc/gemm/packed_linear.cpp", "csrc/gemm/int8_linear.cpp",
+    "csrc/inference/decoder_step.cpp", "csrc/inference/search_candidates.cpp"]
+# The headers that declare the CPU kernel table and what crosses it: their digest is the table's layout
+# (csrc/cpu/kernel_table.h), compiled into _C and every level module, so a stale module is refused at import.
+KERNEL_TABLE_HEADERS = ["csrc/cpu/kernel_table.h", "csrc/ops.h", "csrc/op_entry_points.h", "csrc/gemm/gemm.h",
+                        "csrc/inference/inference.h"]
+
+
+def kernel_table_digest():
+    import hashlib
+    digest = hashlib.sha256()
+    for path in KERNEL_TABLE_HEADERS:
+        with open(os.path.join(ROOT, path), "rb") as f:
+            digest.update(f.read())
+    return f'-DFASTFORMER_KERNEL_TABLE="{digest.hexdigest()[:16]}"'
+
+
 def cpu_kernel_extension(level):
-    """fastformer._cpu_<level>: csrc/cpu/*.cpp compiled with the level's flags; symbols hidden, so that
+    """fastformer._cpu_<level>: LEVEL_SOURCES compiled with the level's flags; symbols hidden, so that
     nothing of one level's code can stand in for another's."""
-    return CppExtension(f"fastformer._cpu_{level}", sorted(glob.glob("csrc/cpu/*.cpp")),
+    return CppExtension(f"fastformer._cpu_{level}", LEVEL_SOURCES,
                         include_dirs=[os.path.join(ROOT, "csrc")],
                         extra_compile_args={"cxx": ["-O3", "-fopenmp", "-fvisibility=hidden",
-                                                    "-fvisibility-inlines-hidden",
+                                                    "-fvisibility-inlines-hidden", kernel_table_digest(),
                                                     f'-DFASTFORMER_CPU_LEVEL="{level}"'] + CPU_LEVELS[level]},
                         extra_link_args=["-fopenmp"])
 
@@ -97,9 +117,10 @@ def core_extension():
     with_cuda = want_cuda() and bool(cuda_sources)
     if want_cuda() and not cuda_sources:
         print("fastformer: CUDA requested but csrc/cuda/ holds no .cu sources yet; building the CPU kernels only")
-    sources = ["csrc/fastformer.cpp", "csrc/cpu_levels.cpp", "csrc/decoder.cpp", "csrc/beam_search.cpp"]
+    sources = ["csrc/fastformer.cpp", "csrc/cpu_levels.cpp", "csrc/gemm/gemm.cpp", "csrc/inference/decoder.cpp",
+               "csrc/inference/beam_search.cpp"]
     sources += sorted(glob.glob("csrc/autograd/*.cpp"))
-    cxx = ["-O3", f'-DFASTFORMER_TORCH_VERSION="{torch.__version__}"']
+    cxx = ["-O3", f'-DFASTFORMER_TORCH_VERSION="{torch.__version__}"', kernel_table_digest()]
     include_dirs = [os.path.join(ROOT, "csrc")]
     if not with_cuda:
         return CppExtension("fastformer._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx})

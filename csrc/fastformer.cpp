@@ -9,8 +9,10 @@
 #include <string>
 #include <vector>
 
+#define FASTFORMER_GEMM_CHECKS
 #include "cpu/kernel_table.h"
 #include "cpu_levels.h"
+#include "gemm/gemm.h"
 #include "ops.h"
 
 #ifndef FASTFORMER_TORCH_VERSION
@@ -46,16 +48,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("best_cpu_level", &fastformer::best_cpu_level,
         "the highest CPU kernel level this CPU supports: avx512, avx2 or default");
   m.def("set_cpu_kernels", &fastformer::set_cpu_kernels, "installs a fastformer._cpu_<level> module's kernel table");
+  m.attr("KERNEL_TABLE") = FASTFORMER_KERNEL_TABLE;
+  // The decoding GEMMs (csrc/gemm/gemm.h: the layouts, the int8 rule, the checks).
   m.attr("PACKED_LINEAR_PANEL") = fastformer::kPackedLinearPanel;
+  m.def("pack_linear", &fastformer::pack_linear, py::arg("weight"),
+        "a float32 weight (n, K) as the panels packed_linear streams: (ceil(n / PACKED_LINEAR_PANEL), K, "
+        "PACKED_LINEAR_PANEL), W^T's columns, zeros past n");
+  m.def("quantize_int8", &fastformer::quantize_int8, py::arg("weight"),
+        "a float32 weight (n, K) quantized per output channel (csrc/gemm/gemm.h's rule) -> (panels int8 "
+        "(ceil(n / 32), ceil(K / 4), 32, 4), scale float32 (n,), colsum int32 (n,))");
+  m.def("dequantize_int8", &fastformer::dequantize_int8, py::arg("panels"), py::arg("scale"), py::arg("n"),
+        py::arg("K"), "Wq s_w as a float32 (n, K) weight, from quantize_int8's panels and scale");
   m.def("packed_linear", &fastformer::packed_linear, py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("n"),
-        "y (M, n) = x (M, K) W^T + bias, float32 on the CPU, W packed as panels (ceil(n / PACKED_LINEAR_PANEL), K, "
-        "PACKED_LINEAR_PANEL) of W^T's columns (zeros past n): the model's projections at inference");
+        "y (M, n) = x (M, K) W^T + bias, float32 on the CPU, W packed by pack_linear: the model's projections at "
+        "inference");
   m.def("int8_linear", &fastformer::int8_linear, py::arg("x"), py::arg("panels"), py::arg("scale"),
         py::arg("colsum"), py::arg("bias"), py::arg("n"), py::arg("variant") = "",
-        "y (M, n) = x (M, K) W^T + bias with W quantized to int8 per output channel and x per row "
-        "(csrc/cpu/int8_linear.cpp): a quantized model's projections; variant: one of int8_variants() (\"\": the best)");
+        "y (M, n) = x (M, K) W^T + bias with W quantized by quantize_int8 and x per row "
+        "(csrc/gemm/int8_linear.cpp): a quantized model's projections; variant: one of int8_variants() (\"\": the best)");
   m.def("int8_variants", &fastformer::int8_variants,
         "the int8 dot-product variants this CPU runs at the loaded level, best first");
+  // The inference room (csrc/inference/inference.h).
   fastformer::bind_decoder(m);
   fastformer::bind_beam_search(m);
 #ifdef FASTFORMER_WITH_CUDA

@@ -27,7 +27,7 @@ import sys
 
 from fastformer import checkpoint as ckpt
 from fastformer.nn import decoding
-from fastformer.nn.layers import ACTIVATION, DECODER_LAYER, decoder_layer_weights
+from fastformer.nn.layers import DECODER_LAYER, decoder_layer_weights
 from fastformer.nn.transformer import sinusoid_table
 
 # Where each weight of the decoder layer (fastformer/nn/layers.py DECODER_LAYER, by name) goes in
@@ -61,18 +61,26 @@ def vocabulary(tokenizer) -> list[str]:
     return [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
 
 
+# config.activation -> CTranslate2's name (its GELU is the exact one, as fastformer's)
+_CT2_ACTIVATION = {"relu": "RELU", "gelu": "GELU", "silu": "SWISH"}
+
+
 def ctranslate2_spec(model, pieces: list[str]):
     """The ``ctranslate2.specs.TransformerSpec`` of a fastformer Transformer (float32 weights); ``pieces``
     is the vocabulary (the special tokens are those at the config's unk, bos and eos ids)."""
     from ctranslate2.specs import common_spec, transformer_spec
 
     cfg = model.config
+    if model.quantization is not None:
+        raise ValueError(f"the CTranslate2 export takes a float model, not a {model.quantization} one: export the "
+                         "float checkpoint and let CTranslate2 quantize it (compute_type)")
     missing = [w.name for w in DECODER_LAYER if w.name not in _CT2_DECODER_LAYER]
     if missing:
         raise ValueError(f"the CTranslate2 export has no place for decoder weights {missing}")
     spec = transformer_spec.TransformerSpec.from_config((cfg.n_encoder_layers, cfg.n_decoder_layers), cfg.n_heads,
                                                         pre_norm=cfg.norm_first,
-                                                        activation=common_spec.Activation[ACTIVATION.upper()])
+                                                        activation=getattr(common_spec.Activation,
+                                                                           _CT2_ACTIVATION[cfg.activation]))
     spec.config.layer_norm_epsilon = cfg.layer_norm_eps
     numpy = {name: p.detach().float().cpu().numpy() for name, p in model.state_dict().items()}
 

@@ -140,3 +140,26 @@ def test_a_check_that_formats_integers_raises():
     # The message formats the shape's integers through the extension's libstdc++ (the crash of a static copy).
     with pytest.raises(ValueError, match=r"q must be 4-D \(B, H, L, D\), got shape \[2, 3, 5\]"):
         fastformer.ops.attention(torch.randn(2, 3, 5), torch.randn(2, 3, 5), torch.randn(2, 3, 5), backend="cpu")
+
+
+def test_the_kernel_table_layout_is_derived_from_its_headers():
+    """fastformer._C and every level module carry the digest of the headers that declare the CPU kernel
+    table (setup.py KERNEL_TABLE_HEADERS): nobody bumps a number by hand, and _C refuses a level module of
+    another digest at import (csrc/cpu_levels.cpp set_cpu_kernels)."""
+    import ast
+    import hashlib
+
+    root = os.path.dirname(PACKAGE)
+    setup_py = os.path.join(root, "setup.py")
+    if not os.path.exists(setup_py):
+        pytest.skip("needs the source checkout (setup.py and csrc/)")
+    tree = ast.parse(open(setup_py).read())
+    headers = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                   and getattr(node.targets[0], "id", None) == "KERNEL_TABLE_HEADERS")
+    digest = hashlib.sha256()
+    for path in headers:
+        with open(os.path.join(root, path), "rb") as f:
+            digest.update(f.read())
+    assert _ext.C.KERNEL_TABLE == digest.hexdigest()[:16]
+    loaded = sys.modules[f"fastformer._cpu_{fastformer.cpu_capability()}"]  # CI runs this file at every level
+    assert loaded.KERNEL_TABLE == _ext.C.KERNEL_TABLE

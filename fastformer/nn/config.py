@@ -3,6 +3,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+# The feed-forward's activations (fastformer/nn/layers.py ACTIVATIONS computes them in Python, the C++
+# decoder step, csrc/inference/decoder_step.cpp, by the same names): relu (the paper), gelu (exact, erf),
+# silu (x sigmoid(x), called swish by Marian and CTranslate2).
+ACTIVATIONS = ("relu", "gelu", "silu")
+
 
 @dataclass(frozen=True)
 class TransformerConfig:
@@ -14,7 +19,8 @@ class TransformerConfig:
     n_decoder_layers: int = 6
     dropout: float = 0.1  # residual dropout and embedding + position dropout (P_drop in the paper)
     attention_dropout: float = 0.0  # on attention probabilities
-    activation_dropout: float = 0.0  # after the feed-forward ReLU
+    activation_dropout: float = 0.0  # after the feed-forward's activation
+    activation: str = "relu"  # of the feed-forward, between fc1 and fc2: one of ACTIVATIONS
     label_smoothing: float = 0.1
     norm_first: bool = False  # False: post-norm as in the paper; True: pre-norm with a final LayerNorm
     layer_norm_eps: float = 1e-5
@@ -29,6 +35,8 @@ class TransformerConfig:
             raise ValueError(f"vocab_size {self.vocab_size} must exceed the special token ids")
         if self.d_model % self.n_heads != 0:
             raise ValueError(f"d_model {self.d_model} must be divisible by n_heads {self.n_heads}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
         for name in ("dropout", "attention_dropout", "activation_dropout", "label_smoothing"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:

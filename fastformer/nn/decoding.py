@@ -5,39 +5,43 @@ next-token logits of every live row and tells it which rows survive. Two stepper
 
 - ``IncrementalDecoder`` (``use_cache=True``, the default), built for decoding the way CTranslate2's
   decoder is:
-  * the decoder layer's weights bound by name (fastformer/nn/layers.py ``DECODER_LAYER``), its
-    projections through ``fastformer.nn.linear.linear``: on the CPU in float32 at inference the column
-    panels that fastformer's own GEMM kernel streams (``fastformer._C.packed_linear``), packed once per
-    weight and kept by fastformer/nn/linear.py (one cache and one rule, shared with the model's layers);
+  * driven by the decoder layer's one description (fastformer/nn/layers.py: ``DECODER_SUBLAYERS`` gives the
+    sublayers' order, kinds and weight names, ``run_sublayers`` the norm placement, ``config.activation``
+    the feed-forward's activation), the weights bound by name (``DECODER_LAYER``), its projections
+    through ``fastformer.nn.linear.linear``: on the CPU in float32 at inference the column panels that
+    fastformer's own GEMM kernel streams (``fastformer._C.packed_linear``), packed once per weight and kept
+    by fastformer/nn/linear.py (one cache and one rule, shared with the model's layers);
   * cross-attention K/V computed once per sentence and shared by its beams: the K beams of a sentence
     are the K query rows of one attention call against that sentence's keys, never copied per beam and
     never reordered (only narrowed when sentences finish);
-  * (the Python step) self-attention K/V in two preallocated buffers per layer that take turns: step t writes the cache
-    of the rows that survived (gathered by their parents, one pass) plus this step's key into the other
+  * (the Python step) self-attention K/V in two preallocated buffers per layer that take turns: step t
+    writes the cache of the rows that survived (gathered by their parents, one pass) plus this step's key into the other
     buffer, whose first N H (t + 1) Dh elements are then a contiguous (N, H, t + 1, Dh) tensor: the
     beam reorder is one gather of the self-attention caches per step, with no allocation and no cat;
   * in float32 on the CPU through the cpu backend, the whole step is one C++ call
-    (``fastformer._C.CpuDecoder``, csrc/decoder.cpp, with the kernel csrc/cpu/decoder_step.cpp), which
-    keeps each layer's cache in one (N0, H, T, Dh) buffer whose entries never move (a table of slots says
-    which cache row holds each earlier position of a live row, so a beam reorder copies no key); elsewhere
+    (``fastformer._C.CpuDecoder``, csrc/inference/decoder.cpp, with the kernel csrc/inference/decoder_step.cpp),
+    built from the same description (sent to it with the weights, by name) and keeping each layer's cache
+    in one (N0, H, T, Dh) buffer whose entries never move (a table of slots says which cache row holds
+    each earlier position of a live row, so a beam reorder copies no key); elsewhere
     (other dtypes, autocast, CUDA, the torch or triton backends) about 12 PyTorch calls per layer a step,
     through the same fused ops as training.
 - ``FullRecompute`` (``use_cache=False``) recomputes the whole prefix with ``Transformer.decode`` at
   every step: the slow, obviously right path that tests and benchmarks compare against.
 
-The search (``fastformer._C.BeamSearch``, csrc/beam_search.cpp: its bookkeeping on the host, one call a
-step) works on the live rows only (rows of finished sentences leave the batch) and in the model's dtype:
+The search (``fastformer._C.BeamSearch``, csrc/inference/beam_search.cpp: its bookkeeping on the host, one call
+a step) works on the live rows only (rows of finished sentences leave the batch) and in the model's dtype:
 per row, the top 2K logits are taken first (log-softmax is monotonic in each row), then only those become
 log-probabilities, lp = logit - logsumexp(row), with the logsumexp's sum of exponentials and the
 hypothesis scores accumulated in float64: the same scores as a float64 log-softmax over the whole
 vocabulary, without converting (N, V) logits to float64. That pass over the vocabulary is one C++ kernel
-for float32 CPU logits (csrc/cpu/search_candidates.cpp) and ``search_candidates``'s torch ops elsewhere.
+for float32 CPU logits (csrc/inference/search_candidates.cpp) and ``search_candidates``'s torch ops elsewhere.
 
 Rules (pinned by tests/nn/test_model_decoding.py): a sentence of n source tokens may produce at most
 ``length_limit(n, a, b)`` tokens before its eos, which is forced at the position after them; pad and bos are never
 produced; score = sum of log-probabilities (eos included) / ((5 + len) / 6) ** alpha with len counting
 the eos (GNMT's length penalty); an eos among the best K of the 2K candidates of a sentence ends a
-hypothesis; a sentence stops when K hypotheses have finished or at its length limit.
+hypothesis; a sentence stops when K hypotheses have finished or at its length limit; a NaN logit is a
+token that cannot be produced (as -inf), on both candidate paths.
 """
 from __future__ import annotations
 
@@ -49,7 +53,8 @@ from torch import Tensor
 
 from fastformer import _dispatch, ops
 from fastformer._ext import C
-from fastformer.nn.layers import ACTIVATION, DECODER_LAYER, activation, decoder_layer_weights, run_sublayers
+from fastformer.nn.layers import (ACTIVATIONS, DECODER_LAYER, DECODER_SUBLAYERS, decoder_layer_weights,
+                                  run_sublayers)
 from fastformer.nn.linear import linear, packed_applies, packed_panels
 
 Hypotheses = list[tuple[list[int], float]]
@@ -67,12 +72,16 @@ def length_limit(n: int, a: float, b: float) -> int:
     return max(0, math.floor(a * n + b))
 
 
-def _projection(name: str, weight: Tensor, int8) -> dict[str, Tensor]:
-    """A projection's weight as the C++ step binds it (csrc/decoder.cpp Binder::linear): packed float32
-    panels, or the int8 form of a quantized model."""
+def _projection(name: str, weight: Optional[Tensor], int8) -> dict[str, Tensor]:
+    """A projection's weight as the C++ step binds it (csrc/inference/decoder.cpp Binder::linear): packed
+    float32 panels, or the int8 form of a quantized model."""
     if int8 is None:
         return {name + ".panels": packed_panels(weight)}
     return {name + ".int8_panels": int8.panels, name + ".int8_scale": int8.scale, name + ".int8_colsum": int8.colsum}
+
+
+# The cross-attention's k|v projection: applied here to the encoder memory once per sentence, not in a step.
+CROSS_KV = next(s.weights["kv"] for s in DECODER_SUBLAYERS if s.kind == "cross_attention")
 
 
 class _Norm(NamedTuple):
@@ -105,7 +114,7 @@ class IncrementalDecoder:
         # Cross-attention keys/values, once per sentence: (B, S, 2d) -> k, v (B, H, S, Dh).
         self.cross = []
         for weights in self.weights:
-            kv = linear(memory.reshape(B * S, d), *weights["cross_attn.kv_proj"])
+            kv = linear(memory.reshape(B * S, d), *weights[CROSS_KV])
             kv = kv.view(B, S, 2, self.H, self.Dh).permute(2, 0, 3, 1, 4)
             self.cross.append((kv[0].contiguous(), kv[1].contiguous()))
         self.src_padding = src_padding if bool(src_padding.any()) else None
@@ -121,11 +130,13 @@ class IncrementalDecoder:
         self.parents: Optional[Tensor] = None  # rows of the last step that the live rows continue
 
     def _native(self, steps: int):
-        """The whole step in C++ (``fastformer._C.CpuDecoder``, csrc/decoder.cpp) where it applies: where the
-        projections take the packed kernel (float32 on the CPU, no autocast: ``packed_applies``) and
-        attention resolves to the cpu backend; else None. The weights cross by name: per layer a dict of
-        DECODER_LAYER's names (a linear's packed panels and bias, a LayerNorm's weight and bias), which
-        the C++ side looks up and checks; the cross-attention's k|v projection stays here (done above)."""
+        """The whole step in C++ (``fastformer._C.CpuDecoder``, csrc/inference/decoder.cpp) where it applies:
+        where the projections take the packed kernel (float32 on the CPU, no autocast: ``packed_applies``) and
+        attention resolves to the cpu backend; else None. The C++ decoder is built from one named structure:
+        the layer's description (DECODER_SUBLAYERS: each sublayer's kind, norm and weight names, in order;
+        norm placement and activation from the config) and per layer a dict of the weights by those names (a
+        linear's packed panels or int8 form and its bias, a LayerNorm's weight and bias), which the C++ side
+        looks up and checks; the cross-attention's k|v projection stays here (done above)."""
         model, cross_k = self.model, self.cross[0][0]
         if (not packed_applies(cross_k)
                 or _dispatch.resolve("attention", model.backend, cross_k.device, torch.float32) != "cpu"):
@@ -137,17 +148,31 @@ class IncrementalDecoder:
                 weight, bias, int8 = weights[w.name]
                 if w.kind == "norm":
                     named[w.name + ".weight"], named[w.name + ".bias"] = weight, bias
-                elif w.name != "cross_attn.kv_proj":
+                elif w.name != CROSS_KV:
                     named.update(_projection(w.name, weight, int8))
                     named[w.name + ".bias"] = bias
             layers.append(named)
         cfg, final = model.config, model.decoder.final_norm
-        final_norm = {"final_norm.weight": final.weight, "final_norm.bias": final.bias} if cfg.norm_first else {}
-        output = _projection("output", self.embed, model.output_int8)
-        return C.CpuDecoder(
-            layers, [t for kv in self.cross for t in kv], self.src_padding, self.embed,
-            model.positions(steps, torch.float32, cross_k.device).contiguous(), final_norm, output,
-            self.K, self.H, cfg.d_ff, cfg.norm_first, cfg.layer_norm_eps, steps, ACTIVATION)
+        output = model.output_projection
+        return C.CpuDecoder({
+            "sublayers": [(s.kind, s.norm, {role: name for role, name in s.weights.items() if role != "kv"})
+                          for s in DECODER_SUBLAYERS],
+            "activation": cfg.activation,
+            "norm_first": cfg.norm_first,
+            "eps": cfg.layer_norm_eps,
+            "heads": self.H,
+            "d_ff": cfg.d_ff,
+            "layers": layers,
+            "final_norm": {"final_norm.weight": final.weight, "final_norm.bias": final.bias} if cfg.norm_first else {},
+            "embed": self.embed,
+            "embed_scale": math.sqrt(cfg.d_model),
+            "positions": model.positions(steps, torch.float32, cross_k.device).contiguous(),
+            "output": _projection("output", *((None, output.int8()) if output is not None else (self.embed, None))),
+            "cross": self.cross,
+            "src_padding": self.src_padding,
+            "beams": self.K,
+            "steps": steps,
+        })
 
     def select(self, parents: Tensor, sentences: Optional[Tensor]) -> None:
         """The next step's live rows continue rows ``parents`` (N',) of this step; ``sentences`` (n',)
@@ -186,33 +211,32 @@ class IncrementalDecoder:
         n = N // self.K
         x = self.model._embed(tokens[:, -1:], offset=t).view(N, d)  # scaled embedding + position t
 
-        def self_attention(index, w):
+        def self_attention(index, spec, w):
             def run(h):  # (N, d) -> (N, d)
-                qkv = linear(h, *w["self_attn.qkv_proj"]).view(N, 3, H, Dh)
+                qkv = linear(h, *w[spec.weights["qkv"]]).view(N, 3, H, Dh)
                 k, v = self._append(index, qkv[:, 1], qkv[:, 2])
                 # one query per row against its own t + 1 keys: nothing to mask
                 a = ops.attention(qkv[:, 0, :, None], k, v, backend=self.backend)  # (N, H, 1, Dh)
-                return linear(a.reshape(N, d), *w["self_attn.out_proj"])
+                return linear(a.reshape(N, d), *w[spec.weights["out"]])
             return run
 
-        def cross_attention(index, w):
+        def cross_attention(index, spec, w):
             def run(h):  # (N, d) -> (N, d): the K beams of a sentence are the K queries of one attention call
-                q = linear(h, *w["cross_attn.q_proj"]).view(n, self.K, H, Dh).transpose(1, 2)  # (n, H, K, Dh)
+                q = linear(h, *w[spec.weights["q"]]).view(n, self.K, H, Dh).transpose(1, 2)  # (n, H, K, Dh)
                 k, v = self.cross[index]
                 a = ops.attention(q, k, v, key_padding_mask=self.src_padding, backend=self.backend)
-                return linear(a.transpose(1, 2).reshape(N, d), *w["cross_attn.out_proj"])
+                return linear(a.transpose(1, 2).reshape(N, d), *w[spec.weights["out"]])
             return run
 
-        def feed_forward(w):
-            return lambda h: linear(activation(linear(h, *w["ffn.fc1"]), inplace=True), *w["ffn.fc2"])
+        act = ACTIVATIONS[self.model.config.activation]
 
+        def feed_forward(index, spec, w):
+            return lambda h: linear(act(linear(h, *w[spec.weights["fc1"]]), True), *w[spec.weights["fc2"]])
+
+        run = {"self_attention": self_attention, "cross_attention": cross_attention, "feed_forward": feed_forward}
         eps = self.model.config.layer_norm_eps
-        norm = lambda w, name: _Norm(w[name].weight, w[name].bias, eps, (d,))  # noqa: E731
-        sublayers = []
-        for index, w in enumerate(self.weights):
-            sublayers += [(norm(w, "self_attn_norm"), self_attention(index, w)),
-                          (norm(w, "cross_attn_norm"), cross_attention(index, w)),
-                          (norm(w, "ffn_norm"), feed_forward(w))]
+        sublayers = [(_Norm(w[s.norm].weight, w[s.norm].bias, eps, (d,)), run[s.kind](index, s, w))
+                     for index, w in enumerate(self.weights) for s in DECODER_SUBLAYERS]
         decoder = self.model.decoder
         h = run_sublayers(x, sublayers, decoder.final_norm, decoder.config.norm_first, 0.0, self.backend)
         self.turn, self.step_index = 1 - self.turn, t + 1
@@ -239,12 +263,13 @@ class FullRecompute:
 
 def search_candidates(logits: Tensor, at_limit: Tensor, config, width: int) -> tuple[Tensor, Tensor, Tensor]:
     """The search's view of logits (N, V) on any device and dtype, with torch ops (float32 CPU logits take
-    the C++ kernel of csrc/cpu/search_candidates.cpp instead, the same rule): per row the log-sum-exp over
+    the C++ kernel of csrc/inference/search_candidates.cpp instead, the same rule): per row the log-sum-exp over
     the whole vocabulary (pad and bos included, as a log-softmax; exponentials in the logits' dtype, float32
     for half precision, their sum in float64) and the best ``width`` logits among the tokens the search may
     produce (never pad or bos; only eos in rows ``at_limit``), with their tokens, best first, tied logits
     to the lower token id, then -inf entries on the lowest ids not listed: the kernel's order exactly (a
-    stable descending sort; torch.topk orders ties as it likes). Overwrites float32 and float64 logits
+    stable descending sort; torch.topk orders ties as it likes). A NaN logit counts as -inf: never a
+    candidate, not in the log-sum-exp (the kernel's rule too). Overwrites float32 and float64 logits
     (the search's own, a fresh tensor each step).
 
     Cost: a sort of each row, O(V log V), where topk would be O(V): on a GPU a segmented sort of (N, V),
@@ -252,8 +277,10 @@ def search_candidates(logits: Tensor, at_limit: Tensor, config, width: int) -> t
     backends, float32 takes the kernel."""
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()  # half-precision logits (autocast): exponentials in float32
+    logits.masked_fill_(logits.isnan(), float("-inf"))  # a NaN logit: a token that cannot be produced
     row_max = logits.amax(dim=1, keepdim=True)
-    lse = row_max.double().squeeze(1) + torch.exp(logits - row_max).sum(dim=1, dtype=torch.float64).log_()
+    shift = torch.where(row_max.isfinite(), row_max, 0.0)  # an all -inf row: lse -inf (not -inf - -inf = NaN)
+    lse = shift.double().squeeze(1) + torch.exp(logits - shift).sum(dim=1, dtype=torch.float64).log_()
     logits[:, config.pad_id] = float("-inf")
     logits[:, config.bos_id] = float("-inf")
     if bool(at_limit.any()):  # the last allowed position of a sentence: only eos
@@ -270,7 +297,7 @@ def beam_search(model, src: Tensor, K: int, alpha: float, a: float, b: float, us
     The model must be in eval mode and grad disabled (``Transformer.beam_search`` sees to both).
     ``stepper(model, memory, src_padding, K, steps)`` may supply another decoder with the interface of
     ``IncrementalDecoder`` (``logits``, ``select``): the benchmarks run a plain-PyTorch one this way.
-    The rules and the bookkeeping are ``fastformer._C.BeamSearch`` (csrc/beam_search.cpp); this loop asks
+    The rules and the bookkeeping are ``fastformer._C.BeamSearch`` (csrc/inference/beam_search.cpp); this loop asks
     the stepper for logits and tells it which rows survive."""
     cfg = model.config
     device = src.device

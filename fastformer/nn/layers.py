@@ -19,16 +19,15 @@ from torch import Tensor, nn
 from fastformer import ops
 from fastformer.nn.attention import MultiHeadAttention
 from fastformer.nn.config import TransformerConfig
-from fastformer.nn.linear import Int8Weight, Linear
+from fastformer.nn.linear import Int8Linear, Int8Weight, Linear
 
 
 # ----------------------------------------------------------------------------------------------------
-# The decoder layer, described once. Its weights by name (as under ``decoder.layers.<i>.`` in the state
-# dict), kind and shape (d = d_model, f = d_ff), in the order the layer uses them; the sublayers run in
-# the order self-attention, cross-attention, feed-forward, each with its LayerNorm placed by
-# ``config.norm_first`` (run_sublayers below), the feed-forward's activation is ``ACTIVATION``. Every
-# consumer binds the weights by these names and checks their shapes: the model (DecoderLayer), the Python
-# decoder step and the C++ one (fastformer/nn/decoding.py, csrc/decoder.cpp), the CTranslate2 exporter
+# The decoder layer, described once: its weights (DECODER_LAYER) and its computation (DECODER_SUBLAYERS,
+# with ``run_sublayers`` for the norm placement and ``config.activation``). Every consumer is driven by
+# this description and binds the weights by these names, checking their shapes: the model
+# (DecoderLayer.sublayers), the Python decoder step and the C++ one (fastformer/nn/decoding.py sends the
+# description and the named weights to csrc/inference/decoder.cpp), the CTranslate2 exporter
 # (fastformer/export.py); the tests' plain-PyTorch reference and the benchmarks' plain decoder read the
 # same state-dict names.
 
@@ -39,6 +38,8 @@ class LayerWeight(NamedTuple):
     shape: tuple[str, ...]  # linear (out, in), norm (d,), in units "d", "2d", "3d", "f"
 
 
+# The weights by name (as under ``decoder.layers.<i>.`` in the state dict), kind and shape (d = d_model,
+# f = d_ff), in the order the layer uses them.
 DECODER_LAYER: tuple[LayerWeight, ...] = (
     LayerWeight("self_attn_norm", "norm", ("d",)),
     LayerWeight("self_attn.qkv_proj", "linear", ("3d", "d")),  # x -> q | k | v, each (H, Dh)
@@ -51,17 +52,41 @@ DECODER_LAYER: tuple[LayerWeight, ...] = (
     LayerWeight("ffn.fc1", "linear", ("f", "d")),
     LayerWeight("ffn.fc2", "linear", ("d", "f")),
 )
-ACTIVATION = "relu"  # of the feed-forward, between fc1 and fc2
 
 
-def activation(x: Tensor, inplace: bool = False) -> Tensor:
-    """The feed-forward's ``ACTIVATION`` (the C++ decoder step is told its name and refuses another)."""
-    return F.relu(x, inplace=inplace)
+class SublayerSpec(NamedTuple):
+    """One sublayer of a layer: what it computes (``kind``), its LayerNorm and its weights by role."""
+    kind: str  # "self_attention" (causal in the decoder), "cross_attention" or "feed_forward"
+    norm: str  # the LayerNorm placed before (pre-norm) or after (post-norm) it
+    weights: dict[str, str]  # role -> weight name: self_attention qkv, out; cross_attention q, kv, out;
+    #                          feed_forward fc1, activation, fc2
+
+
+# The sublayers in the order they run. The one place that order is written: training (DecoderLayer), the
+# Python step and the C++ step (which receives this list and runs the kinds in its order) follow it.
+DECODER_SUBLAYERS: tuple[SublayerSpec, ...] = (
+    SublayerSpec("self_attention", "self_attn_norm", {"qkv": "self_attn.qkv_proj", "out": "self_attn.out_proj"}),
+    SublayerSpec("cross_attention", "cross_attn_norm",
+                 {"q": "cross_attn.q_proj", "kv": "cross_attn.kv_proj", "out": "cross_attn.out_proj"}),
+    SublayerSpec("feed_forward", "ffn_norm", {"fc1": "ffn.fc1", "fc2": "ffn.fc2"}),
+)
+ENCODER_SUBLAYERS: tuple[SublayerSpec, ...] = (
+    SublayerSpec("self_attention", "self_attn_norm", {"qkv": "self_attn.qkv_proj", "out": "self_attn.out_proj"}),
+    SublayerSpec("feed_forward", "ffn_norm", {"fc1": "ffn.fc1", "fc2": "ffn.fc2"}),
+)
+
+# config.activation's functions (fastformer/nn/config.py ACTIVATIONS names them; the C++ step implements
+# the same names): each takes x and whether it may overwrite x.
+ACTIVATIONS: dict[str, Callable[[Tensor, bool], Tensor]] = {
+    "relu": lambda x, inplace: F.relu(x, inplace=inplace),
+    "gelu": lambda x, inplace: F.gelu(x),  # exact (erf)
+    "silu": lambda x, inplace: F.silu(x, inplace=inplace),
+}
 
 
 class BoundWeight(NamedTuple):
     """One weight of ``DECODER_LAYER`` as bound: ``linear(x, *bound)`` applies a linear one."""
-    weight: Tensor
+    weight: Optional[Tensor]  # None for an int8 projection (its weight lives in ``int8``)
     bias: Tensor
     int8: Optional[Int8Weight]  # a linear layer's int8 form in a quantized model, else None
 
@@ -74,29 +99,34 @@ def decoder_layer_weights(layer: nn.Module, config: TransformerConfig) -> dict[s
     out = {}
     for w in DECODER_LAYER:
         module = layer.get_submodule(w.name)
-        weight, bias = module.weight, module.bias
         shape = tuple(units[u] for u in w.shape)
-        if tuple(weight.shape) != shape or bias is None or tuple(bias.shape) != shape[:1]:
+        if isinstance(module, Int8Linear):
+            bound = BoundWeight(None, module.bias, module.int8())
+            got = (module.out_features, module.in_features)
+        else:
+            bound = BoundWeight(module.weight, module.bias, None)
+            got = tuple(module.weight.shape)
+        bias = bound.bias
+        if got != shape or bias is None or tuple(bias.shape) != shape[:1]:
             raise ValueError(f"decoder layer weight {w.name} ({w.kind}) must be {shape} with a bias of "
-                             f"{shape[:1]}, got {tuple(weight.shape)} and "
-                             f"{None if bias is None else tuple(bias.shape)}")
-        out[w.name] = BoundWeight(weight, bias, getattr(module, "int8", None))
+                             f"{shape[:1]}, got {got} and {None if bias is None else tuple(bias.shape)}")
+        out[w.name] = bound
     return out
 
 
 class FeedForward(nn.Module):
-    """Linear(d, d_ff) -> activation (ReLU) -> dropout -> Linear(d_ff, d)."""
+    """Linear(d, d_ff) -> activation (config.activation) -> dropout -> Linear(d_ff, d)."""
 
-    def __init__(self, d_model: int, d_ff: int, activation_dropout: float = 0.0):
+    def __init__(self, d_model: int, d_ff: int, activation_dropout: float = 0.0, activation: str = "relu"):
         super().__init__()
         self.fc1, self.fc2 = Linear(d_model, d_ff), Linear(d_ff, d_model)
-        self.activation_dropout = activation_dropout
+        self.activation_dropout, self.activation = activation_dropout, activation
         for m in (self.fc1, self.fc2):
             nn.init.xavier_uniform_(m.weight)
             nn.init.zeros_(m.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = activation(self.fc1(x))
+        h = ACTIVATIONS[self.activation](self.fc1(x), False)
         if self.activation_dropout > 0:
             h = F.dropout(h, self.activation_dropout, self.training)
         return self.fc2(h)
@@ -135,13 +165,14 @@ class EncoderLayer(nn.Module):
         d = config.d_model
         self.self_attn = MultiHeadAttention(d, config.n_heads, attention_dropout=config.attention_dropout,
                                             backend=backend)
-        self.ffn = FeedForward(d, config.d_ff, config.activation_dropout)
+        self.ffn = FeedForward(d, config.d_ff, config.activation_dropout, config.activation)
         self.self_attn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.ffn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
 
     def sublayers(self, key_padding_mask: Optional[Tensor]) -> list[Sublayer]:
-        return [(self.self_attn_norm, lambda h: self.self_attn(h, key_padding_mask=key_padding_mask)),
-                (self.ffn_norm, self.ffn)]
+        run = {"self_attention": lambda h: self.self_attn(h, key_padding_mask=key_padding_mask),
+               "feed_forward": self.ffn}
+        return [(self.get_submodule(s.norm), run[s.kind]) for s in ENCODER_SUBLAYERS]
 
 
 class DecoderLayer(nn.Module):
@@ -152,15 +183,16 @@ class DecoderLayer(nn.Module):
                                             backend=backend)
         self.cross_attn = MultiHeadAttention(d, config.n_heads, cross=True,
                                              attention_dropout=config.attention_dropout, backend=backend)
-        self.ffn = FeedForward(d, config.d_ff, config.activation_dropout)
+        self.ffn = FeedForward(d, config.d_ff, config.activation_dropout, config.activation)
         self.self_attn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.cross_attn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.ffn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
 
     def sublayers(self, memory: Tensor, memory_padding_mask: Optional[Tensor]) -> list[Sublayer]:
-        return [(self.self_attn_norm, lambda h: self.self_attn(h, causal=True)),
-                (self.cross_attn_norm, lambda h: self.cross_attn(h, memory, key_padding_mask=memory_padding_mask)),
-                (self.ffn_norm, self.ffn)]
+        run = {"self_attention": lambda h: self.self_attn(h, causal=True),
+               "cross_attention": lambda h: self.cross_attn(h, memory, key_padding_mask=memory_padding_mask),
+               "feed_forward": self.ffn}
+        return [(self.get_submodule(s.norm), run[s.kind]) for s in DECODER_SUBLAYERS]
 
 
 class Encoder(nn.Module):

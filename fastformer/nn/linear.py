@@ -1,7 +1,7 @@
 """The model's projections: ``Linear`` (an ``nn.Linear``) and ``linear(x, weight, bias)``, which at inference
 on the CPU in float32 run fastformer's own GEMM on the weight packed once into column panels.
 
-``fastformer._C.packed_linear`` (csrc/cpu/packed_linear.cpp, built per CPU level) streams W^T as
+``fastformer._C.packed_linear`` (csrc/gemm/packed_linear.cpp, built per CPU level) streams W^T as
 (ceil(out / P), in, P) panels, P = PACKED_LINEAR_PANEL, with ``at::vec`` fused multiply-adds (the decoding
 benchmark, benchmarks/test_decoding.py, times the decoder built on it beside one on torch's GEMM; no
 generated table times the two GEMMs alone). It is used where no gradient can be wanted: grad disabled (``torch.no_grad``,
@@ -12,9 +12,12 @@ The panels are one more copy of the weight, made at the first such call and kept
 tensor, weakly) until the weight changes in place (its version counter moves: an optimizer step) or is
 replaced; they are not part of the state dict.
 
-A model quantized by ``fastformer.quantize(model, "int8")`` (fastformer/nn/quantize.py) gives each
-projection an ``Int8Weight``: there the same rule picks ``fastformer._C.int8_linear`` (csrc/cpu/int8_linear.cpp:
-int8 weights, activations quantized per row), and ``F.linear`` on the dequantized weight elsewhere.
+A model quantized by ``fastformer.quantize(model, "int8")`` (fastformer/nn/quantize.py) has ``Int8Linear``
+projections in place of ``Linear``: the int8 weight (in the kernel's packed layout) and its scales are buffers
+of the state dict, no float copy is kept; the same rule picks ``fastformer._C.int8_linear``
+(csrc/gemm/int8_linear.cpp: int8 weights, activations quantized per row), and elsewhere ``F.linear`` on the
+weight dequantized for that call. The packed layouts and the quantization rule are C++'s
+(csrc/gemm/gemm.h): ``C.pack_linear``, ``C.quantize_int8``, ``C.dequantize_int8``.
 """
 from __future__ import annotations
 
@@ -31,21 +34,17 @@ _PANELS = WeakIdKeyDictionary()  # weight -> (its (data_ptr, version, shape) whe
 
 
 class Int8Weight(NamedTuple):
-    """A weight (out, in) quantized to int8 per output channel (fastformer/nn/quantize.py)."""
-    panels: Tensor  # int8 (ceil(out / P), ceil(in / 4), P, 4): Wq in the kernel's layout (csrc/cpu/int8_linear.cpp)
+    """A weight (out, in) quantized to int8 per output channel, as ``C.quantize_int8`` returns it (the views of an
+    ``Int8Linear``'s buffers)."""
+    panels: Tensor  # int8 (ceil(out / P), ceil(in / 4), P, 4): Wq in the kernel's layout (csrc/gemm/gemm.h)
     scale: Tensor   # float32 (out,): s_w, W ~ Wq s_w
     colsum: Tensor  # int32 (out,): sum_k Wq[n, k]
-    weight: Tensor  # float32 (out, in): Wq s_w, the dequantized weight (for F.linear where the kernel does not apply)
 
 
 def pack_panels(weight: Tensor) -> Tensor:
-    """An (out, in) weight as the column panels of W^T that ``fastformer._C.packed_linear`` streams:
-    (ceil(out / P), in, P) contiguous, P = PACKED_LINEAR_PANEL, zeros past ``out``."""
-    P = C.PACKED_LINEAR_PANEL
-    out, inp = weight.shape
-    padded = weight.new_zeros((out + P - 1) // P * P, inp)
-    padded[:out] = weight
-    return padded.view(-1, P, inp).transpose(1, 2).contiguous()
+    """An (out, in) float32 weight as the column panels of W^T that ``fastformer._C.packed_linear`` streams
+    (``C.pack_linear``: the layout of csrc/gemm/gemm.h)."""
+    return C.pack_linear(weight)
 
 
 def packed_panels(weight: Tensor) -> Optional[Tensor]:
@@ -69,17 +68,19 @@ def packed_applies(x: Tensor) -> bool:
             and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling())
 
 
-def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, int8: Optional[Int8Weight] = None) -> Tensor:
+def linear(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor] = None,
+           int8: Optional[Int8Weight] = None) -> Tensor:
     """x (..., in) W^T + b: ``F.linear``, or the packed kernel where ``packed_applies(x)``; with ``int8`` (a
-    quantized model's projection), the int8 kernel where ``packed_applies(x)``, else ``F.linear`` on its
-    dequantized weight."""
+    quantized model's projection; ``weight`` is then None), the int8 kernel where ``packed_applies(x)``, else
+    ``F.linear`` on the weight dequantized for this call."""
     if int8 is not None:
+        out = int8.scale.shape[0]
         if packed_applies(x):
-            out = int8.scale.shape[0]
             y = C.int8_linear(x.reshape(-1, x.shape[-1]), int8.panels, int8.scale, int8.colsum,
                               None if bias is None else bias.detach(), out)
             return y.view(*x.shape[:-1], out)
-        return F.linear(x, int8.weight, bias)
+        dequantized = C.dequantize_int8(int8.panels, int8.scale, out, x.shape[-1])
+        return F.linear(x, dequantized.to(x.dtype), None if bias is None else bias.to(x.dtype))
     if packed_applies(x):
         panels = packed_panels(weight)
         if panels is not None:
@@ -90,10 +91,44 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, int8: Optio
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, same state dict) whose inference runs ``linear`` above; ``int8`` is set
-    in a quantized model (its weight then holds the dequantized values)."""
-
-    int8: Optional[Int8Weight] = None
+    """``nn.Linear`` (same parameters, same state dict) whose inference runs ``linear`` above."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias, self.int8)
+        return linear(x, self.weight, self.bias)
+
+
+class Int8Linear(nn.Module):
+    """A projection of a quantized model: y = x W^T + b with W (out, in) held as int8 per output channel.
+    Its state dict: ``weight`` int8 in the kernel's packed layout (ceil(out / P), ceil(in / 4), P, 4),
+    ``weight_scale`` float32 (out,), ``weight_colsum`` int32 (out,) and ``bias`` float32 (out,) or none; all
+    buffers (nothing to train), about a quarter of the float32 bytes. ``Int8Linear(in, out, bias)`` makes an
+    empty one for ``load_state_dict``; ``Int8Linear.quantize(weight, bias)`` quantizes a float32 weight."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        P = C.PACKED_LINEAR_PANEL
+        self.register_buffer("weight", torch.zeros((out_features + P - 1) // P, (in_features + 3) // 4, P, 4,
+                                                   dtype=torch.int8))
+        self.register_buffer("weight_scale", torch.zeros(out_features))
+        self.register_buffer("weight_colsum", torch.zeros(out_features, dtype=torch.int32))
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+
+    @classmethod
+    def quantize(cls, weight: Tensor, bias: Optional[Tensor] = None) -> "Int8Linear":
+        """The int8 form of a float32 (out, in) weight and its bias (``C.quantize_int8``: csrc/gemm/gemm.h)."""
+        out, inp = weight.shape
+        module = cls(inp, out, bias is not None)
+        module.weight, module.weight_scale, module.weight_colsum = C.quantize_int8(weight.detach().float().cpu())
+        if bias is not None:
+            module.bias = bias.detach().float().cpu().clone()
+        return module
+
+    def int8(self) -> Int8Weight:
+        return Int8Weight(self.weight, self.weight_scale, self.weight_colsum)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, None, self.bias, self.int8())
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"

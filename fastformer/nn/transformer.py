@@ -44,6 +44,9 @@ class Transformer(nn.Module):
         self._position_cache: dict = {}  # (device, dtype) -> sinusoid table, computed in float64 then cast
         self.encoder = Encoder(config, backend)
         self.decoder = Decoder(config, backend)
+        # The output projection is the embedding, transposed; a quantized model holds its int8 form here
+        # (an Int8Linear without bias: fastformer/nn/quantize.py), else None.
+        self.output_projection: Optional[nn.Module] = None
 
     # ------------------------------------------------------------------------------------------
     def positions(self, length: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -86,12 +89,17 @@ class Transformer(nn.Module):
             raise ValueError(f"src and tgt_in batch sizes differ: {src.shape[0]} vs {tgt_in.shape[0]}")
         return self.decoder(self._embed(tgt_in), memory, src_padding)
 
-    output_int8 = None  # the output projection's Int8Weight in a quantized model (fastformer/nn/quantize.py)
+    @property
+    def quantization(self) -> Optional[str]:
+        """"int8" for a model of ``fastformer.quantize`` (or ``fastformer.nn.quantize.prepare``), else None."""
+        return None if self.output_projection is None else "int8"
 
     def project(self, h: Tensor) -> Tensor:
         """Logits (..., vocab) of decoder states (..., d): the embedding matrix, transposed (int8 in a quantized
         model)."""
-        return linear(h, self.embed.weight, None, self.output_int8)
+        if self.output_projection is not None:
+            return self.output_projection(h)
+        return linear(h, self.embed.weight)
 
     def forward(self, src: Tensor, tgt_in: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         """Logits (B, T, vocab); with a bool ``positions`` mask (B, T), only those positions' logits, (n, vocab)

@@ -1,4 +1,4 @@
-"""int8 translation: the int8 GEMM (``fastformer._C.int8_linear``, csrc/cpu/int8_linear.cpp) against a float64
+"""int8 translation: the int8 GEMM (``fastformer._C.int8_linear``, csrc/gemm/int8_linear.cpp) against a float64
 reference of the same quantized arithmetic, for every dot-product variant this CPU runs at the loaded level
 (CI runs this file at every level the machine supports); ``fastformer.quantize`` and its model (the C++
 decoder step in int8 against the Python step over the same quantized weights; the log-probabilities beside
@@ -12,11 +12,12 @@ import fastformer
 from fastformer._ext import C
 from fastformer.nn import TransformerConfig
 from fastformer.nn.decoding import IncrementalDecoder
-from fastformer.nn.linear import Linear
-from fastformer.nn.quantize import quantize_weight
+from fastformer.nn import Transformer
+from fastformer.nn.linear import Int8Linear, Int8Weight, Linear
+from fastformer.nn.quantize import prepare
 from model_reference import varied_model
 from test_model_decoding import make_src
-from test_native_decoding import cpp_decoder_arguments
+from test_native_decoding import cpp_decoder_arguments, with_layer0
 
 VARIANTS = C.int8_variants()
 # (113, 256, 70): rows split into blocks of 16 (the last one short) over three panels, as a d x d
@@ -41,6 +42,11 @@ def int8_linear_reference(x, weight, bias):
     xq, sx = quantize_rows_reference(x)
     y = (xq.double() @ wq.double().T) * (sx.double()[:, None] * sw.double()[None, :])
     return y if bias is None else y + bias.double()
+
+
+def quantize_weight(weight):
+    """C.quantize_int8 (csrc/gemm/gemm.cpp: the one owner of the rule and the layout) as an Int8Weight."""
+    return Int8Weight(*C.quantize_int8(weight))
 
 
 def make_case(M, K, N, bias=True, seed=0):
@@ -108,25 +114,52 @@ def test_int8_linear_does_not_depend_on_the_thread_count(M, K, N):
 
 def test_quantize_weight_packs_and_dequantizes():
     weight = torch.randn(70, 13)
+    weight[5] = 0.0
     q = quantize_weight(weight)
     assert q.panels.dtype == torch.int8 and q.panels.shape == (3, 4, 32, 4)
     assert q.panels.abs().max() <= 127
+    dequantized = C.dequantize_int8(q.panels, q.scale, 70, 13)
     # every weight within half a step of its dequantized value, the largest of a channel exactly +-127 steps
-    assert ((q.weight - weight).abs() <= q.scale[:, None] / 2 * (1 + 1e-5)).all()
+    assert ((dequantized - weight).abs() <= q.scale[:, None] / 2 * (1 + 1e-5)).all()
     unpacked = q.panels.transpose(1, 2).reshape(96, 16)[:70, :13].float()
-    torch.testing.assert_close(unpacked * q.scale[:, None], q.weight)
+    torch.testing.assert_close(unpacked * q.scale[:, None], dequantized)
     assert torch.equal(q.colsum, unpacked.sum(1).int())
-    assert (unpacked.abs().amax(1) == 127).all()
+    assert (unpacked.abs().amax(1)[torch.arange(70) != 5] == 127).all() and not unpacked[5].any()
+    assert torch.equal(q.panels.transpose(1, 2).reshape(96, 16)[70:], torch.zeros(26, 16, dtype=torch.int8))
+    # the rule stated in csrc/gemm/gemm.h, written out here in float32: round half to even
+    inv = 127.0 / weight.abs().amax(1, keepdim=True)
+    expected = torch.round(weight * torch.where(inv.isfinite(), inv, 0)).clamp(-127, 127)
+    assert torch.equal(unpacked, expected)
+
+
+def test_pack_linear_is_the_packed_kernels_layout():
+    weight = torch.randn(70, 13)
+    panels = C.pack_linear(weight)
+    assert panels.shape == (3, 13, 32)
+    assert torch.equal(panels.transpose(1, 2).reshape(96, 13)[:70], weight)
+    assert not panels.transpose(1, 2).reshape(96, 13)[70:].any()
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: C.quantize_int8(torch.randn(3, 4, 5)), "expected a 2-D float32 CPU weight"),
+    (lambda: C.quantize_int8(torch.randn(3, 4).double()), "expected a 2-D float32 CPU weight"),
+    (lambda: C.quantize_int8(torch.zeros(1, 65537)), "at most 65,536 inputs"),
+    (lambda: C.pack_linear(torch.randn(3)), "expected a 2-D float32 CPU weight"),
+    (lambda: C.dequantize_int8(torch.zeros(1, 2, 32, 4, dtype=torch.int8), torch.zeros(3), 3, 9), "panels must be"),
+])
+def test_weight_preparation_bad_arguments_raise(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
 
 
 @pytest.mark.parametrize("call, message", [
     (lambda x, q, b: C.int8_linear(x.double(), q.panels, q.scale, q.colsum, b, 33), "x must be a 2-D float32"),
-    (lambda x, q, b: C.int8_linear(x, q.panels.float(), q.scale, q.colsum, b, 33), "panels must be int8"),
-    (lambda x, q, b: C.int8_linear(x, q.panels, q.scale, q.colsum, b, 65), "panels must be int8"),
-    (lambda x, q, b: C.int8_linear(x[:, :4], q.panels, q.scale, q.colsum, b, 33), "panels must be int8"),
-    (lambda x, q, b: C.int8_linear(x, q.panels, q.scale.double(), q.colsum, b, 33), "scale must be a float32"),
-    (lambda x, q, b: C.int8_linear(x, q.panels, q.scale, q.colsum.long(), b, 33), "colsum must be an int32"),
-    (lambda x, q, b: C.int8_linear(x, q.panels, q.scale, q.colsum, b[:5], 33), "bias must be a float32"),
+    (lambda x, q, b: C.int8_linear(x, q.panels.float(), q.scale, q.colsum, b, 33), "int8_panels must be a contiguous int8"),
+    (lambda x, q, b: C.int8_linear(x, q.panels, q.scale, q.colsum, b, 65), "int8_panels must be a contiguous int8"),
+    (lambda x, q, b: C.int8_linear(x[:, :4], q.panels, q.scale, q.colsum, b, 33), "int8_panels must be a contiguous"),
+    (lambda x, q, b: C.int8_linear(x, q.panels, q.scale.double(), q.colsum, b, 33), "int8_scale must be a contiguous float32"),
+    (lambda x, q, b: C.int8_linear(x, q.panels, q.scale, q.colsum.long(), b, 33), "int8_colsum must be a contiguous int32"),
+    (lambda x, q, b: C.int8_linear(x, q.panels, q.scale, q.colsum, b[:5], 33), "bias must be a contiguous float32"),
     (lambda x, q, b: C.int8_linear(x, q.panels, q.scale, q.colsum, b, 33, "sse9"), 'variant "sse9" does not run'),
     (lambda x, q, b: C.int8_linear(torch.zeros(1, 65537), q.panels, q.scale, q.colsum, b, 33), "at most 65,536"),
 ])
@@ -147,13 +180,58 @@ def test_quantize_copies_the_model_and_quantizes_every_projection():
     before = copy.deepcopy(model.state_dict())
     quantized = fastformer.quantize(model, "int8")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the original untouched
-    linears = [m for m in quantized.modules() if isinstance(m, Linear)]
-    assert linears and all(m.int8 is not None and m.weight is m.int8.weight for m in linears)
-    assert quantized.output_int8 is not None and quantized.quantization == "int8"
+    assert not any(isinstance(m, Linear) for m in quantized.modules())
+    int8 = [m for m in quantized.modules() if isinstance(m, Int8Linear)]
+    assert len(int8) == len([m for m in model.modules() if isinstance(m, Linear)]) + 1  # and the output projection
+    assert quantized.output_projection is not None and quantized.quantization == "int8" and model.quantization is None
     assert not any(p.requires_grad for p in quantized.parameters())
-    # the Linear layers hold the dequantized weights
+    # no float copy of a quantized weight: the float32 tensors left are the embedding, norms and biases
+    state = quantized.state_dict()
+    floats = {k for k, v in state.items() if v.dtype == torch.float32 and v.dim() == 2}
+    assert floats == {"embed.weight"}, floats
     layer = quantized.decoder.layers[0].ffn.fc1
-    assert torch.equal(layer.weight, quantize_weight(model.decoder.layers[0].ffn.fc1.weight).weight)
+    expected = quantize_weight(model.decoder.layers[0].ffn.fc1.weight)
+    assert torch.equal(layer.weight, expected.panels) and torch.equal(layer.weight_scale, expected.scale)
+    assert torch.equal(layer.bias, model.decoder.layers[0].ffn.fc1.bias)
+
+
+def test_int8_weights_round_trip_through_the_state_dict(tmp_path):
+    """A quantized model saves as int8 (state_dict: int8 weights, float32 scales) and loads into
+    ``prepare(Transformer(config), "int8")``: the same logits and tokens; its file is about a quarter of the
+    float model's, less the float32 embedding it keeps."""
+    config = TransformerConfig.tiny(d_model=128, n_heads=4, d_ff=512, vocab_size=97)
+    model = varied_model(config, "cpu", seed=4, dtype=torch.float32)
+    quantized = fastformer.quantize(model)
+    torch.save(model.state_dict(), tmp_path / "float.pt")
+    torch.save(quantized.state_dict(), tmp_path / "int8.pt")
+    state = torch.load(tmp_path / "int8.pt", weights_only=True)
+    assert state["decoder.layers.0.ffn.fc1.weight"].dtype == torch.int8
+    assert state["output_projection.weight_scale"].shape == (97,)
+    loaded = prepare(Transformer(config), "int8")
+    loaded.load_state_dict(state)
+    src = make_src(config, [9, 7, 12, 5])
+    tgt = torch.randint(4, config.vocab_size, (4, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded(src, tgt), quantized(src, tgt))
+    assert loaded.generate(src) == quantized.generate(src)
+    embed = model.embed.weight.numel() * 4
+    float_size, int8_size = (tmp_path / "float.pt").stat().st_size, (tmp_path / "int8.pt").stat().st_size
+    assert int8_size - embed < 0.3 * (float_size - embed), (int8_size, float_size, embed)
+    with pytest.raises(RuntimeError, match="size mismatch|Missing key|Unexpected key"):
+        Transformer(config).load_state_dict(state)  # a float model refuses int8 weights
+
+
+def test_int8_projection_outside_the_kernel_uses_the_dequantized_weight():
+    """With grad enabled (the kernel does not apply) an Int8Linear computes F.linear on its dequantized
+    weight: the kernel's result up to the activations' rounding."""
+    layer = Int8Linear.quantize(torch.randn(33, 20), torch.randn(33))
+    x = torch.randn(5, 20)
+    with torch.enable_grad():
+        y = layer(x)
+    expected = x @ C.dequantize_int8(layer.weight, layer.weight_scale, 33, 20).T + layer.bias
+    torch.testing.assert_close(y, expected)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), expected, rtol=0.05, atol=0.05 * float(expected.abs().max()))
 
 
 @pytest.mark.parametrize("call, message", [
@@ -230,19 +308,16 @@ def test_cpp_decoder_binds_int8_projections_by_name():
     """A quantized model's projections cross into the C++ step as "<name>.int8_panels", "<name>.int8_scale" and
     "<name>.int8_colsum" (the output projection as "output.int8_*"), each checked like the float32 panels."""
     model = fastformer.quantize(varied_model(CONFIG, "cpu", seed=4, dtype=torch.float32))
-    args = cpp_decoder_arguments(CONFIG, model)
-    assert set(args[6]) == {"output.int8_panels", "output.int8_scale", "output.int8_colsum"}
-    assert "ffn.fc1.int8_panels" in args[0][0] and "ffn.fc1.panels" not in args[0][0]
-    C.CpuDecoder(*args)  # as given: accepted
-    layers = [dict(w) for w in args[0]]
-    layers[0]["ffn.fc1.int8_panels"] = layers[0]["ffn.fc2.int8_panels"]
-    with pytest.raises(ValueError, match="ffn.fc1.int8_panels must be a contiguous int8 CPU tensor of shape"):
-        C.CpuDecoder(layers, *args[1:])
-    layers = [dict(w) for w in args[0]]
-    layers[0]["ffn.fc1.int8_scale"] = layers[0]["ffn.fc1.int8_scale"].double()
-    with pytest.raises(ValueError, match="ffn.fc1.int8_scale must be a contiguous float32"):
-        C.CpuDecoder(layers, *args[1:])
-    layers = [dict(w) for w in args[0]]
-    del layers[0]["ffn.fc1.int8_colsum"]
-    with pytest.raises(ValueError, match='has no weight "ffn.fc1.int8_colsum"'):
-        C.CpuDecoder(layers, *args[1:])
+    description = cpp_decoder_arguments(CONFIG, model)
+    assert set(description["output"]) == {"output.int8_panels", "output.int8_scale", "output.int8_colsum"}
+    assert "ffn.fc1.int8_panels" in description["layers"][0] and "ffn.fc1.panels" not in description["layers"][0]
+    C.CpuDecoder(description)  # as given: accepted
+    for change, message in [
+        (lambda w: w.update({"ffn.fc1.int8_panels": w["ffn.fc2.int8_panels"]}),
+         "ffn.fc1.int8_panels must be a contiguous int8 CPU tensor of shape"),
+        (lambda w: w.update({"ffn.fc1.int8_scale": w["ffn.fc1.int8_scale"].double()}),
+         "ffn.fc1.int8_scale must be a contiguous float32"),
+        (lambda w: w.pop("ffn.fc1.int8_colsum"), 'has no weight "ffn.fc1.int8_colsum"'),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            C.CpuDecoder(with_layer0(description, change))

@@ -1,6 +1,6 @@
 """The C++ decoding path (float32 on the CPU through the cpu backend): ``fastformer._C.CpuDecoder``
-(csrc/decoder.cpp, csrc/cpu/decoder_step.cpp) against the Python incremental decoder over the same weights,
-and ``fastformer._C.BeamSearch``'s pass over the vocabulary (csrc/cpu/search_candidates.cpp) against
+(csrc/inference/decoder.cpp, decoder_step.cpp) against the Python incremental decoder over the same weights,
+and ``fastformer._C.BeamSearch``'s pass over the vocabulary (csrc/inference/search_candidates.cpp) against
 ``decoding.search_candidates``'s torch ops; bad arguments raise ValueError.
 
 The recorded tokens (test_fast_decoding.py) and the step-by-step comparison with a full recompute
@@ -129,6 +129,40 @@ def test_search_kernel_and_torch_ops_break_ties_alike(K, V):
         assert [[t for t, _ in h] for h in cpp.hypotheses()] == [[t for t, _ in h] for h in ops.hypotheses()]
 
 
+@pytest.mark.parametrize("K, V", [(1, 50), (4, 97), (2, 300)])
+def test_search_kernel_and_torch_ops_treat_nan_alike(K, V):
+    """NaN logits (scattered, a whole block of 64, a whole row) are tokens that cannot be produced, on both
+    paths: never candidates, left out of the log-sum-exp; the other tokens of the row and their scores are
+    as if the NaN were -inf. The kernel once skipped a whole block of logits around a NaN."""
+    config = TransformerConfig.tiny(vocab_size=V)
+    generator = torch.Generator().manual_seed(V)
+    max_len = [3, 4]
+    cpp, ops, clean = _search(K, V, max_len), _search(K, V, max_len), _search(K, V, max_len)
+    for step in range(4):
+        logits = torch.randn(cpp.rows, V, generator=generator) * 3
+        logits[torch.rand(cpp.rows, V, generator=generator) < 0.1] = float("nan")
+        logits[0, :min(V, 64)] = float("nan")  # a whole block, the row's best among it
+        logits[0, min(V, 64) - 1] = 50.0 if V > 64 else logits[0, -1]
+        if cpp.rows > 1:
+            logits[-1] = float("nan")  # a row of NaN: no candidate at all
+        as_inf = logits.masked_fill(logits.isnan(), float("-inf"))
+        cpp_going = cpp.step_logits(logits.clone())
+        ops_going = ops.step_candidates(*search_candidates(logits.clone(), ops.at_limit(), config, ops.width))
+        clean_going = clean.step_logits(as_inf.clone())
+        assert cpp_going == ops_going == clean_going
+        if not cpp_going:
+            break
+        assert torch.equal(cpp.tokens(), ops.tokens()) and torch.equal(cpp.tokens(), clean.tokens()), f"step {step}"
+        assert not any(t in (0, 2) for row in cpp.tokens()[:, 1:].tolist() for t in row)
+    hyps = [cpp.hypotheses(), ops.hypotheses(), clean.hypotheses()]
+    assert [[t for t, _ in h] for h in hyps[0]] == [[t for t, _ in h] for h in hyps[1]] \
+        == [[t for t, _ in h] for h in hyps[2]]
+    for a, b in zip(hyps[0], hyps[1]):
+        scores = [s for _, s in a]
+        assert all(s == s for s in scores), "no NaN score"
+        assert scores == pytest.approx([s for _, s in b], rel=1e-6, abs=1e-6)
+
+
 def test_search_kernel_gives_float64_log_softmax_scores():
     """Greedy over one step: the finished hypothesis' score is the float64 log-softmax of its eos."""
     V = 1000
@@ -178,14 +212,14 @@ def test_cpp_decoder_bad_arguments_raise():
 
 
 def cpp_decoder_arguments(config, model=None):
-    """The arguments IncrementalDecoder gives fastformer._C.CpuDecoder for ``model`` (default: a varied
-    float32 model of ``config``), caught on their way."""
+    """The description IncrementalDecoder gives fastformer._C.CpuDecoder for ``model`` (default: a varied
+    float32 model of ``config``), caught on its way: one dict."""
     model = model if model is not None else varied_model(config, "cpu", seed=4, dtype=torch.float32)
     caught = {}
 
     class Catch:
-        def __init__(self, *args):
-            caught["args"] = list(args)
+        def __init__(self, description):
+            caught["description"] = description
 
     with torch.no_grad():
         memory, src_padding = model.encode(make_src(config, [3, 2]))
@@ -194,7 +228,14 @@ def cpp_decoder_arguments(config, model=None):
             IncrementalDecoder(model, memory, src_padding, 2, steps=2)
         finally:
             C.CpuDecoder = real
-    return caught["args"]
+    return caught["description"]
+
+
+def with_layer0(description, change):
+    """The description with ``change`` applied to a copy of layer 0's weights."""
+    layers = [dict(w) for w in description["layers"]]
+    change(layers[0])
+    return {**description, "layers": layers}
 
 
 @pytest.mark.parametrize("change, message", [
@@ -204,32 +245,101 @@ def cpp_decoder_arguments(config, model=None):
     (lambda w: w.pop("ffn_norm.bias"), 'decoder layer 0 has no weight "ffn_norm.bias"'),
     (lambda w: w.update({"ffn.fc3.bias": w["ffn.fc2.bias"]}), 'decoder layer 0 holds "ffn.fc3.bias", which'),
     (lambda w: w.update({"ffn.fc1.panels": w["ffn.fc2.panels"]}),
-     "decoder layer 0 ffn.fc1.panels must be a contiguous float32 CPU tensor of shape"),
+     "decoder layer 0: ffn.fc1.panels must be a contiguous float32 CPU tensor of shape"),
     (lambda w: w.update({"self_attn_norm.weight": w["self_attn_norm.weight"].double()}),
      "self_attn_norm.weight must be a contiguous float32"),
 ])
 def test_cpp_decoder_binds_weights_by_name(change, message):
-    """The C++ step takes each decoder weight by its DECODER_LAYER name and checks its shape: a missing,
-    unknown or misshapen weight is refused with its name, never read by position."""
-    args = cpp_decoder_arguments(TransformerConfig.tiny(d_ff=64))
-    C.CpuDecoder(*args)  # as given: accepted
-    layers = [dict(w) for w in args[0]]
-    change(layers[0])
+    description = cpp_decoder_arguments(TransformerConfig.tiny(d_ff=64))
+    C.CpuDecoder(description)  # as given: accepted
     with pytest.raises(ValueError, match=message):
-        C.CpuDecoder(layers, *args[1:])
+        C.CpuDecoder(with_layer0(description, change))
 
 
-def test_cpp_decoder_refuses_another_activation():
-    args = cpp_decoder_arguments(TransformerConfig.tiny())
-    with pytest.raises(ValueError, match='implements the relu activation, not "gelu"'):
-        C.CpuDecoder(*args[:-1], "gelu")
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.update(activation="tanh"), 'implements the activations relu, gelu and silu, not "tanh"'),
+    (lambda d: d.pop("heads"), 'the description has no field "heads"'),
+    (lambda d: d.update(head_count=4), 'unknown field "head_count"'),
+    (lambda d: d.update(beams="2"), 'field "beams" has the wrong type'),
+    (lambda d: d.update(sublayers=d["sublayers"] + [d["sublayers"][0]]), "at most one self-attention"),
+    (lambda d: d.update(sublayers=[("recurrent", "ffn_norm", {})]), 'no sublayer kind "recurrent"'),
+    (lambda d: d.update(sublayers=[("feed_forward", "ffn_norm", {"fc1": "ffn.fc1"})]),
+     "a feed_forward sublayer takes the weights fc1, fc2, got fc1"),
+    (lambda d: d.update(cross=d["cross"][:1]), "cross must hold a \\(k, v\\) pair per layer"),
+])
+def test_cpp_decoder_checks_its_description(change, message):
+    description = dict(cpp_decoder_arguments(TransformerConfig.tiny()))
+    change(description)
+    with pytest.raises(ValueError, match=message):
+        C.CpuDecoder(description)
 
 
 def test_cpp_decoder_binds_every_weight_of_the_description():
     """Every linear layer and LayerNorm of DECODER_LAYER crosses into C++ by name (the cross-attention's
-    k|v projection is applied in Python, once per sentence)."""
-    from fastformer.nn.layers import DECODER_LAYER
-    layers = cpp_decoder_arguments(TransformerConfig.tiny())[0]
+    k|v projection is applied in Python, once per sentence), and the sublayers cross in the description's
+    order with the names it gives."""
+    from fastformer.nn.layers import DECODER_LAYER, DECODER_SUBLAYERS
+    description = cpp_decoder_arguments(TransformerConfig.tiny())
     expected = {f"{w.name}.{part}" for w in DECODER_LAYER if w.name != "cross_attn.kv_proj"
                 for part in (("weight", "bias") if w.kind == "norm" else ("panels", "bias"))}
-    assert all(set(layer) == expected for layer in layers)
+    assert all(set(layer) == expected for layer in description["layers"])
+    assert [kind for kind, _, _ in description["sublayers"]] == [s.kind for s in DECODER_SUBLAYERS]
+    assert [norm for _, norm, _ in description["sublayers"]] == [s.norm for s in DECODER_SUBLAYERS]
+
+
+@pytest.mark.parametrize("activation", ["gelu", "silu"])
+def test_cpp_step_follows_the_configured_activation(activation):
+    """config.activation reaches the model, the Python step and the C++ step: the C++ step in float32 matches
+    the Python step in float64, and the logits differ from relu's."""
+    config = TransformerConfig.tiny(activation=activation, d_ff=48)
+    model = varied_model(config, "cpu", seed=4, dtype=torch.float32)
+    relu = copy.deepcopy(model)
+    relu.config = config.replace(activation="relu")
+    for layer in relu.decoder.layers:
+        layer.ffn.activation = "relu"
+    reference = copy.deepcopy(model).double()
+    src = make_src(config, [4, 6])
+    with torch.no_grad():
+        native = IncrementalDecoder(model, *model.encode(src), 2, 2)
+        python = IncrementalDecoder(reference, *reference.encode(src), 2, 2)
+        other = IncrementalDecoder(relu, *relu.encode(src), 2, 2)
+        prefixes = torch.full((4, 1), config.bos_id)
+        a, b, c = native.logits(prefixes), python.logits(prefixes), other.logits(prefixes)
+        full = reference.decode(prefixes, *[t.repeat_interleave(2, 0) for t in reference.encode(src)])[:, -1]
+    assert native.native is not None and python.native is None
+    assert_close(a, b, torch.float32, activation)
+    assert_close(b, full, torch.float64, "the Python step against the training path")
+    assert (a - c).abs().max() > 1e-3, "the activation changed nothing"
+
+
+def test_every_path_follows_the_one_sublayer_order(monkeypatch):
+    """Change the decoder layer's description (the feed-forward first, then cross-attention, then
+    self-attention) and nothing else: training's forward, the Python step and the C++ step all follow it
+    and still agree with one another."""
+    from fastformer.nn import decoding as decoding_module, layers
+    reordered = tuple(reversed(layers.DECODER_SUBLAYERS))
+    monkeypatch.setattr(layers, "DECODER_SUBLAYERS", reordered)
+    monkeypatch.setattr(decoding_module, "DECODER_SUBLAYERS", reordered)
+    config = TransformerConfig.tiny(d_ff=48)
+    model = varied_model(config, "cpu", seed=4, dtype=torch.float32)
+    reference = copy.deepcopy(model).double()
+    src = make_src(config, [4, 6])
+    with torch.no_grad():
+        native = IncrementalDecoder(model, *model.encode(src), 1, 3)
+        python = IncrementalDecoder(reference, *reference.encode(src), 1, 3)
+        prefixes = torch.full((2, 1), config.bos_id)
+        generator = torch.Generator().manual_seed(0)
+        for step in range(3):
+            a, b = native.logits(prefixes), python.logits(prefixes)
+            full = reference.decode(prefixes, *reference.encode(src))[:, -1]
+            assert_close(a, b, torch.float32, f"step {step}")
+            assert_close(b, full, torch.float64, f"step {step}: the Python step against the training path")
+            first = b if step == 0 else first
+            native.select(torch.arange(2), None)
+            python.select(torch.arange(2), None)
+            prefixes = torch.cat([prefixes, torch.randint(4, config.vocab_size, (2, 1), generator=generator)], dim=1)
+    monkeypatch.undo()
+    with torch.no_grad():  # the paper's order gives other logits: the change was real
+        memory, padding = reference.encode(src)
+        paper = reference.decode(torch.full((2, 1), config.bos_id), memory, padding)[:, -1]
+    assert (paper - first).abs().max() > 1e-3

@@ -1,4 +1,4 @@
-"""fastformer._C.packed_linear, the incremental decoder's small-M projection kernel (csrc/cpu/packed_linear.cpp),
+"""fastformer._C.packed_linear, the incremental decoder's small-M projection kernel (csrc/gemm/packed_linear.cpp),
 against the float64 reference x W^T + b: row counts around the kernel's row groups (1-17), odd widths
 around the 32-column panels, with and without bias, on one and two threads; bad arguments raise ValueError.
 CI runs this file at every CPU instruction-set level the machine supports."""
@@ -50,10 +50,10 @@ def test_linear_takes_the_packed_kernel_at_any_row_count():
     (lambda: (torch.zeros(2, 8, dtype=torch.float64), pack_panels(torch.zeros(5, 8)), None, 5),
      "x must be a 2-D float32"),
     (lambda: (torch.zeros(8), pack_panels(torch.zeros(5, 8)), None, 5), "x must be a 2-D float32"),
-    (lambda: (torch.zeros(2, 8), pack_panels(torch.zeros(5, 9)), None, 5), "panels must be float32"),
-    (lambda: (torch.zeros(2, 8), pack_panels(torch.zeros(5, 8)), None, 40), "panels must be float32"),
-    (lambda: (torch.zeros(2, 8), pack_panels(torch.zeros(5, 8)), torch.zeros(4), 5), "bias must be a float32"),
-    (lambda: (torch.zeros(2, 8), pack_panels(torch.zeros(5, 8)), None, -1), "n must be >= 0"),
+    (lambda: (torch.zeros(2, 8), pack_panels(torch.zeros(5, 9)), None, 5), "panels must be a contiguous float32"),
+    (lambda: (torch.zeros(2, 8), pack_panels(torch.zeros(5, 8)), None, 40), "panels must be a contiguous float32"),
+    (lambda: (torch.zeros(2, 8), pack_panels(torch.zeros(5, 8)), torch.zeros(4), 5), "bias must be a contiguous float32"),
+    (lambda: (torch.zeros(2, 8), pack_panels(torch.zeros(5, 8)), None, -1), "n and K must be >= 0"),
 ])
 def test_packed_linear_bad_arguments_raise(args, message):
     with pytest.raises(ValueError, match=message):

@@ -88,7 +88,7 @@ class BeamSearch {
     Tensor top = at::empty({N, w}, l.options());
     Tensor top_tokens = at::empty({N, w}, l.options().dtype(at::kLong));
     const Tensor limit = at_limit();
-    cpu_kernels().search_candidates(l.const_data_ptr<float>(), N, V_, limit.const_data_ptr<bool>(), pad_, bos_,
+    cpu_kernels().inference.search_candidates(l.const_data_ptr<float>(), N, V_, limit.const_data_ptr<bool>(), pad_, bos_,
                                     eos_, w, lse.mutable_data_ptr<double>(), top.mutable_data_ptr<float>(),
                                     top_tokens.mutable_data_ptr<int64_t>());
     return step_candidates(lse, top.to(at::kDouble), top_tokens);
@@ -119,7 +119,8 @@ class BeamSearch {
       const int64_t s = active_[i];
       for (int64_t c = 0; c < per; ++c) {
         const int64_t row = i * K_ + c / w;
-        candidates[c] = scores_[row] + (top[row * w + c % w] - lse[row]);
+        const double logit = top[row * w + c % w];  // -inf: no token (also in a row whose lse is -inf)
+        candidates[c] = logit == kNegInf ? kNegInf : scores_[row] + (logit - lse[row]);
       }
       std::iota(order.begin(), order.end(), 0);
       std::partial_sort(order.begin(), order.begin() + best_count, order.end(), [&](int64_t a, int64_t b) {
@@ -208,7 +209,7 @@ class BeamSearch {
 void bind_beam_search(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<BeamSearch>(m, "BeamSearch",
-                         "The beam search's bookkeeping, one step a call (csrc/beam_search.cpp); driven by "
+                         "The beam search's bookkeeping, one step a call (csrc/inference/beam_search.cpp); driven by "
                          "fastformer.nn.decoding.beam_search")
       .def(py::init<std::vector<int64_t>, int64_t, double, int64_t, int64_t, int64_t, int64_t>(), py::arg("max_len"),
            py::arg("beams"), py::arg("alpha"), py::arg("vocab"), py::arg("pad"), py::arg("bos"), py::arg("eos"))

@@ -1,18 +1,18 @@
 // y = x W^T + b with W quantized to int8 (fastformer.quantize(model, "int8"): the decoder step's projections,
-// csrc/cpu/decoder_step.cpp, and the quantized model's Linear layers, fastformer/nn/linear.py). Compiled per
+// csrc/inference/decoder_step.cpp, and the quantized model's Linear layers, fastformer/nn/linear.py). Compiled per
 // instruction-set level like every CPU kernel; within a level, the best dot-product instruction this CPU has
 // is chosen at run time (int8_variants below).
 //
 // Arithmetic (the same as CTranslate2's int8 on the CPU), checked against a float64 reference of it in
 // tests/nn/test_int8.py:
-//   weight, once (fastformer/nn/quantize.py): per output channel n, s_w[n] = max_k |W[n, k]| / 127 and
+//   weight, once (csrc/gemm/gemm.cpp quantize_int8; csrc/gemm/gemm.h states the rule): per output channel n, s_w[n] = max_k |W[n, k]| / 127 and
 //     Wq[n, k] = round(W[n, k] * (127 / max_k |W[n, k]|)) in [-127, 127];
 //   activations, per call: per row m, s_x[m] = max_k |x[m, k]| / 127 and
 //     xq[m, k] = round-half-even(x[m, k] * (127 / max_k |x[m, k]|)) in [-127, 127] (float32 products);
 //   acc[m, n] = sum_k xq[m, k] Wq[n, k] in int32 (exact; vnni's unsigned sum, up to K 255 127, stays below 2^31 for
 //     K <= 65,536, which the callers check);
 //   y[m, n] = float(acc[m, n]) * (s_x[m] s_w[n]) + b[n] in float32. A row of zeros gives y = b.
-// Shapes: x (M, K) float32; panels (ceil(N / 32), K4 = ceil(K / 4), 32, 4) int8 (csrc/cpu/int8_linear_tile.h
+// Shapes: x (M, K) float32; panels (ceil(N / 32), K4 = ceil(K / 4), 32, 4) int8 (csrc/gemm/int8_linear_tile.h
 // has the layout; zeros past N and past K); s_w (N,) float32; colsum[n] = sum_k Wq[n, k] (N,) int32; bias
 // (N,) or none; y (M, N).
 // The dot products (4 byte products summed into an int32 lane):
@@ -84,7 +84,7 @@ struct Isa {
   }
   static void store(int32_t* out, const Reg& v) { std::memcpy(out, v.lane, sizeof(v.lane)); }
 };
-#include "cpu/int8_linear_tile.h"
+#include "gemm/int8_linear_tile.h"
 }  // namespace plain
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
@@ -107,7 +107,7 @@ struct Isa {
   }
   static void store(int32_t* out, Reg v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), v); }
 };
-#include "cpu/int8_linear_tile.h"
+#include "gemm/int8_linear_tile.h"
 }  // namespace avx2
 #endif
 
@@ -126,7 +126,7 @@ struct Isa {
   static Reg dot(Reg acc, const Row& a, Reg w) { return _mm512_dpbusd_epi32(acc, a, w); }
   static void store(int32_t* out, Reg v) { _mm512_storeu_si512(out, v); }
 };
-#include "cpu/int8_linear_tile.h"
+#include "gemm/int8_linear_tile.h"
 }  // namespace vnni512
 #pragma GCC pop_options
 #elif defined(CPU_CAPABILITY_AVX2)
@@ -144,7 +144,7 @@ struct Isa {
   static Reg dot(Reg acc, const Row& a, Reg w) { return _mm256_dpbusd_avx_epi32(acc, a, w); }
   static void store(int32_t* out, Reg v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), v); }
 };
-#include "cpu/int8_linear_tile.h"
+#include "gemm/int8_linear_tile.h"
 }  // namespace vnni256
 #pragma GCC pop_options
 #endif

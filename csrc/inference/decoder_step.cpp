@@ -1,26 +1,28 @@
 // One step of the incremental decoder, all layers in one call: float32 on the CPU, for the N = n K live
-// rows of a beam search (fastformer/nn/decoding.py; the caller, csrc/decoder.cpp, owns the caches and
-// reorders them between steps). The same computation as Transformer.decode at one position with the cpu
-// ops, without the ~70 Python-level calls a step it took there (the whole of the step at a few rows).
+// rows of a beam search (fastformer/nn/decoding.py; the caller, csrc/inference/decoder.cpp, owns the caches
+// and reorders them between steps). The same computation as Transformer.decode at one position with the
+// cpu ops, without the ~70 Python-level calls a step it took there (the whole of the step at a few rows).
 //
-// Per step, with x (N, d) the residual stream in a scratch buffer:
-//   x = embed[token] * sqrt(d) + sinusoid[t]
-//   per layer, three sublayers f (self-attention, cross-attention, feed-forward), post-norm
-//       x = LayerNorm(x + f(x)),
-//   or pre-norm (h = LayerNorm_0(x) first)
+// Driven by the decoder layer's description (csrc/inference/inference.h: each layer's sublayers, in the
+// order fastformer/nn/layers.py DECODER_SUBLAYERS gives; the norm placement and the activation). Per step,
+// with x (N, d) the residual stream in a scratch buffer:
+//   x = embed[token] * embed_scale + position[t]
+//   per sublayer f of every layer, in order, post-norm
+//       x = LayerNorm_f(x + f(x)),
+//   or pre-norm (h = LayerNorm_first(x) first)
 //       x = x + f(h), h = LayerNorm_next(x)   (the next sublayer's norm, the final norm after the last)
-//   logits = out W_embed^T, out = x (post-norm) or h (pre-norm).
-// Sublayers:
+//   logits = out W_out^T, out = x (post-norm) or h (pre-norm).
+// Sublayer kinds:
 //   self-attention: qkv = in W_qkv^T + b (N, 3 d); k, v of position t go to cache row r (N0, H, T, Dh)
 //     at t; per (row, head) one query against its own t + 1 keys (nothing masked), position j of row r
 //     read from cache row slots[r T + j] (the row that computed it: beams share their history without
 //     copying it); out projection.
 //   cross-attention: q = in W_q^T + b; per (row, head) one query against the S keys of its sentence
 //     (row / K), padding masked (a fully masked row gives zeros); out projection.
-//   feed-forward: relu(in W_1^T + b_1) W_2^T + b_2.
+//   feed-forward: activation(in W_1^T + b_1) W_2^T + b_2.
 // Every projection is packed_linear_rows (the weight streamed once from its panels), or int8_linear_rows in a
 // quantized model (a quarter of the bytes): at a few rows the step is a stream of the decoder's weights and
-// of the embedding. The attentions read the caches once.
+// of the output projection. The attentions read the caches once.
 // Attention math per (row, head), scale = 1/sqrt(Dh): s_j = (q . k_j) scale, m = max_j s_j,
 // out = sum_j e^(s_j - m) v_j / sum_j e^(s_j - m), in float, over rows x heads split across threads; the
 // cache reads are t + 1 keys and values of Dh floats a (row, head), each contiguous.
@@ -34,6 +36,7 @@
 
 #include "cpu/cpu_ops.h"
 #include "cpu/kernel_table.h"
+#include "inference/inference.h"
 
 namespace fastformer::cpu {
 namespace {
@@ -108,6 +111,25 @@ struct Scratch {
 // and at least 64K multiply-adds (2 L Dh a pair) a task.
 int64_t attention_grain(int64_t L, int64_t Dh) { return std::max<int64_t>(16, 32768 / std::max<int64_t>(1, L * Dh)); }
 
+
+// The feed-forward's activation over u (n floats), in place; rows split over threads.
+void activate(Activation activation, float* u, int64_t rows, int64_t width) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    float* const end = u + r1 * width;
+    switch (activation) {
+      case Activation::kRelu:
+        for (float* v = u + r0 * width; v != end; ++v) *v = std::max(*v, 0.0f);
+        break;
+      case Activation::kGelu:  // exact: x Phi(x)
+        for (float* v = u + r0 * width; v != end; ++v) *v = 0.5f * *v * (1.0f + std::erf(*v * 0.70710678118654752f));
+        break;
+      case Activation::kSilu:  // x sigmoid(x)
+        for (float* v = u + r0 * width; v != end; ++v) *v = *v / (1.0f + std::exp(-*v));
+        break;
+    }
+  });
+}
+
 }  // namespace
 
 void decoder_step(const DecoderStep& s) {
@@ -124,84 +146,85 @@ void decoder_step(const DecoderStep& s) {
       for (int64_t j = 0; j < d; ++j) x[r * d + j] = e[j] * s.embed_scale + s.position_row[j];
     }
   });
+  // Every sublayer of every layer, in order, with its layer.
+  std::vector<std::pair<const DecoderLayerStep*, const SublayerStep*>> order;
+  for (const DecoderLayerStep& layer : s.layers) {
+    for (const SublayerStep& sub : layer.sublayers) order.emplace_back(&layer, &sub);
+  }
   // The LayerNorms are layer_norm_residual's kernel: LayerNorm(residual + branch).
   auto layer_norm = [&](const float* branch, const float* weight, const float* bias, float* out, float* sum) {
     layer_norm_residual_rows(branch, x.data(), weight, bias, out, sum, stats.data(), stats.data() + N, N, d, s.eps);
   };
-  if (s.norm_first) {  // h = LayerNorm_0(x): the residual plus a zero branch (y, zeroed)
-    const DecoderLayerStep& first = s.layers.front();
-    layer_norm(y.data(), first.norm_weight[0], first.norm_bias[0], h.data(), x.data());
+  if (s.norm_first) {  // h = LayerNorm_first(x): the residual plus a zero branch (y, zeroed)
+    layer_norm(y.data(), order.front().second->norm_weight, order.front().second->norm_bias, h.data(), x.data());
   }
   float* in = s.norm_first ? h.data() : x.data();  // what each sublayer reads
 
-  // After sublayer `index` of layer `l` produced y: the residual and the next LayerNorm. Post-norm:
-  // x = LayerNorm(x + y). Pre-norm: x = x + y, h = LayerNorm_next(x).
-  auto residual = [&](size_t l, int index) {
-    if (!s.norm_first) {
-      layer_norm(y.data(), s.layers[l].norm_weight[index], s.layers[l].norm_bias[index], x.data(), scratch.data());
-      return;
+  for (size_t i = 0; i < order.size(); ++i) {
+    const DecoderLayerStep& layer = *order[i].first;
+    const SublayerStep& sub = *order[i].second;
+    switch (sub.kind) {
+      case SublayerKind::kSelfAttention: {
+        // This position's k, v into cache row r, then one query per (row, head) against the row's t + 1
+        // keys: position j < t of row r lives in cache row slots[r T + j], position t in row r.
+        project(in, N, d, sub.in, qkv.data(), 3 * d, s.int8_variant);
+        at::parallel_for(0, N, 32, [&](int64_t r0, int64_t r1) {  // rows split over threads, as everything a step does
+          for (int64_t r = r0; r < r1; ++r) {
+            for (int64_t hd = 0; hd < H; ++hd) {
+              const int64_t cell = ((r * H + hd) * T + t) * Dh;
+              std::copy_n(qkv.data() + r * 3 * d + d + hd * Dh, Dh, layer.k_cache + cell);
+              std::copy_n(qkv.data() + r * 3 * d + 2 * d + hd * Dh, Dh, layer.v_cache + cell);
+            }
+          }
+        });
+        // (row, head) pairs split over threads once there are about 64K multiply-adds of keys and values per
+        // task (below that, waking a second thread costs more than it saves: batch 1)
+        at::parallel_for(0, N * H, attention_grain(t + 1, Dh), [&](int64_t begin, int64_t end) {
+          std::vector<float> scores(t + 1);
+          for (int64_t i = begin; i < end; ++i) {
+            const int64_t r = i / H, hd = i % H;
+            const int64_t* slot = s.slots + r * T;
+            auto offset = [&](int64_t j) { return (((j < t ? slot[j] : r) * H + hd) * T + j) * Dh; };
+            attend_head(qkv.data() + r * 3 * d + hd * Dh, [&](int64_t j) { return layer.k_cache + offset(j); },
+                        [&](int64_t j) { return layer.v_cache + offset(j); }, nullptr, t + 1, Dh, scale,
+                        scores.data(), a.data() + r * d + hd * Dh);
+          }
+        });
+        project(a.data(), N, d, sub.out, y.data(), d, s.int8_variant);
+        break;
+      }
+      case SublayerKind::kCrossAttention: {  // the K beams of sentence r / K against that sentence's S keys
+        project(in, N, d, sub.in, qkv.data(), d, s.int8_variant);
+        at::parallel_for(0, N * H, attention_grain(S, Dh), [&](int64_t begin, int64_t end) {
+          std::vector<float> scores(S);
+          for (int64_t i = begin; i < end; ++i) {
+            const int64_t r = i / H, hd = i % H, sentence = r / K;
+            const float* keys = layer.cross_k + (sentence * H + hd) * S * Dh;
+            const float* values = layer.cross_v + (sentence * H + hd) * S * Dh;
+            attend_head(qkv.data() + r * d + hd * Dh, [&](int64_t j) { return keys + j * Dh; },
+                        [&](int64_t j) { return values + j * Dh; },
+                        s.src_padding != nullptr ? s.src_padding + sentence * S : nullptr, S, Dh, scale,
+                        scores.data(), a.data() + r * d + hd * Dh);
+          }
+        });
+        project(a.data(), N, d, sub.out, y.data(), d, s.int8_variant);
+        break;
+      }
+      case SublayerKind::kFeedForward:
+        project(in, N, d, sub.in, u.data(), s.d_ff, s.int8_variant);
+        activate(s.activation, u.data(), N, s.d_ff);
+        project(u.data(), N, s.d_ff, sub.out, y.data(), d, s.int8_variant);
+        break;
     }
-    const bool last = index == 2 && l + 1 == s.layers.size();
-    const DecoderLayerStep& next = index < 2 ? s.layers[l] : s.layers[std::min(l + 1, s.layers.size() - 1)];
-    const float* w = last ? s.final_norm_weight : next.norm_weight[(index + 1) % 3];
-    const float* b = last ? s.final_norm_bias : next.norm_bias[(index + 1) % 3];
-    layer_norm(y.data(), w, b, h.data(), x.data());
-  };
-
-  for (size_t l = 0; l < s.layers.size(); ++l) {
-    const DecoderLayerStep& layer = s.layers[l];
-    // Self-attention: this position's k, v into cache row r, then one query per (row, head) against the
-    // row's t + 1 keys: position j < t of row r lives in cache row slots[r T + j], position t in row r.
-    project(in, N, d, layer.qkv, qkv.data(), 3 * d, s.int8_variant);
-    at::parallel_for(0, N, 32, [&](int64_t r0, int64_t r1) {  // rows split over threads, as everything a step does
-      for (int64_t r = r0; r < r1; ++r) {
-        for (int64_t hd = 0; hd < H; ++hd) {
-          const int64_t cell = ((r * H + hd) * T + t) * Dh;
-          std::copy_n(qkv.data() + r * 3 * d + d + hd * Dh, Dh, layer.k_cache + cell);
-          std::copy_n(qkv.data() + r * 3 * d + 2 * d + hd * Dh, Dh, layer.v_cache + cell);
-        }
-      }
-    });
-    // (row, head) pairs split over threads once there are about 64K multiply-adds of keys and values per
-    // task (below that, waking a second thread costs more than it saves: batch 1)
-    at::parallel_for(0, N * H, attention_grain(t + 1, Dh), [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(t + 1);
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t r = i / H, hd = i % H;
-        const int64_t* slot = s.slots + r * T;
-        auto offset = [&](int64_t j) { return (((j < t ? slot[j] : r) * H + hd) * T + j) * Dh; };
-        attend_head(qkv.data() + r * 3 * d + hd * Dh, [&](int64_t j) { return layer.k_cache + offset(j); },
-                    [&](int64_t j) { return layer.v_cache + offset(j); }, nullptr, t + 1, Dh, scale, scores.data(),
-                    a.data() + r * d + hd * Dh);
-      }
-    });
-    project(a.data(), N, d, layer.self_out, y.data(), d, s.int8_variant);
-    residual(l, 0);
-
-    // Cross-attention: the K beams of sentence r / K against that sentence's S keys.
-    project(in, N, d, layer.cross_q, qkv.data(), d, s.int8_variant);
-    at::parallel_for(0, N * H, attention_grain(S, Dh), [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(S);
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t r = i / H, hd = i % H, sentence = r / K;
-        const float* keys = layer.cross_k + (sentence * H + hd) * S * Dh;
-        const float* values = layer.cross_v + (sentence * H + hd) * S * Dh;
-        attend_head(qkv.data() + r * d + hd * Dh, [&](int64_t j) { return keys + j * Dh; },
-                    [&](int64_t j) { return values + j * Dh; },
-                    s.src_padding != nullptr ? s.src_padding + sentence * S : nullptr, S, Dh, scale, scores.data(),
-                    a.data() + r * d + hd * Dh);
-      }
-    });
-    project(a.data(), N, d, layer.cross_out, y.data(), d, s.int8_variant);
-    residual(l, 1);
-
-    // Feed-forward.
-    project(in, N, d, layer.fc1, u.data(), s.d_ff, s.int8_variant);
-    at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
-      for (float* v = u.data() + r0 * s.d_ff; v != u.data() + r1 * s.d_ff; ++v) *v = std::max(*v, 0.0f);
-    });
-    project(u.data(), N, s.d_ff, layer.fc2, y.data(), d, s.int8_variant);
-    residual(l, 2);
+    // The residual and the LayerNorm. Post-norm: x = LayerNorm_i(x + y). Pre-norm: x = x + y,
+    // h = LayerNorm_next(x) (the final norm after the last sublayer).
+    if (!s.norm_first) {
+      layer_norm(y.data(), sub.norm_weight, sub.norm_bias, x.data(), scratch.data());
+    } else if (i + 1 < order.size()) {
+      layer_norm(y.data(), order[i + 1].second->norm_weight, order[i + 1].second->norm_bias, h.data(), x.data());
+    } else {
+      layer_norm(y.data(), s.final_norm_weight, s.final_norm_bias, h.data(), x.data());
+    }
   }
   project(in, N, d, s.output, s.logits, s.vocab, s.int8_variant);
 }

@@ -1,10 +1,13 @@
-// The beam search's pass over the vocabulary (csrc/beam_search.cpp calls it each step), float32 on the CPU:
+// The beam search's pass over the vocabulary (csrc/inference/beam_search.cpp calls it each step), float32 on the CPU:
 // per row of logits (N, V), in one read of the row (plus one for the maximum),
 //   lse = m + log(sum_j e^(l_j - m)),  m = max_j l_j   (every token; exponentials in float, summed in float
 //                                                       over blocks of 256 (AVX-512) and the blocks in double)
 //   the `width` largest logits among the tokens the search may produce (pad and bos never; only eos in a
 //   row at its sentence's length limit), best first, ties to the lower token id; -inf entries (tokens
 //   not produced) fill the list when fewer than `width` tokens remain.
+// A NaN logit is a token the model cannot produce: it is left out of the candidates and of the sum, as a
+// -inf logit is (the torch path, fastformer/nn/decoding.py search_candidates, has the same rule; tested in
+// tests/nn/test_native_decoding.py).
 // The top list is kept sorted; the maximum of each block of 4 vectors is compared with the list's last (the
 // threshold) and only a block above it is scanned for insertions, so after the first few blocks the scan is
 // 4 vector maxima and a reduction per 64 logits (AVX-512). Rows are split over threads.
@@ -46,10 +49,21 @@ struct TopList {
   }
 };
 
+// The row's log-sum-exp without its NaN entries (a rare row: scalar).
+double row_lse_without_nan(const float* row, int64_t V) {
+  float m = kNegInf;
+  for (int64_t j = 0; j < V; ++j) m = std::isnan(row[j]) ? m : std::max(m, row[j]);
+  if (!std::isfinite(m)) return m;
+  double sum = 0.0;
+  for (int64_t j = 0; j < V; ++j) sum += std::isnan(row[j]) ? 0.0 : static_cast<double>(std::exp(row[j] - m));
+  return static_cast<double>(m) + std::log(sum);
+}
+
 double row_lse(const float* row, int64_t V) {
   using Vec = at::vec::Vectorized<float>;
-  const float m = vec_max(row, V);
-  if (!std::isfinite(m)) return m;  // +inf/NaN: NaN or inf, as a log-softmax; -inf: an all -inf row
+  const float m = vec_max(row, V);              // NaN if any logit is NaN
+  if (std::isnan(m)) return row_lse_without_nan(row, V);
+  if (!std::isfinite(m)) return m;  // +inf: inf, as a log-softmax; -inf: an all -inf row
   // Exponentials summed in float vectors over blocks of 16 vectors (each term <= 1), the blocks in double.
   constexpr int64_t kBlock = 16 * Vec::size();
   const Vec vm(m);
@@ -86,7 +100,7 @@ void search_candidates(const float* logits, int64_t N, int64_t V, const bool* on
                                                               Vec::loadu(row + j + 3 * Vec::size())));
           const float block_max =
               at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, block);
-          if (!(block_max > top.threshold())) continue;  // nothing here beats the list's last
+          if (block_max <= top.threshold()) continue;  // nothing here beats the list's last (a NaN: scan)
           for (int64_t i = j; i < j + kBlock; ++i) {
             if (producible(i) && row[i] > kNegInf) top.insert(row[i], i);
           }

@@ -1,4 +1,4 @@
-// The int8 GEMM's inner tile (csrc/cpu/int8_linear.cpp), written once and included once per dot-product
+// The int8 GEMM's inner tile (csrc/gemm/int8_linear.cpp), written once and included once per dot-product
 // instruction, each time inside its own namespace (and, for the VNNI instructions, inside a
 // `#pragma GCC target` region, so that only that copy may use them). The including namespace defines
 //   struct Isa {

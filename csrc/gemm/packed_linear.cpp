@@ -1,5 +1,5 @@
 // y = x W^T + b at inference (the model's projections under no_grad, fastformer/nn/linear.py, and every
-// projection of a decoding step, csrc/cpu/decoder_step.cpp), on a weight packed once into column panels.
+// projection of a decoding step, csrc/inference/decoder_step.cpp), on a weight packed once into column panels.
 // Compiled per instruction-set level like the op kernels (at::vec::Vectorized<float>: 16 floats on AVX-512,
 // 8 on AVX2 and the default level).
 //
