@@ -1,16 +1,22 @@
 """Builds the pybind11 extension ``fastformer._C`` and the CPU kernel modules ``fastformer._cpu_<level>``.
 
 The CPU kernels (LEVEL_SOURCES: the ops' csrc/cpu/*.cpp and the per-level files of the decoding GEMMs,
-csrc/gemm/, and of the inference room, csrc/inference/) are always compiled, once per instruction-set level:
+csrc/gemm/, and of the inference room, csrc/inference/) are compiled once per instruction-set level:
 ``default`` (baseline x86-64, or the target's baseline elsewhere) and, on x86-64, ``avx2`` and ``avx512``, each
 into a module of its own (csrc/cpu/kernel_table.h says why); the best level the running CPU supports is loaded
-at import, or a lower one named by FASTFORMER_CPU_CAPABILITY at run time (fastformer/_ext.py). The CUDA kernels (csrc/cuda/*.cu) are compiled
-when torch is a CUDA build, nvcc is found, and either a GPU is visible or FASTFORMER_FORCE_CUDA=1;
-FASTFORMER_FORCE_CUDA=0 skips them. TORCH_CUDA_ARCH_LIST selects the architectures (torch's own rule).
+at import, or a lower one named by FASTFORMER_CPU_CAPABILITY at run time (fastformer/_ext.py).
+FASTFORMER_CPU_LEVELS, a comma list of those names (e.g. "avx2" or "default,avx512"; unset or empty: every
+level the target has), builds only the levels it names: a build for one machine, or a CI build whose level
+modules another step compiles. Import then loads the highest built level at or below the one the CPU
+supports (or FASTFORMER_CPU_CAPABILITY names), and fails when there is none. An unknown name stops the build.
+The CUDA kernels (csrc/cuda/*.cu) are compiled when torch is a CUDA build, nvcc is found, and either a GPU
+is visible or FASTFORMER_FORCE_CUDA=1; FASTFORMER_FORCE_CUDA=0 skips them. TORCH_CUDA_ARCH_LIST selects the
+architectures (torch's own rule).
 CUDA_HOME is the toolkit folder holding bin/nvcc and lib64/libcudart.so; when it is not set, the first
 such folder among nvcc's and /usr/local/cuda is used (an `nvcc` wrapper script elsewhere is not a toolkit).
-CI builds the CUDA extension with
-  FASTFORMER_FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=8.0 python setup.py egg_info -e DIR build --build-base DIR
+CI builds the CUDA extension (with the default CPU level only: the README's install compiles them all) with
+  FASTFORMER_FORCE_CUDA=1 FASTFORMER_CPU_LEVELS=default TORCH_CUDA_ARCH_LIST=8.0 \\
+      python setup.py egg_info -e DIR build --build-base DIR
 into DIR (never over an installed fastformer) and imports it with tools/check_cuda_build.py DIR/lib.*.
 
 Every extension must need libstdc++.so, as torch does: a compiler that links it statically is refused
@@ -62,9 +68,28 @@ CPU_LEVELS = {
 
 
 def cpu_levels():
-    """The levels built here: all three on x86-64, the default elsewhere."""
+    """The levels built here: those FASTFORMER_CPU_LEVELS names (a comma list, e.g. "avx2" or
+    "default,avx512") when it is set and not empty, else all three on x86-64 and the default elsewhere.
+    An unknown name, or an x86-64 level on another architecture, stops the build with the reason."""
     import platform
-    return list(CPU_LEVELS) if platform.machine().lower() in ("x86_64", "amd64") else ["default"]
+    machine = platform.machine().lower()
+    native = list(CPU_LEVELS) if machine in ("x86_64", "amd64") else ["default"]
+    value = os.environ.get("FASTFORMER_CPU_LEVELS", "").strip()
+    if not value:
+        return native
+    wanted = [name.strip().lower() for name in value.split(",") if name.strip()]
+    unknown = [name for name in wanted if name not in CPU_LEVELS]
+    if unknown or not wanted:
+        problem = f"unknown CPU level {', '.join(unknown)}" if unknown else "names no CPU level"
+        raise SystemExit(f"FASTFORMER_CPU_LEVELS={value!r}: {problem}; expected a comma-separated list of "
+                         f"{', '.join(CPU_LEVELS)} (unset: {', '.join(native)})")
+    foreign = [name for name in wanted if name not in native]
+    if foreign:
+        raise SystemExit(f"FASTFORMER_CPU_LEVELS={value!r}: {', '.join(foreign)} is an x86-64 level; this machine "
+                         f"({machine}) builds only {', '.join(native)}")
+    levels = [name for name in CPU_LEVELS if name in wanted]
+    print(f"fastformer: building the CPU kernel levels {', '.join(levels)} only (FASTFORMER_CPU_LEVELS={value})")
+    return levels
 
 
 def want_cuda():
