@@ -164,6 +164,7 @@ def test_padding_embedding_is_zero_at_initialisation():
     dict(activation_dropout=1.5),
     dict(label_smoothing=1.0),
     dict(vocab_size=3),  # must exceed the special ids pad 0, unk 1, bos 2, eos 3
+    dict(activation="tanh"),  # relu, gelu, silu
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_bad_config_is_rejected(changes):
     with pytest.raises(ValueError):
