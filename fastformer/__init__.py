@@ -5,6 +5,8 @@
     ops.attention(q, k, v, key_padding_mask=..., causal=..., dropout_p=..., backend=None)
     ops.softmax(x, mask=..., scale=...)
     ops.layer_norm_residual(x, residual, weight, bias, eps=..., dropout_p=..., prenorm=...)
+    ops.cross_entropy(logits, target, label_smoothing=..., ignore_index=..., return_nll=...)
+    ops.OPS                        # the op list (csrc/ops.h); every op also takes backend=
     fastformer.backends()          # which backends run on this machine
     fastformer.set_backend(name)   # process default (also FASTFORMER_BACKEND=name)
     fastformer.cpu_capability()    # the CPU kernels' instruction-set level: avx512, avx2 or default

@@ -4,16 +4,18 @@ from __future__ import annotations
 import argparse
 
 from fastformer import checkpoint as ckpt
-from fastformer.cli import int_at_least
+from fastformer.cli import HelpFormatter, int_at_least
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fastformer.average",
                                 description="Average model weights of checkpoints: name them with --inputs, or give "
                                             "one run folder and --last N.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--inputs", nargs="+", required=True, metavar="P", help="checkpoint files, or one run folder")
-    p.add_argument("--last", type=int_at_least(1), help="with a run folder: average its last N checkpoints")
+    p.add_argument("--last", type=int_at_least(1),
+                   help="with a run folder: average its last N checkpoints (default: average --inputs as named, "
+                        "a run folder standing for its latest checkpoint)")
     p.add_argument("--output", required=True, metavar="P", help="the averaged checkpoint file to write")
     return p
 

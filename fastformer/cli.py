@@ -1,5 +1,6 @@
-"""What the command-line tools share: argparse value types that reject out-of-range numbers with an
-``error:`` line (exit status 2) instead of a traceback later, and progress bars that stay readable in a log.
+"""What the command-line tools share: the --help formatter (one default per flag), argparse value types that
+reject out-of-range numbers with an ``error:`` line (exit status 2) instead of a traceback later, and progress
+bars that stay readable in a log.
 """
 from __future__ import annotations
 
@@ -8,6 +9,24 @@ import math
 import sys
 
 from tqdm import tqdm
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's ArgumentDefaultsHelpFormatter, which appends ``(default: X)`` to every flag's help, except
+    where that would say nothing or say it twice:
+
+    - the help already says its default in words, in the same form (``(default: standard input)``):
+      argparse would append ``(default: None)`` after it;
+    - the default is None (the flag is then optional with no value, and its help says what happens without
+      it, where that is not plain);
+    - the flag takes no value (``store_true``): "(default: False)" on a switch is noise.
+    """
+
+    def _get_help_string(self, action):
+        help = action.help or ""
+        if "(default:" in help or "%(default)" in help or action.default is None or action.nargs == 0:
+            return help
+        return super()._get_help_string(action)
 
 
 def _number(kind, text: str):

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from fastformer.cli import int_at_least
+from fastformer.cli import HelpFormatter, int_at_least
 from fastformer.data import load_bible, read_sentence_file
 from fastformer.translation import (add_decoding_arguments, add_quantize_argument, load_for_translation,
                                     report_line_problems, score, translate_lines)
@@ -23,11 +23,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG,
                                 description="Translate the dev or test split of the corpus a checkpoint was trained "
                                             "on and print sacrebleu BLEU (13a, detokenized), chrF and signatures.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--checkpoint", required=True, metavar="P", help="checkpoint file, or run folder (its latest)")
     p.add_argument("--split", choices=("dev", "test"), default="test", help="which split to score")
-    p.add_argument("--limit", type=int_at_least(1), help="score only the first N sentences")
-    p.add_argument("--output", metavar="F", help="also write the translations here")
+    p.add_argument("--limit", type=int_at_least(1), help="score only the first N sentences (default: all)")
+    p.add_argument("--output", metavar="F", help="also write the translations here (default: not written)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_decoding_arguments(p)
     add_quantize_argument(p)

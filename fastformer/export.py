@@ -26,6 +26,7 @@ import os
 import sys
 
 from fastformer import checkpoint as ckpt
+from fastformer.cli import HelpFormatter
 from fastformer.nn import decoding
 from fastformer.nn.layers import DECODER_LAYER, decoder_layer_weights
 from fastformer.nn.transformer import sinusoid_table
@@ -169,7 +170,7 @@ def ctranslate2_translate(translator, pieces: list[str], ids: list[list[int]], *
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fastformer.export",
                                 description="Export a fastformer checkpoint to another inference engine.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--ctranslate2", action="store_true", required=True,
                    help="write a CTranslate2 model folder (needs: pip install ctranslate2)")
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint file, or run folder (its latest)")

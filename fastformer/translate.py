@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fastformer.cli import HelpFormatter
 from fastformer.data import read_sentences
 from fastformer.translation import (add_decoding_arguments, add_quantize_argument, load_for_translation,
                                     report_line_problems, translate_lines)
@@ -19,7 +20,7 @@ PROG = "python -m fastformer.translate"
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG,
                                 description="Translate one sentence per line with a fastformer checkpoint.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--checkpoint", required=True, metavar="P", help="checkpoint file, or run folder (its latest)")
     p.add_argument("--input", metavar="F", help="source text file (default: standard input)")
     p.add_argument("--output", metavar="F", help="where translations go (default: standard output)")

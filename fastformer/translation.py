@@ -87,7 +87,8 @@ def add_quantize_argument(parser) -> None:
 
     parser.add_argument("--quantize", choices=QUANTIZATIONS,
                         help="quantize the model's projections before translating (int8: weights per output "
-                             "channel, activations per row, as CTranslate2's int8; CPU only; docs/decoding.md)")
+                             "channel, activations per row, as CTranslate2's int8; CPU only; docs/decoding.md) "
+                             "(default: float32, not quantized)")
 
 
 def load_for_translation(prog: str, args):

@@ -8,7 +8,7 @@ import os
 import torch
 
 from fastformer import checkpoint as ckpt
-from fastformer.cli import int_at_least
+from fastformer.cli import HelpFormatter, int_at_least
 from fastformer.data.batching import collate
 from fastformer.data.tokenizer import BOS_ID
 
@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Translate one sentence and draw its attention weights as PNG heatmaps: "
                                             "one figure per encoder layer (self-attention) and per decoder layer "
                                             "(cross-attention), one panel per head.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--checkpoint", required=True, metavar="P", help="checkpoint file, or run folder (its latest)")
     p.add_argument("--text", required=True, help="the source sentence")
     p.add_argument("--out", default="attention.png",

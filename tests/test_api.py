@@ -125,3 +125,11 @@ def test_automatic_gpu_choice_respects_each_backends_limits(monkeypatch):
     assert _dispatch._gpu_automatic("cross_entropy", torch.device("cuda"), True)(torch.empty(2, 256000)) == "triton"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (6, 0))
     assert _dispatch._gpu_automatic("softmax", torch.device("cuda"), True)(torch.empty(2, 8)) == "cuda"
+
+
+def test_package_docstring_names_every_op():
+    # help(fastformer) is where a user first reads the API: an op added to csrc/ops.h must appear there.
+    from fastformer.ops import OPS
+
+    missing = [op for op in OPS if f"ops.{op}(" not in fastformer.__doc__]
+    assert not missing, f"fastformer/__init__.py's docstring does not show {missing}"

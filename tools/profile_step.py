@@ -23,6 +23,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # the baseline model and its loss live there
 
+from fastformer.cli import HelpFormatter  # noqa: E402
 from fastformer.nn import Transformer, TransformerConfig  # noqa: E402
 from fastformer.training.step import loss_sums  # noqa: E402
 from test_training_step import TorchTransformer, torch_loss_sums  # noqa: E402
@@ -84,9 +85,9 @@ def profile(name: str, model, data, config, args, device) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="where both models run")
+                        help="where both models run (default: cuda when a GPU is visible, else cpu)")
     parser.add_argument("--config", default="base", choices=("tiny", "small", "base", "big"),
                         help="TransformerConfig of both models")
     parser.add_argument("--vocab", type=int, default=37000, help="vocabulary size (the paper's: 37,000)")

@@ -1,5 +1,6 @@
 """The translate, evaluate, average and visualize commands on a checkpoint trained on the fixture, their
 --help, and clear errors for corrupt or mismatched checkpoints."""
+import argparse
 import importlib
 import json
 import re
@@ -35,6 +36,26 @@ def test_help_explains_every_flag(command):
     done = run(f"fastformer.{command}", "--help")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: python -m fastformer." + command)
+
+
+@pytest.mark.parametrize("command", COMMANDS + ("export",))
+def test_help_gives_each_default_once(command):
+    # argparse's ArgumentDefaultsHelpFormatter appends "(default: X)" even after a default written in words,
+    # which printed "(default: runs/<config>-<data>) (default: None)": fastformer.cli.HelpFormatter does not.
+    parser = importlib.import_module(f"fastformer.{command}").build_parser()
+    shown = 0
+    for action in parser._actions:
+        formatter = parser._get_formatter()
+        formatter.add_argument(action)
+        text = " ".join(formatter.format_help().split())  # one line, whatever the terminal's width
+        assert text.count("(default:") <= 1, f"{command}: two defaults: {text}"
+        assert "(default: None)" not in text, f"{command}: {text}"
+        if action.default not in (None, argparse.SUPPRESS) and action.nargs != 0:
+            assert text.count("(default:") == 1, f"{command}: the default {action.default!r} is not shown: {text}"
+        shown += text.count("(default:")
+    # the command's own --help prints those flags, and nothing else says a default
+    printed = " ".join(run(f"fastformer.{command}", "--help").stdout.split())
+    assert printed.count("(default:") == shown and "(default: None)" not in printed
 
 
 def test_translate_files_and_stdin(run_dir, tmp_path):
