@@ -1,7 +1,11 @@
-"""tools/profile_step.py (the GPU report's training-step profile) on tiny sizes on the CPU: both models are
-profiled and reported, so the GPU session that runs it at the paper's sizes gets both tables."""
+"""The tools: tools/profile_step.py (the GPU report's training-step profile) on tiny sizes on the CPU, both
+models profiled and reported, so the GPU session that runs it at the paper's sizes gets both tables;
+tools/translation_report.py; tools/make_results.py's checks and plan (its measurements take an hour)."""
 import importlib.util
+import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,3 +43,73 @@ def test_translation_report_scores_every_engine(tmp_path):
     rows = [line for line in report.splitlines() if line.startswith("| fastformer int8 |")]
     assert len(rows) == 2 and all(row.endswith("| 1.00x |") for row in rows)
     assert report.count("| fastformer float32 |") == 2
+
+
+def load_make_results():
+    spec = importlib.util.spec_from_file_location("make_results", ROOT / "tools" / "make_results.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def test_make_results_dry_run_prints_the_commands_in_order(monkeypatch, capsys):
+    """tools/make_results.py --dry-run on a clean tree: the chosen measurements' commands, each writing into
+    the staging folder, then README's block; nothing is run."""
+    tool = load_make_results()
+    monkeypatch.setattr(tool, "dirty_files", lambda root=None: [])
+    monkeypatch.setattr(tool, "execute", lambda command: pytest.fail(f"a dry run ran {command}"))
+    assert tool.main(["--dry-run", "--only", "cpu-benchmarks,decoding", "--stage", "runs/x"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith(("#", "make_results"))]
+    assert lines == [
+        "pytest benchmarks/test_decoding.py --benchmark-only --benchmark-json runs/x/decoding.json -q -p no:cacheprovider",
+        "python benchmarks/to_markdown.py runs/x/decoding.json -o runs/x/decoding.md",
+        "pytest benchmarks/ --ignore benchmarks/test_decoding.py --benchmark-only --benchmark-json "
+        "runs/x/cpu-benchmarks.json -q -p no:cacheprovider",
+        "python benchmarks/to_markdown.py runs/x/cpu-benchmarks.json -o runs/x/cpu-benchmarks.md",
+        "python tools/readme_results.py"]
+
+
+def test_make_results_covers_every_results_file():
+    # a file added to docs/results/ without a command here could not be re-made by the one command
+    tool = load_make_results()
+    assert sorted(f"{name}.md" for name in tool.NAMES) == sorted(p.name for p in (ROOT / "docs" / "results").glob("*.md"))
+
+
+def test_make_results_refuses_a_dirty_tree(monkeypatch, capsys):
+    tool = load_make_results()
+    monkeypatch.setattr(tool, "dirty_files", lambda root=None: ["README.md"])
+    monkeypatch.setattr(tool, "execute", lambda command: pytest.fail(f"a refused run ran {command}"))
+    assert tool.main(["--only", "decoding"]) == 2
+    assert tool.main(["--dry-run"]) == 2  # a dry run checks what the real one would
+    err = capsys.readouterr().err
+    assert "uncommitted changes" in err and "README.md" in err
+
+
+def test_make_results_refuses_what_would_fail_later(monkeypatch, tmp_path, capsys):
+    tool = load_make_results()
+    monkeypatch.setattr(tool, "dirty_files", lambda root=None: [])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    # translation alone needs a trained run; main-job refuses a folder holding one (train would, 30 min later)
+    assert tool.main(["--dry-run", "--only", "translation", "--run-dir", str(run_dir)]) == 2
+    (run_dir / "log.jsonl").write_text('{"kind": "summary", "commit": "abc1234"}\n')
+    assert tool.main(["--dry-run", "--only", "translation", "--run-dir", str(run_dir)]) == 0
+    assert "trained at commit abc1234" in capsys.readouterr().out
+    (run_dir / "checkpoint_10.pt").write_bytes(b"")
+    assert tool.main(["--dry-run", "--only", "main-job", "--run-dir", str(run_dir)]) == 2
+    assert "earlier run" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: exit status 2 with the list of names
+        tool.main(["--only", "decoding,bleu"])
+
+
+def test_make_results_dirty_files_ignores_untracked_files(tmp_path):
+    tool = load_make_results()
+    git = lambda *args: subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+    git("init", "-q")
+    (tmp_path / "a.txt").write_text("one\n")
+    git("add", "a.txt")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    (tmp_path / "new.txt").write_text("untracked\n")  # runs/ and the like: no part of the commit
+    assert tool.dirty_files(tmp_path) == []
+    (tmp_path / "a.txt").write_text("two\n")
+    assert tool.dirty_files(tmp_path) == ["a.txt"]

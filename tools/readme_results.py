@@ -9,6 +9,8 @@ figure that no command made:
     python tools/translation_report.py RUN_DIR -o docs/results/translation.md        # BLEU and speed, int8
     python tools/readme_results.py                                                   # README's block
 
+tools/make_results.py runs all of these, from a clean commit, as one command.
+
 Each generated file opens with the line that names its machine, CPU kernel level, torch, commit, date and
 command; tests/test_docs.py checks that the block is what this script makes from them.
 """
