@@ -10,13 +10,12 @@ an H100 takes about 1 minute, 3 with --bench-sizes paper)::
 (``pytest tests`` and a bare ``pytest`` collect only tests/. Run benchmarks/ on its own: both folders have
 a test_attention.py and neither is a package, so one pytest call cannot import both.)
 
-What runs
-  test_attention.py            ops.attention with a key padding mask, (B, 8, L, 64), B = tokens / L
-  test_softmax.py              ops.softmax over attention scores (B, 8, L, L) with the padding mask
-  test_layer_norm_residual.py  ops.layer_norm_residual on (tokens, 512), dropout 0 and 0.1
-  test_cross_entropy.py        ops.cross_entropy over the vocabulary, (tokens, vocab) logits, smoothing 0.1
+What runs (docs/benchmarks.md, "What it compares", describes each file)
+  test_<op>.py                 one per op of fastformer.ops.OPS: the op at translation shapes
   test_training_step.py        forward + backward + Adam step of a whole Transformer (tokens/s)
   test_generate.py             Transformer.generate, beam 4, with and without the key/value cache (sentences/s)
+  test_decoding.py             decoding beside CTranslate2 and a plain-PyTorch decoder
+  test_overhead.py             the cost of a call on tiny tensors beside the PyTorch calls it replaces
   Each op runs forward ("fwd"), backward alone ("bwd", on a graph kept from one forward) and both
   ("fwd+bwd"), at L = 32, 64, 128, 256 and the long case 1024.
 

@@ -17,15 +17,32 @@ calls it replaces, timed in alternation in the same run, their ratio fastformer 
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
 import json
 import math
+import pathlib
 import sys
 
 from fastformer.ops import OPS as KERNEL_OPS  # the op list of csrc/ops.h
 
 OPS = KERNEL_OPS + ("training_step", "generate")  # the order of the table's rows
 PASSES = ("no-grad fwd", "fwd", "bwd", "fwd+bwd", "fwd+bwd+adam", "cache", "no cache", "latency")
-OVERHEAD_CASES = ("attention", "attention+mask", "softmax+mask", "layer_norm_residual")  # test_overhead.py
+
+
+
+
+@functools.cache
+def overhead_cases() -> tuple[str, ...]:
+    """The call-overhead cases in the order of ``CASES`` in benchmarks/test_overhead.py, read from its source
+    (this script renders JSON and does not import the benchmarks), so a case added there needs no edit here."""
+    source = pathlib.Path(__file__).with_name("test_overhead.py")
+    for node in ast.parse(source.read_text(encoding="utf-8")).body:
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
+        if any(getattr(t, "id", None) == "CASES" for t in targets):
+            return tuple(ast.literal_eval(node.value))
+    raise LookupError(f"{source} has no CASES = (...) of literal case names")
 BACKENDS = ("cpu", "cuda", "triton", "torch")  # fastformer's, listed before the baselines
 
 
@@ -107,7 +124,8 @@ def header(session: dict, machine: dict | None = None, run: dict | None = None) 
 def _overhead_order(bench: dict) -> tuple:
     info = bench["extra_info"]
     case = info.get("case", "")
-    return (info.get("device", ""), OVERHEAD_CASES.index(case) if case in OVERHEAD_CASES else len(OVERHEAD_CASES),
+    cases = overhead_cases()
+    return (info.get("device", ""), cases.index(case) if case in cases else len(cases),
             case, PASSES.index(info["pass"]) if info.get("pass") in PASSES else 0)
 
 

@@ -42,16 +42,8 @@ for label, statement, extra in {steps!r}:
     run(label, extra)
 """
 
-ALL_OPS = {
-    "attention_fwd",
-    "attention_bwd",
-    "softmax_fwd",
-    "softmax_bwd",
-    "layer_norm_residual_fwd",
-    "layer_norm_residual_bwd",
-    "cross_entropy_fwd",
-    "cross_entropy_bwd",
-}
+# Every op of csrc/ops.h's list, forward and backward: SCRIPT must call each (tests/test_op_lists.py).
+ALL_OPS = {f"{op}_{phase}" for op in fastformer.ops.OPS for phase in ("fwd", "bwd")}
 
 
 def backends_used(steps, env_backend=None):

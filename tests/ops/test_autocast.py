@@ -67,6 +67,7 @@ def cross_entropy_call(backend):
     return run
 
 
+# One call per op of csrc/ops.h's list (tests/test_op_lists.py fails while an op has none).
 CALLS = {"attention": attention_call, "softmax": softmax_call, "layer_norm_residual": layer_norm_residual_call,
          "cross_entropy": cross_entropy_call}
 
@@ -81,8 +82,3 @@ def test_autocast_changes_nothing_inside_an_op(op, backend):
     for i, (a, b) in enumerate(zip(plain, cast)):
         assert a.dtype == b.dtype, f"{op} on {backend}: output {i} is {b.dtype} under autocast, {a.dtype} without"
         assert torch.equal(a, b), f"{op} on {backend}: output {i} differs under autocast"
-
-
-def test_every_op_is_covered():
-    # A new op of csrc/ops.h's list must bring its call here (docs/architecture.md, "Adding an op").
-    assert set(ops.OPS) <= set(CALLS)
