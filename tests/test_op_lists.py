@@ -20,10 +20,10 @@ from fastformer.ops import OPS
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Files named after each op: whoever knows one of them finds the others.
-PER_OP_FILES = ("csrc/autograd/{op}.cpp", "csrc/cpu/{op}.cpp", "csrc/cuda/{op}.cuh", "csrc/cuda/{op}.cu",
-                "fastformer/ops/{op}.py", "fastformer/triton/{op}.py", "tests/ops/test_{op}.py",
-                "tests/ops/test_{op}_matrix.py", "benchmarks/test_{op}.py")
+# Files named after each op (<op>, as the docs write it): whoever knows one of them finds the others.
+PER_OP_FILES = ("csrc/autograd/<op>.cpp", "csrc/cpu/<op>.cpp", "csrc/cuda/<op>.cuh", "csrc/cuda/<op>.cu",
+                "fastformer/ops/<op>.py", "fastformer/triton/<op>.py", "tests/ops/test_<op>.py",
+                "tests/ops/test_<op>_matrix.py", "benchmarks/test_<op>.py")
 
 # (file, module-level variable): a dict, list or tuple of literal names, one per op at least; a name is
 # "<op>", or "<op>-<detail>" / "<op>+<detail>" for one of several cases of an op.
@@ -100,7 +100,7 @@ def test_the_op_list_is_csrc_ops_h():
 
 @pytest.mark.parametrize("pattern", PER_OP_FILES)
 def test_each_op_has_its_files(pattern):
-    missing = [pattern.format(op=op) for op in OPS if not (ROOT / pattern.format(op=op)).exists()]
+    missing = [pattern.replace("<op>", op) for op in OPS if not (ROOT / pattern.replace("<op>", op)).exists()]
     assert not missing, f"missing files of ops of csrc/ops.h: {missing}"
 
 
