@@ -113,3 +113,13 @@ def test_make_results_dirty_files_ignores_untracked_files(tmp_path):
     assert tool.dirty_files(tmp_path) == []
     (tmp_path / "a.txt").write_text("two\n")
     assert tool.dirty_files(tmp_path) == ["a.txt"]
+
+
+def test_make_results_help_gives_each_result_and_its_run_time(capsys):
+    tool = load_make_results()
+    with pytest.raises(SystemExit) as done:
+        tool.main(["--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for result in tool.ALL:
+        assert f"{result.name} (about {result.minutes} min): docs/results/{result.name}.md" in text
