@@ -59,7 +59,7 @@ class SublayerSpec(NamedTuple):
     kind: str  # "self_attention" (causal in the decoder), "cross_attention" or "feed_forward"
     norm: str  # the LayerNorm placed before (pre-norm) or after (post-norm) it
     weights: dict[str, str]  # role -> weight name: self_attention qkv, out; cross_attention q, kv, out;
-    #                          feed_forward fc1, activation, fc2
+    #                          feed_forward fc1, fc2 (config.activation between them)
 
 
 # The sublayers in the order they run. The one place that order is written: training (DecoderLayer), the
