@@ -114,3 +114,17 @@ def test_errors_are_python_exceptions():
         ops.cross_entropy(torch.randn(3, 7), torch.tensor([1, 7, 0]))
     with pytest.raises(ValueError, match="outside the classes"):
         ops.cross_entropy(torch.randn(3, 7), torch.tensor([1, 0, -2, 0, 0, 0])[::2])  # non-contiguous target
+
+
+def test_python_callbacks_run_while_the_entry_has_released_the_gil():
+    # The entry releases the GIL around the op; saved-tensor hooks and anomaly mode call Python from
+    # inside it (they take the GIL back).
+    x, r, w, b = (torch.randn(*shape, requires_grad=True) for shape in ((4, 8), (4, 8), (8,), (8,)))
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        y = ops.layer_norm_residual(x, r, w, b)
+    assert packed
+    y.sum().backward()
+    with pytest.warns(UserWarning), torch.autograd.detect_anomaly():
+        ops.softmax(x).sum().backward()
+    assert x.grad is not None
