@@ -12,6 +12,7 @@ Cases, float32, fastformer's default backend (backend=None), beside the PyTorch 
                   (the last key is padding)              ~key_padding_mask[:, None, None, :], made once
   softmax+mask    x (4, 8), bool mask (4, 8)             x.masked_fill(mask, -inf).softmax(-1)
   layer_norm_residual  x, residual (4, 8), w, b (8,)     F.layer_norm(x + residual, (8,), w, b)
+  cross_entropy   logits (4, 16), int64 target (4,)      F.cross_entropy(logits, target, reduction="none")
 Passes: "no-grad fwd" (the call under torch.no_grad()) and "fwd+bwd" (the call, then .sum().backward();
 the activations require grad; gradients accumulate in .grad, on both sides alike). Weight and bias
 require grad in both passes, as a model's parameters do. Devices: cpu, and cuda where a GPU is visible
@@ -53,7 +54,7 @@ from fastformer import ops
 from fastformer.nn import Transformer, TransformerConfig
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-CASES = ("attention", "attention+mask", "softmax+mask", "layer_norm_residual")
+CASES = ("attention", "attention+mask", "softmax+mask", "layer_norm_residual", "cross_entropy")
 TARGETS = {"no-grad fwd": 1.5, "fwd+bwd": 1.3}  # the most fastformer / pytorch per call may be
 MAX_TURNS = 20_000
 GEN_SRC_LEN, GEN_TGT_LEN = 12, 12
@@ -113,6 +114,12 @@ def make_case(name: str, device: str, grad: bool) -> Case:
                     lambda: F.layer_norm(x + residual, (8,), weight, bias),
                     "add+layer_norm", "x,residual (4, 8), weight,bias (8,)",
                     [x, residual, weight, bias] if grad else [weight, bias])
+    if name == "cross_entropy":
+        logits = randn(4, 16)
+        target = torch.randint(0, 16, (4,), device=device)
+        return Case(lambda: ops.cross_entropy(logits, target),
+                    lambda: F.cross_entropy(logits, target, reduction="none"),
+                    "F.cross_entropy", "logits (4, 16), target (4,)", [logits] if grad else [])
     raise ValueError(name)
 
 

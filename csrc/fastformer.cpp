@@ -3,10 +3,17 @@
 // the kernels of csrc/cpu/<op>.cpp, of the instruction-set level chosen at import), csrc/cuda/<op>.cu
 // (CUDA), csrc/autograd/<op>.cpp (Autograd); the *_py ops get their implementations and every op its fake
 // kernel from Python (fastformer/ops/<op>.py).
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #define FASTFORMER_GEMM_CHECKS
@@ -39,12 +46,181 @@ std::vector<std::string> op_names() {
   return names;
 }
 
+// ---- eager entries: fastformer._C.EAGER_FWD[op], the forward op called from Python without the JIT ----
+// Python's usual way into a registered op (OpOverload._op) matches the arguments against the schema,
+// builds an IValue stack and calls the op boxed (and the autograd kernel unboxes it again): on tiny
+// tensors that costs more than the kernel. An eager entry converts the arguments itself and makes the
+// dispatcher's typed (unboxed) call of fastformer::<op>_fwd, so every dispatch key (Autograd, autocast,
+// CPU, CUDA, Python modes such as FakeTensorMode) still applies. Whatever it does not convert itself (a
+// tensor subclass, an active __torch_function__ mode, a number of another Python type, a wrong type,
+// keyword arguments) goes to OpOverload._op unchanged, so behaviour and errors stay those of the op.
+// fastformer/_dispatch.py uses these entries for the cpu and cuda backends in eager mode; torch.compile
+// traces the OpOverload.
+
+// One argument from Python, or false when the call must take the OpOverload.
+inline bool from_py(PyObject* o, at::Tensor& out) {
+  if (!THPVariable_CheckExact(o)) return false;  // a subclass may define __torch_function__
+  out = THPVariable_Unpack(o);
+  return true;
+}
+inline bool from_py(PyObject* o, std::optional<at::Tensor>& out) {
+  if (o == Py_None) {
+    out = std::nullopt;
+    return true;
+  }
+  at::Tensor t;
+  if (!from_py(o, t)) return false;
+  out = std::move(t);
+  return true;
+}
+inline bool from_py(PyObject* o, double& out) {
+  if (PyFloat_CheckExact(o)) {
+    out = PyFloat_AS_DOUBLE(o);
+    return true;
+  }
+  if (PyLong_CheckExact(o)) {  // not bool (a subclass of int): the op's own rules decide about it
+    out = PyLong_AsDouble(o);
+    if (out == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+    return true;
+  }
+  return false;
+}
+inline bool from_py(PyObject* o, std::optional<double>& out) {
+  if (o == Py_None) {
+    out = std::nullopt;
+    return true;
+  }
+  double d;
+  if (!from_py(o, d)) return false;
+  out = d;
+  return true;
+}
+inline bool from_py(PyObject* o, bool& out) {
+  if (!PyBool_Check(o)) return false;
+  out = o == Py_True;
+  return true;
+}
+inline bool from_py(PyObject* o, int64_t& out) {
+  if (!PyLong_CheckExact(o)) return false;
+  int overflow = 0;
+  out = PyLong_AsLongLongAndOverflow(o, &overflow);
+  if (overflow != 0 || (out == -1 && PyErr_Occurred())) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+
+inline PyObject* to_py(at::Tensor t) { return THPVariable_Wrap(std::move(t)); }
+template <typename... T>
+PyObject* to_py(std::tuple<T...> values) {
+  PyObject* tuple = PyTuple_New(sizeof...(T));
+  if (tuple == nullptr) return nullptr;
+  bool ok = true;
+  std::apply([&](auto&... v) {
+    Py_ssize_t i = 0;
+    ((ok = ok && [&] {
+        PyObject* item = to_py(std::move(v));
+        if (item == nullptr) return false;
+        PyTuple_SET_ITEM(tuple, i++, item);
+        return true;
+      }()),
+     ...);
+  }, values);
+  if (!ok) {
+    Py_DECREF(tuple);
+    return nullptr;
+  }
+  return tuple;
+}
+
+template <typename Signature>
+struct Eager;
+
+template <typename R, typename... A>
+struct Eager<R(A...)> {
+  using Handle = c10::TypedOperatorHandle<R(A...)>;
+
+  // The entry of op `name` ("fastformer::<op>_fwd") as a Python function taking the schema's arguments
+  // positionally.
+  static py::object make(const std::string& name) {
+    auto* state = new State{c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "").typed<R(A...)>(),
+                            name, nullptr};  // lives as long as the process, as the op does
+    static PyMethodDef def{"eager_fwd", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&call)),
+                           METH_FASTCALL | METH_KEYWORDS,
+                           "the forward op of a fastformer op, called through the dispatcher without the JIT"};
+    PyObject* self = PyCapsule_New(state, "fastformer.eager", nullptr);
+    if (self == nullptr) throw py::error_already_set();
+    PyObject* fn = PyCFunction_NewEx(&def, self, nullptr);
+    Py_DECREF(self);
+    if (fn == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(fn);
+  }
+
+ private:
+  struct State {
+    Handle op;
+    std::string name;
+    PyObject* overload;  // torch.ops.fastformer.<op>_fwd.default._op, looked up on first need
+  };
+
+  static PyObject* fallback(State* state, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+    if (state->overload == nullptr) {
+      const std::string op = state->name.substr(state->name.find("::") + 2);
+      py::object overload = py::module_::import("torch").attr("ops").attr("fastformer").attr(op.c_str())
+                                .attr("default").attr("_op");
+      state->overload = overload.release().ptr();
+    }
+    return PyObject_Vectorcall(state->overload, args, static_cast<size_t>(nargs), kwnames);
+  }
+
+  template <size_t... I>
+  static PyObject* convert_and_call(State* state, PyObject* const* args, std::index_sequence<I...>) {
+    std::tuple<std::decay_t<A>...> values;
+    if (!(from_py(args[I], std::get<I>(values)) && ...)) return nullptr;
+    R result = [&] {
+      pybind11::gil_scoped_release no_gil;
+      return state->op.call(std::get<I>(values)...);
+    }();
+    return to_py(std::move(result));
+  }
+
+  static PyObject* call(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+    HANDLE_TH_ERRORS
+    auto* state = static_cast<State*>(PyCapsule_GetPointer(self, "fastformer.eager"));
+    if (kwnames == nullptr && nargs == static_cast<Py_ssize_t>(sizeof...(A)) &&
+        !at::impl::torch_function_mode_enabled()) {
+      if (PyObject* out = convert_and_call(state, args, std::index_sequence_for<A...>{})) return out;
+      if (PyErr_Occurred()) return nullptr;
+    }
+    return fallback(state, args, nargs, kwnames);
+    END_HANDLE_TH_ERRORS
+  }
+};
+
+// The C++ signature of fastformer::<op>_fwd: that of its adapter in csrc/ops.h.
+#define FASTFORMER_FWD_SIGNATURE(op) \
+  std::remove_pointer_t<decltype(&::fastformer::op##_fwd_op<&::fastformer::cpu::op##_fwd>)>
+
+py::dict eager_forwards() {
+  py::dict entries;
+#define FASTFORMER_EAGER(op, ...) \
+  entries[#op] = Eager<FASTFORMER_FWD_SIGNATURE(op)>::make("fastformer::" #op "_fwd");
+  FASTFORMER_OPS(FASTFORMER_EAGER)
+#undef FASTFORMER_EAGER
+  return entries;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fastformer fused kernels: attention, softmax, layer_norm_residual, cross_entropy (C++ CPU and CUDA)";
   m.attr("TORCH_VERSION") = FASTFORMER_TORCH_VERSION;
   m.attr("OPS") = py::tuple(py::cast(op_names()));
+  m.attr("EAGER_FWD") = eager_forwards();  // op -> the forward op's eager entry (see Eager above)
   m.def("best_cpu_level", &fastformer::best_cpu_level,
         "the highest CPU kernel level this CPU supports: avx512, avx2 or default");
   m.def("set_cpu_kernels", &fastformer::set_cpu_kernels, "installs a fastformer._cpu_<level> module's kernel table");

@@ -193,15 +193,22 @@ inline void check_cross_entropy(const Tensor& logits, const Tensor& target, doub
                     logits.sizes().slice(0, logits.dim() - 1), ", got ", target.sizes());
   TORCH_CHECK_VALUE(std::isfinite(label_smoothing) && label_smoothing >= 0.0 && label_smoothing <= 1.0,
                     "fastformer cross_entropy: label_smoothing must be a number in [0, 1], got ", label_smoothing);
-  if (target.numel() > 0) {
-    const int64_t V = logits.size(-1);
-    const Tensor bad = target.ne(ignore_index).logical_and_(target.lt(0).logical_or_(target.ge(V)));
-    if (bad.any().item<bool>()) {
-      const Tensor first = target.masked_select(bad).slice(0, 0, 1).cpu();
-      TORCH_CHECK_VALUE(false, "fastformer cross_entropy: target holds ", first.item<int64_t>(),
-                        ", outside the classes [0, ", V, ") and not ignore_index (", ignore_index, ")");
+  if (target.numel() == 0) return;
+  const int64_t V = logits.size(-1);
+  const auto out_of_range = [&](int64_t t) {
+    TORCH_CHECK_VALUE(false, "fastformer cross_entropy: target holds ", t, ", outside the classes [0, ", V,
+                      ") and not ignore_index (", ignore_index, ")");
+  };
+  if (target.device().is_cpu()) {  // a loop over the targets: on small inputs tensor ops cost more than the op
+    const Tensor t = target.contiguous();
+    const int64_t* p = t.const_data_ptr<int64_t>();
+    for (int64_t i = 0, n = t.numel(); i < n; ++i) {
+      if (p[i] != ignore_index && (p[i] < 0 || p[i] >= V)) out_of_range(p[i]);
     }
+    return;
   }
+  const Tensor bad = target.ne(ignore_index).logical_and_(target.lt(0).logical_or_(target.ge(V)));
+  if (bad.any().item<bool>()) out_of_range(target.masked_select(bad).slice(0, 0, 1).cpu().item<int64_t>());
 }
 
 // ---- backward arguments ----

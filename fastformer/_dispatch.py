@@ -170,8 +170,12 @@ def _fits(op: str, name: str, x: torch.Tensor) -> bool:
 def kernel(op: str, phase: str, backend: str, *, eager: bool = False) -> Callable:
     """The registered op that runs ``op``'s ``phase`` on ``backend``, taking the schema's arguments without
     ``backend``: ``torch.ops.fastformer.<op>_<phase>`` for cpu and cuda, the ``_py`` twin bound to the name
-    for the others. ``eager=True`` gives the op's C++ entry (``OpOverload._op``), which skips a Python frame
-    per call; torch.compile traces the OpOverload itself."""
+    for the others. ``eager=True`` gives a C++ entry that skips the OpOverload's Python frame: for the cpu and
+    cuda forward ``fastformer._C.EAGER_FWD[op]`` (the dispatcher's typed call, without the JIT's argument
+    matching and boxing; anything unusual goes to the OpOverload: csrc/fastformer.cpp), else
+    ``OpOverload._op``. torch.compile traces the OpOverload itself."""
+    if eager and phase == "fwd" and backend in ("cpu", "cuda"):
+        return _ext.extension().EAGER_FWD[op]
     packet = getattr(torch.ops.fastformer, f"{op}_{phase}" + ("" if backend in ("cpu", "cuda") else "_py"))
     overload = packet.default._op if eager else packet.default
     if backend in ("cpu", "cuda"):

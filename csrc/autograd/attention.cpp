@@ -53,6 +53,7 @@ struct Attention : public torch::autograd::Function<Attention> {
     const double dropout_p = ctx->saved_data["dropout_p"].toDouble();
     const auto scale = ctx->saved_data["scale"].toOptional<double>();
     const Backend backend = backend_of(ctx);
+    at::AutoDispatchBelowADInplaceOrView guard;  // no graph to record: straight to the kernel
     const Tensor& dout = grads[0];
     auto [dq, dk, dv] =
         backend ? bwd_py.call(dout, saved[0], saved[1], saved[2], saved[3], saved[4], mask, causal, dropout_p, scale,

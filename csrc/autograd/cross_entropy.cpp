@@ -33,6 +33,7 @@ struct CrossEntropy : public torch::autograd::Function<CrossEntropy> {
     ctx->saved_data["ignore_index"] = ignore_index;
     ctx->saved_data["backend"] = backend_value(backend);
     ctx->mark_non_differentiable({lse});
+    ctx->set_materialize_grads(false);  // backward makes zeros only for an unused loss or nll, not for lse
     return {loss, nll, lse};
   }
 
@@ -45,10 +46,12 @@ struct CrossEntropy : public torch::autograd::Function<CrossEntropy> {
     const double label_smoothing = ctx->saved_data["label_smoothing"].toDouble();
     const int64_t ignore_index = ctx->saved_data["ignore_index"].toInt();
     const Backend backend = backend_of(ctx);
-    // grads[0], grads[1]: (...) of loss and nll (zeros where an output was unused: materialized grads).
-    Tensor dlogits = backend ? bwd_py.call(grads[0], grads[1], logits, target, lse, label_smoothing, ignore_index,
-                                           *backend)
-                             : bwd.call(grads[0], grads[1], logits, target, lse, label_smoothing, ignore_index);
+    at::AutoDispatchBelowADInplaceOrView guard;  // no graph to record: straight to the kernel
+    // grads[0], grads[1]: (...) of loss and nll, undefined where an output was unused (then zeros).
+    const Tensor dloss = grads[0].defined() ? grads[0] : at::zeros_like(lse);
+    const Tensor dnll = grads[1].defined() ? grads[1] : at::zeros_like(lse);
+    Tensor dlogits = backend ? bwd_py.call(dloss, dnll, logits, target, lse, label_smoothing, ignore_index, *backend)
+                             : bwd.call(dloss, dnll, logits, target, lse, label_smoothing, ignore_index);
     return {dlogits, Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };

@@ -49,6 +49,7 @@ struct LayerNormResidual : public torch::autograd::Function<LayerNormResidual> {
     const OptTensor seed = load_optional(saved[4]);
     const double dropout_p = ctx->saved_data["dropout_p"].toDouble();
     const Backend backend = backend_of(ctx);
+    at::AutoDispatchBelowADInplaceOrView guard;  // no graph to record: straight to the kernel
     const Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(s);
     const OptTensor ds = load_optional(grads[1]);
     auto [dx, dresidual, dweight, dbias] =

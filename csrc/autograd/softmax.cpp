@@ -36,6 +36,7 @@ struct Softmax : public torch::autograd::Function<Softmax> {
     const Tensor y = ctx->get_saved_variables()[0];
     const double scale = ctx->saved_data["scale"].toDouble();
     const Backend backend = backend_of(ctx);
+    at::AutoDispatchBelowADInplaceOrView guard;  // no graph to record: straight to the kernel
     Tensor dx = backend ? bwd_py.call(grads[0], y, scale, *backend) : bwd.call(grads[0], y, scale);
     return {dx, Tensor(), Tensor(), Tensor()};
   }

@@ -13,7 +13,8 @@
 //   dweight = sum_rows dy * xhat, dbias = sum_rows dy
 // dweight/dbias are reduced in two stages without races: rows are cut into at most kPartials fixed
 // chunks (independent of the thread count, so results are deterministic), each chunk sums its rows
-// into its own float partial, then the partials are summed in order.
+// into its own float partial (a work buffer), then the partials are summed in chunk order, in place
+// (no tensor ops: on tiny inputs a reduction op's dispatch cost more than the whole kernel).
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -102,7 +103,10 @@ void layer_norm_residual_bwd_kernel(const scalar_t* dy, const scalar_t* ds_in, c
   using Vec = at::vec::Vectorized<acc_t>;
   const int64_t chunks = std::min(R, kPartials);
   const int64_t rows_per_chunk = (R + chunks - 1) / chunks;
-  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+  // Chunks per task: about 16K elements, as the forward's rows (a parallel region costs more than a few
+  // tiny chunks). The chunks are fixed whatever the threads, so this changes no result.
+  const int64_t grain = std::max<int64_t>(1, 16384 / (rows_per_chunk * N));
+  at::parallel_for(0, chunks, grain, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> w_buf, dy_buf, s_buf, ds_buf, dres_buf, dx_buf, drop(dropout_p > 0 ? N : 0);
     const acc_t* w = as_acc(weight, N, w_buf);
     for (int64_t c = begin; c < end; ++c) {
@@ -198,23 +202,51 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor&
                                                                    const Tensor& mean, const Tensor& rstd,
                                                                    double dropout_p, int64_t seed) {
   const int64_t N = s.size(-1), R = s.numel() / N;
-  const auto acc_type = at::toOpMathType(s.scalar_type());
   Tensor dx = at::empty_like(s), dres = at::empty_like(s);
-  if (R == 0) return {dx, dres, at::zeros_like(weight), at::zeros_like(weight)};
-  const int64_t chunks = std::min(R, kPartials);
-  Tensor partial_dw = at::empty({chunks, N}, s.options().dtype(acc_type));
-  Tensor partial_db = at::empty({chunks, N}, s.options().dtype(acc_type));
+  Tensor dweight = at::empty_like(weight), dbias = at::empty_like(weight);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, s.scalar_type(), "fastformer_lnr_bwd_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    layer_norm_residual_bwd_kernel<scalar_t>(
-        dy.data_ptr<scalar_t>(), ds.has_value() ? ds->data_ptr<scalar_t>() : nullptr, s.data_ptr<scalar_t>(),
-        weight.data_ptr<scalar_t>(), mean.data_ptr<acc_t>(), rstd.data_ptr<acc_t>(), dx.data_ptr<scalar_t>(),
-        dres.data_ptr<scalar_t>(), partial_dw.data_ptr<acc_t>(), partial_db.data_ptr<acc_t>(), R, N, dropout_p,
-        static_cast<uint64_t>(seed));
+    // The chunk partials (chunks x N each for dweight and dbias) in a work buffer, not tensors: no
+    // allocator or dispatcher round trip per call.
+    const int64_t chunks = std::max<int64_t>(1, std::min(R, kPartials));
+    Buffer<acc_t> partial_dw(R == 0 ? 0 : chunks * N), partial_db(R == 0 ? 0 : chunks * N);
+    if (R > 0) {
+      layer_norm_residual_bwd_kernel<scalar_t>(
+          dy.data_ptr<scalar_t>(), ds.has_value() ? ds->data_ptr<scalar_t>() : nullptr, s.data_ptr<scalar_t>(),
+          weight.data_ptr<scalar_t>(), mean.data_ptr<acc_t>(), rstd.data_ptr<acc_t>(), dx.data_ptr<scalar_t>(),
+          dres.data_ptr<scalar_t>(), partial_dw.data(), partial_db.data(), R, N, dropout_p,
+          static_cast<uint64_t>(seed));
+    }
+    // Second stage: the chunk partials summed in a fixed order (chunk 0 first), whatever the thread count.
+    using Vec = at::vec::Vectorized<acc_t>;
+    scalar_t* dw = dweight.data_ptr<scalar_t>();
+    scalar_t* db = dbias.data_ptr<scalar_t>();
+    Buffer<acc_t> row_w, row_b;
+    acc_t* sum_w = output_row(dw, N, row_w);
+    acc_t* sum_b = output_row(db, N, row_b);
+    const int64_t used = R == 0 ? 0 : chunks;
+    int64_t j = 0;
+    for (; j + Vec::size() <= N; j += Vec::size()) {
+      Vec vw(acc_t(0)), vb(acc_t(0));
+      for (int64_t c = 0; c < used; ++c) {
+        vw = vw + Vec::loadu(partial_dw.data() + c * N + j);
+        vb = vb + Vec::loadu(partial_db.data() + c * N + j);
+      }
+      vw.store(sum_w + j);
+      vb.store(sum_b + j);
+    }
+    for (; j < N; ++j) {
+      acc_t w = 0, b = 0;
+      for (int64_t c = 0; c < used; ++c) {
+        w += partial_dw[c * N + j];
+        b += partial_db[c * N + j];
+      }
+      sum_w[j] = w;
+      sum_b[j] = b;
+    }
+    finish_output(sum_w, dw, N);
+    finish_output(sum_b, db, N);
   });
-  // Second stage: the chunk partials summed in a fixed order.
-  Tensor dweight = partial_dw.sum(0).to(s.scalar_type());
-  Tensor dbias = partial_db.sum(0).to(s.scalar_type());
   return {dx, dres, dweight, dbias};
 }
 

@@ -165,15 +165,21 @@ void softmax_bwd_kernel(const scalar_t* dy, const scalar_t* y, scalar_t* dx, int
 Tensor softmax_fwd(const Tensor& x, const c10::optional<Tensor>& mask, double scale) {
   const int64_t N = x.size(-1), R = N == 0 ? 0 : x.numel() / N;
   MaskRows rows;
-  Tensor m;
   if (mask.has_value()) {
-    m = mask->expand(x.sizes());  // a view: stride 0 along broadcast dims
+    // The mask's strides broadcast to x's shape (0 along broadcast dims), as mask->expand(x.sizes()) would
+    // give them, without the view op (its dispatch costs more than a tiny softmax).
+    const Tensor& m = *mask;
+    const int64_t lead = x.dim() - m.dim();  // leading dims of x that the mask lacks
+    const auto stride = [&](int64_t d) {      // d: a dim of x
+      const int64_t md = d - lead;
+      return md < 0 || m.size(md) == 1 ? int64_t(0) : m.stride(md);
+    };
     rows.base = m.data_ptr<bool>();
     for (int64_t d = 0; d + 1 < x.dim(); ++d) {
       rows.sizes.push_back(x.size(d));
-      rows.strides.push_back(m.stride(d));
+      rows.strides.push_back(stride(d));
     }
-    rows.col_stride = m.stride(-1);
+    rows.col_stride = x.dim() == 0 ? 1 : stride(x.dim() - 1);
   }
   Tensor y = at::empty_like(x);
   if (R == 0) return y;

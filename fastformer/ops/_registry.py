@@ -100,6 +100,8 @@ def dropout_seed(p, op: str) -> torch.Tensor | None:
     """The call's dropout seed: one draw from torch's default generator when dropout is on (so
     torch.manual_seed makes dropout reproducible on every backend); None without dropout. A dropout_p that
     is no number (a bool, a string, a tensor) raises ValueError here; its range is checked in C++."""
+    if p.__class__ is float and p == 0.0:  # the common case first: a float 0.0, no dropout
+        return None
     if isinstance(p, bool) or not isinstance(p, (int, float)):
         raise ValueError(f"fastformer {op}: dropout_p must be a number in [0, 1), got {p!r}")
     return torch.randint(0, 2**62, (), dtype=torch.int64) if p > 0 else None
