@@ -59,10 +59,7 @@ MENTIONS = (
 
 # Gaps known and accepted, each with its reason. An entry that is no longer missing fails the test too,
 # so this list shrinks when the gap closes instead of hiding a later one.
-ACCEPTED_GAPS = {
-    ("benchmarks/test_overhead.py", "cross_entropy"):
-        "no call-overhead case yet: issue 36 item 6 measures layer_norm_residual and softmax",
-}
+ACCEPTED_GAPS: dict[tuple[str, str], str] = {}  # (file, op) -> why the file may lack the op for now
 
 
 def read(path: str) -> str:
