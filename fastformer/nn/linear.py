@@ -107,11 +107,11 @@ class Int8Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        P = C.PACKED_LINEAR_PANEL
-        self.register_buffer("weight", torch.zeros((out_features + P - 1) // P, (in_features + 3) // 4, P, 4,
-                                                   dtype=torch.int8))
-        self.register_buffer("weight_scale", torch.zeros(out_features))
-        self.register_buffer("weight_colsum", torch.zeros(out_features, dtype=torch.int32))
+        # zeros in the layout C++ owns (csrc/gemm/gemm.h), not written again here
+        panels, scale, colsum = C.quantize_int8(torch.zeros(out_features, in_features))
+        self.register_buffer("weight", panels)
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("weight_colsum", colsum)
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
 
     @classmethod
