@@ -30,6 +30,15 @@ def cuda_sim_schedule(request):
     cuda_sim.set_schedule_seed(before)
 
 
+def pytest_report_header(config):
+    """Which part of the peer matrices runs (tests/matrix.py, FASTFORMER_MATRIX_SHARD)."""
+    import os
+
+    shard = os.environ.get("FASTFORMER_MATRIX_SHARD")
+    return (f"peer matrices: shard {shard} (FASTFORMER_MATRIX_SHARD; unset it for every case)" if shard
+            else "peer matrices: every case (FASTFORMER_MATRIX_SHARD=K/N runs one shard of N)")
+
+
 def pytest_terminal_summary(terminalreporter):
     """The peer matrices' largest error/bound ratios (tests/matrix.py), when any ran."""
     import sys

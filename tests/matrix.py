@@ -12,6 +12,12 @@ SLOW_WORK, and every family keeps at least one case there (checked when the test
 family is shrunk, never dropped. Cases that a backend refuses by contract (``case.refused(backend)``:
 head dims above 128 on cuda and triton, float64 outside torch and cpu) must raise the documented error.
 
+Shards: FASTFORMER_MATRIX_SHARD="K/N" (1 <= K <= N) runs shard K of N. Every shard keeps the first case
+of each (backend, dtype, family), so each shard still checks every family on every backend and dtype;
+every other case falls in exactly one shard (a stable hash of its test id), so the N shards together are
+the whole matrix. Unset or empty: every case. CI runs one shard, chosen by its commit (.ci/run), so
+successive commits rotate through the matrix.
+
 The largest error/bound ratio seen per (op, backend, dtype) is kept in RESULTS and printed at the end of
 the run (tests/conftest.py), which is what the closing notes quote.
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import zlib
 from collections import defaultdict
 
 import pytest
@@ -58,10 +65,32 @@ SLOW_WORK = {"attention": 2 * 2 * 33 * 33 * 64, "softmax": 16 * 4099, "layer_nor
 RESULTS: dict[tuple[str, str, str], float] = defaultdict(float)
 
 
-def matrix_params(op: str, cases):
+def parse_shard(value: str | None) -> tuple[int, int] | None:
+    """FASTFORMER_MATRIX_SHARD's value "K/N" -> (K, N); None or "" -> None (every case)."""
+    if not value:
+        return None
+    try:
+        k, n = (int(part) for part in value.split("/"))
+    except ValueError:
+        k = n = 0
+    if not 1 <= k <= n:
+        raise ValueError(f"FASTFORMER_MATRIX_SHARD={value!r}: expected K/N with 1 <= K <= N, e.g. 2/3")
+    return k, n
+
+
+SHARD = parse_shard(os.environ.get("FASTFORMER_MATRIX_SHARD"))
+
+
+def in_shard(test_id: str, shard: tuple[int, int] | None) -> bool:
+    """Whether a case that is not its family's first falls in ``shard`` (stable across runs and machines)."""
+    return shard is None or zlib.crc32(test_id.encode()) % shard[1] == shard[0] - 1
+
+
+def matrix_params(op: str, cases, shard: tuple[int, int] | None = SHARD):
     """pytest params (backend, dtype, case): every backend and dtype, every case on cpu/torch (and on a
     GPU), the cases within SLOW_WORK on the slow backends. A case's ``dtypes`` (None: all) restricts its
-    dtypes; float64 runs only where the backend supports it."""
+    dtypes; float64 runs only where the backend supports it. With a ``shard`` (K, N), the first case of each
+    (backend, dtype, family) and the others that fall in shard K."""
     params = []
     for backend in BACKENDS:
         families = {case.family for case in cases}
@@ -69,13 +98,18 @@ def matrix_params(op: str, cases):
         for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
             if dtype not in dtypes_for(backend):
                 continue
+            firsts = set()
             for case in cases:
                 if case.dtypes is not None and dtype not in case.dtypes:
                     continue
                 if DEVICE == "cpu" and backend in SLOW_BACKENDS and case.work > SLOW_WORK[op]:
                     continue
                 kept.add(case.family)
-                params.append(pytest.param(backend, dtype, case, id=f"{backend}-{dtype_name(dtype)}-{case}"))
+                test_id = f"{backend}-{dtype_name(dtype)}-{case}"
+                if case.family in firsts and not in_shard(test_id, shard):
+                    continue
+                firsts.add(case.family)
+                params.append(pytest.param(backend, dtype, case, id=test_id))
         lost = families - kept
         assert not lost, f"{op} matrix: families {sorted(lost)} have no case within {backend}'s work budget"
     return params
