@@ -1,0 +1,58 @@
+"""A transformers Marian training step (forward + backward) with attn_implementation="fastformer"
+(fastformer/hf.py) beside transformers' own "sdpa" and "eager" attention, in target tokens per second.
+
+The model: opus-mt-de-en's shape (d_model 512, 6+6 layers, 8 heads, d_ff 2048, swish) with the size
+profile's vocabulary (default 8,000: the 58,101 of opus-mt would make the step mostly the output
+projection) and random weights; smoke sizes use a 2+2-layer d_model 64 model. The batch: 32 sentence pairs
+(smoke: 4) of source and target lengths uniform in [max/2, max], max 32 tokens, right-padded, so every
+attention call gets a padding mask. The step: the mean label-smoothed (0.1) cross-entropy over the
+non-pad target tokens, backward; no optimizer step (the same for every attention). "fastformer" runs
+on each fastformer backend of the benchmark device; all three in float32 on the CPU.
+"""
+import pytest
+import torch
+import transformers
+
+import fastformer
+import fastformer.hf  # noqa: F401  (registers attn_implementation="fastformer")
+
+BASELINES = ("sdpa", "eager")
+
+
+def marian(ctx):
+    smoke = ctx.sizes.name == "smoke"
+    d, layers, heads, ff = (64, 2, 2, 128) if smoke else (512, 6, 8, 2048)
+    config = transformers.MarianConfig(vocab_size=ctx.sizes.vocab_size, d_model=d, encoder_layers=layers,
+                                       decoder_layers=layers, encoder_attention_heads=heads,
+                                       decoder_attention_heads=heads, encoder_ffn_dim=ff, decoder_ffn_dim=ff,
+                                       max_position_embeddings=512, activation_function="swish",
+                                       pad_token_id=0, decoder_start_token_id=0)
+    return transformers.MarianMTModel(config)
+
+
+def test_hf_marian_training_step(bench, ctx, impl):
+    if ctx.cuda:
+        pytest.skip("the Marian training step is measured on the CPU")  # its target is the CPU's (issue 37)
+    model = marian(ctx).train()
+    n = 4 if ctx.sizes.name == "smoke" else 32
+    src = ctx.tokens(n, 16, 32, 0, ctx.sizes.vocab_size)
+    tgt = ctx.tokens(n, 16, 32, 0, ctx.sizes.vocab_size)
+    labels = tgt.masked_fill(tgt.eq(0), -100)
+    model.set_attn_implementation(impl if impl in BASELINES else "fastformer")
+    backend = None if impl in BASELINES else impl
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=src, attention_mask=src.ne(0), decoder_input_ids=tgt,
+                       decoder_attention_mask=tgt.ne(0)).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), label_smoothing=0.1)
+        loss.backward()
+
+    fastformer.set_backend(backend)
+    try:
+        tokens = int(tgt.ne(0).sum())
+        bench(step, op="hf_marian_training_step", shape=f"opus-mt shape, {n} pairs <= 32 tokens ({tokens} target)",
+              pass_="fwd+bwd, float32", impl=impl if impl in BASELINES else f"fastformer ({impl})",
+              baseline=impl in BASELINES, per_second={"tokens/s": tokens})
+    finally:
+        fastformer.set_backend(None)
