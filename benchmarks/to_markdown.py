@@ -5,7 +5,7 @@
 
 One row per benchmark: op, shape, pass, backend (a fastformer backend or a PyTorch baseline), the
 median time, the derived figure (TFLOP/s for attention; GB/s and the fraction of the copy bandwidth
-measured in the same run for softmax, layer_norm_residual and cross_entropy; tokens/s for the training step;
+measured in the same run for softmax, layer_norm_residual and cross_entropy; tokens/s for the training steps;
 sentences/s for generate) and the speedup over each baseline of the same op, shape and pass (for
 generate: over the same backend without the cache), measured in the same run. A line above the table
 gives the machine and the settings of the run.
@@ -64,7 +64,7 @@ def seconds(s: float) -> str:
 
 def figure(info: dict) -> str:
     """The derived figure of a benchmark's extra_info."""
-    if "tokens/s" in info and info.get("op") == "training_step":
+    if "tokens/s" in info and info.get("op") in ("training_step", "hf_marian_training_step"):
         return f"{info['tokens/s']:,.0f} tokens/s"
     if "sentences/s" in info:
         return f"{_sig(info['sentences/s'])} sentences/s"
