@@ -31,7 +31,6 @@ from typing import Optional
 import torch
 
 try:
-    import transformers
     from transformers import masking_utils
     from transformers.modeling_utils import AttentionInterface
 except ImportError as exc:  # pragma: no cover - the message is the point
@@ -43,7 +42,7 @@ from fastformer.ops.attention import attention
 NAME = "fastformer"
 
 # The mask patterns the kernel expresses with key padding and a causal flag (transformers' own functions).
-_PLAIN_MASKS = {masking_utils.causal_mask_function: "causal", masking_utils.bidirectional_mask_function: "bidirectional"}
+_PLAIN_MASKS = (masking_utils.causal_mask_function, masking_utils.bidirectional_mask_function)
 
 
 def _describe(mask_function) -> str:
@@ -122,4 +121,4 @@ def register() -> None:
 
 register()
 
-__all__ = ["NAME", "fastformer_attention_forward", "fastformer_mask", "register", "transformers"]
+__all__ = ["NAME", "fastformer_attention_forward", "fastformer_mask", "register"]

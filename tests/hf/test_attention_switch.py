@@ -19,10 +19,8 @@ from transformers import masking_utils
 
 import fastformer
 import fastformer.hf
-from helpers import BACKENDS
+from helpers import ALL_BACKENDS
 from tolerances import assert_close
-
-BACKENDS_HERE = ["torch"] + BACKENDS
 
 
 def bert(attn):
@@ -96,14 +94,14 @@ def check_against_sdpa(make, forward, backend):
         assert_close(grad, ref_grads[name], torch.float32, name)
 
 
-@pytest.mark.parametrize("backend", BACKENDS_HERE)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_bert_matches_sdpa_with_padding(backend, calls):
     ids, mask = padded_batch([13, 7, 1], 13)
     check_against_sdpa(bert, lambda m: m(input_ids=ids, attention_mask=mask).last_hidden_state, backend)
     assert calls == [False, False]  # two layers of bidirectional self-attention
 
 
-@pytest.mark.parametrize("backend", BACKENDS_HERE)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_marian_matches_sdpa_with_padding(backend, calls):
     src, src_mask = padded_batch([11, 4, 9], 11, seed=2)
     tgt, tgt_mask = padded_batch([9, 9, 3], 9, seed=3)
