@@ -6,7 +6,7 @@
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <torch/extension.h>
+#include <torch/python.h>  // pybind11, tensor casters (torch/extension.h adds the C++ frontend: 16 s to compile)
 #include <torch/library.h>
 
 #include <optional>

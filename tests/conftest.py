@@ -7,6 +7,17 @@ import pytest
 import torch
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (``-n``), each worker takes its share of the cores for torch's threads: two workers
+    of two threads each on two cores made OpenMP's barriers wait for descheduled threads. The results do not
+    depend on the thread count (tests/test_threads.py sets it where it matters)."""
+    import os
+
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, torch.get_num_threads() // int(workers)))
+
+
 @pytest.fixture(autouse=True)
 def seed_torch(request):
     """Seeds torch from the test's id: every test draws fresh random inputs, reproducibly."""
@@ -37,6 +48,27 @@ def pytest_report_header(config):
     shard = os.environ.get("FASTFORMER_MATRIX_SHARD")
     return (f"peer matrices: shard {shard} (FASTFORMER_MATRIX_SHARD; unset it for every case)" if shard
             else "peer matrices: every case (FASTFORMER_MATRIX_SHARD=K/N runs one shard of N)")
+
+
+def pytest_sessionfinish(session):
+    """Under pytest-xdist, a worker hands its peer-matrix results to the controller (workeroutput)."""
+    import sys
+
+    matrix = sys.modules.get("matrix")
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None and matrix is not None:
+        workeroutput["matrix_results"] = [[*key, ratio] for key, ratio in matrix.RESULTS.items()]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: a worker's peer-matrix results, merged (the largest ratio of each key)."""
+    rows = getattr(node, "workeroutput", {}).get("matrix_results", [])
+    if rows:
+        import matrix
+
+        for op, backend, dtype, ratio in rows:
+            matrix.RESULTS[(op, backend, dtype)] = max(matrix.RESULTS[(op, backend, dtype)], ratio)
 
 
 def pytest_terminal_summary(terminalreporter):

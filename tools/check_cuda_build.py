@@ -3,16 +3,17 @@
 every op of its op list (fastformer._C.OPS, from csrc/ops.h); every extension of the build needs libstdc++.so
 as torch does (no private C++ runtime), and a TORCH_CHECK that formats integers raises ValueError.
 
-CI builds the extension with nvcc for one architecture into a folder of its own (never over an installed
-fastformer), then runs this script on that folder:
+CI installs fastformer the README's way with the CUDA kernels (FASTFORMER_FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=8.0
+pip install ".[test]") and runs this script on the environment's site-packages; a build into a folder of its
+own (never over an installed fastformer) is checked the same way:
 
     CUDA_HOME=/usr/local/cuda-13.0 FASTFORMER_FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=8.0 \\
         python setup.py build --build-base /tmp/ffcuda
     python tools/check_cuda_build.py /tmp/ffcuda/lib.* --expect-arch sm_80
 
-The folder is the build's lib folder: the whole package, fastformer/__init__.py and the compiled
-fastformer/_C*.so, as a wheel would unpack it. It is put first on sys.path, so `import fastformer._C`
-loads the build under test, not an installed fastformer. No GPU is needed: the kernels are looked up in
+The folder (a build's lib folder, or site-packages) holds the whole package, fastformer/__init__.py and
+the compiled fastformer/_C*.so, as a wheel would unpack it. It is put first on sys.path, so
+`import fastformer._C` loads the build under test, not another fastformer. No GPU is needed: the kernels are looked up in
 the dispatcher, not called. With cuobjdump (on PATH, in CUDA_HOME/bin, or from the nvidia-cuda-cuobjdump wheel) it also
 lists the machine code (SASS) architectures in the library and, with --expect-arch, requires them.
 """

@@ -489,8 +489,8 @@ python tools/kernel_report.py
    on 54,400 (threads, registers, smem) combinations over 32..1024 threads, 8..253 registers and 0..48 KB
    of shared memory, for both architectures: no difference.
 
-CI also builds the whole extension with nvcc 13.0 for sm_80 (`tools/check_cuda_build.py`); that step
-prints nvcc's own per-kernel numbers (`cuobjdump --dump-resource-usage`; nvcc 13.0's register counts
+CI's install also compiles the whole extension with nvcc 13.0 for sm_80, and `tools/check_cuda_build.py`
+then prints nvcc's own per-kernel numbers (`cuobjdump --dump-resource-usage`; nvcc 13.0's register counts
 may differ slightly from NVRTC 12.9's) and fails if the build holds a kernel that is
 missing from the `// instantiations:` lists, i.e. from this table.
 

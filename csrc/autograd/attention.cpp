@@ -3,7 +3,8 @@
 // from lse and regenerates the dropout mask from the seed. lse is not differentiable.
 #include "common.h"
 
-namespace fastformer::autograd {
+// A namespace of the op's own: the sources of _C may be compiled as one unit (setup.py, FASTFORMER_UNITY_BUILD).
+namespace fastformer::autograd::attention {
 namespace {
 
 using at::Tensor;
@@ -82,9 +83,9 @@ std::tuple<Tensor, Tensor> attention_fwd_py(const Tensor& q, const Tensor& k, co
 }
 
 }  // namespace
-}  // namespace fastformer::autograd
+}  // namespace fastformer::autograd::attention
 
 TORCH_LIBRARY_IMPL(fastformer, Autograd, m) {
-  m.impl("attention_fwd", TORCH_FN(fastformer::autograd::attention_fwd));
-  m.impl("attention_fwd_py", TORCH_FN(fastformer::autograd::attention_fwd_py));
+  m.impl("attention_fwd", TORCH_FN(fastformer::autograd::attention::attention_fwd));
+  m.impl("attention_fwd_py", TORCH_FN(fastformer::autograd::attention::attention_fwd_py));
 }

@@ -3,7 +3,8 @@
 // unused output's gradient is undefined and becomes zeros). lse is not differentiable, nor is target.
 #include "common.h"
 
-namespace fastformer::autograd {
+// A namespace of the op's own: the sources of _C may be compiled as one unit (setup.py, FASTFORMER_UNITY_BUILD).
+namespace fastformer::autograd::cross_entropy {
 namespace {
 
 using at::Tensor;
@@ -71,9 +72,9 @@ Out3 cross_entropy_fwd_py(const Tensor& logits, const Tensor& target, double lab
 }
 
 }  // namespace
-}  // namespace fastformer::autograd
+}  // namespace fastformer::autograd::cross_entropy
 
 TORCH_LIBRARY_IMPL(fastformer, Autograd, m) {
-  m.impl("cross_entropy_fwd", TORCH_FN(fastformer::autograd::cross_entropy_fwd));
-  m.impl("cross_entropy_fwd_py", TORCH_FN(fastformer::autograd::cross_entropy_fwd_py));
+  m.impl("cross_entropy_fwd", TORCH_FN(fastformer::autograd::cross_entropy::cross_entropy_fwd));
+  m.impl("cross_entropy_fwd_py", TORCH_FN(fastformer::autograd::cross_entropy::cross_entropy_fwd_py));
 }

@@ -4,7 +4,8 @@
 // gradient stays undefined: dy becomes zeros, ds stays absent). mean and rstd are not differentiable.
 #include "common.h"
 
-namespace fastformer::autograd {
+// A namespace of the op's own: the sources of _C may be compiled as one unit (setup.py, FASTFORMER_UNITY_BUILD).
+namespace fastformer::autograd::layer_norm_residual {
 namespace {
 
 using at::Tensor;
@@ -79,9 +80,9 @@ Out4 layer_norm_residual_fwd_py(const Tensor& x, const Tensor& residual, const T
 }
 
 }  // namespace
-}  // namespace fastformer::autograd
+}  // namespace fastformer::autograd::layer_norm_residual
 
 TORCH_LIBRARY_IMPL(fastformer, Autograd, m) {
-  m.impl("layer_norm_residual_fwd", TORCH_FN(fastformer::autograd::layer_norm_residual_fwd));
-  m.impl("layer_norm_residual_fwd_py", TORCH_FN(fastformer::autograd::layer_norm_residual_fwd_py));
+  m.impl("layer_norm_residual_fwd", TORCH_FN(fastformer::autograd::layer_norm_residual::layer_norm_residual_fwd));
+  m.impl("layer_norm_residual_fwd_py", TORCH_FN(fastformer::autograd::layer_norm_residual::layer_norm_residual_fwd_py));
 }

@@ -2,7 +2,8 @@
 // softmax_bwd op, dx = scale y (dy - sum(dy y)).
 #include "common.h"
 
-namespace fastformer::autograd {
+// A namespace of the op's own: the sources of _C may be compiled as one unit (setup.py, FASTFORMER_UNITY_BUILD).
+namespace fastformer::autograd::softmax {
 namespace {
 
 using at::Tensor;
@@ -54,9 +55,9 @@ Tensor softmax_fwd_py(const Tensor& x, const OptTensor& mask, double scale, c10:
 }
 
 }  // namespace
-}  // namespace fastformer::autograd
+}  // namespace fastformer::autograd::softmax
 
 TORCH_LIBRARY_IMPL(fastformer, Autograd, m) {
-  m.impl("softmax_fwd", TORCH_FN(fastformer::autograd::softmax_fwd));
-  m.impl("softmax_fwd_py", TORCH_FN(fastformer::autograd::softmax_fwd_py));
+  m.impl("softmax_fwd", TORCH_FN(fastformer::autograd::softmax::softmax_fwd));
+  m.impl("softmax_fwd_py", TORCH_FN(fastformer::autograd::softmax::softmax_fwd_py));
 }

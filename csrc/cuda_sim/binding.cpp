@@ -3,7 +3,7 @@
 // builds this file once per op, as its own extension, with -DFF_SIM_OP=<op> (so one op's build never
 // depends on another's).
 // torch first: its headers never see the model's CUDA built-in macros.
-#include <torch/extension.h>
+#include <torch/python.h>  // pybind11, tensor casters (torch/extension.h adds the C++ frontend: 16 s to compile)
 
 #ifndef FF_SIM_OP
 #error "build with -DFF_SIM_OP=<op>, an op of FASTFORMER_OPS (csrc/ops.h)"
