@@ -235,6 +235,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(ceil(n / 32), ceil(K / 4), 32, 4), scale float32 (n,), colsum int32 (n,))");
   m.def("dequantize_int8", &fastformer::dequantize_int8, py::arg("panels"), py::arg("scale"), py::arg("n"),
         py::arg("K"), "Wq s_w as a float32 (n, K) weight, from quantize_int8's panels and scale");
+  m.def("int8_embedding", &fastformer::int8_embedding, py::arg("ids"), py::arg("panels"), py::arg("scale"),
+        py::arg("n"), py::arg("K"), "rows ids (int64, any shape) of quantize_int8's weight (n, K), dequantized: "
+        "(*ids.shape, K) float32; a quantized model's embedding lookup");
   m.def("packed_linear", &fastformer::packed_linear, py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("n"),
         "y (M, n) = x (M, K) W^T + bias, float32 on the CPU, W packed by pack_linear: the model's projections at "
         "inference");

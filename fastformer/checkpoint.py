@@ -3,7 +3,10 @@
 A checkpoint is a dict of tensors and plain values: ``config`` (TransformerConfig as a dict), ``model``
 (state dict), ``tokenizer`` (the sentencepiece model's bytes as a uint8 tensor), ``data`` (how the corpus
 was chosen), ``step``, and for resuming ``optimizer``, ``train_state`` and ``ranks`` (each training
-process's batch position and RNG states; see fastformer.training.resume).
+process's batch position and RNG states; see fastformer.training.resume). A quantized model's checkpoint
+(``model_state`` of a ``fastformer.quantize`` model; ``python -m fastformer.convert --quantize int8``)
+also holds ``quantization`` ("int8"): its state dict holds the projections' int8 weights and scales
+(fastformer/nn/linear.py ``Int8Linear``), and ``load_model`` gives the quantized model back, on the CPU.
 Files are ``checkpoint_<step>.pt`` in the run folder; the last ``keep`` are kept.
 """
 from __future__ import annotations
@@ -84,12 +87,42 @@ def tokenizer_bytes(tokenizer: Tokenizer) -> torch.Tensor:
     return torch.frombuffer(bytearray(tokenizer.model_proto), dtype=torch.uint8)
 
 
+def model_state(model: Transformer, tokenizer: Tokenizer, **extra) -> dict:
+    """A checkpoint of ``model`` (float or quantized) and its tokenizer, with ``extra`` entries (e.g. data)."""
+    state = {"config": model.config.to_dict(), "model": model.state_dict(),
+             "tokenizer": tokenizer_bytes(tokenizer), **extra}
+    if model.quantization is not None:
+        state["quantization"] = model.quantization
+    return state
+
+
+def quantization(state: dict) -> str | None:
+    """The quantization of a checkpoint's model ("int8"), or None for a float model."""
+    return state.get("quantization")
+
+
 def load_model(path: str, backend: str | None = None, device: str = "cpu") -> tuple[Transformer, Tokenizer, dict]:
-    """The model (eval mode) and tokenizer of a checkpoint file or run folder, and the raw state."""
-    state = load(path)
+    """The model (eval mode) and tokenizer of a checkpoint file or run folder, and the raw state. The model of
+    an int8 checkpoint is quantized (``fastformer.quantize``'s), and runs on the CPU only."""
+    return from_state(load(path), path, backend=backend, device=device)
+
+
+def from_state(state: dict, path: str, backend: str | None = None,
+               device: str = "cpu") -> tuple[Transformer, Tokenizer, dict]:
+    """load_model of a state ``load(path)`` has read already."""
+    from fastformer.nn.quantize import QUANTIZATIONS, prepare
+
+    quantized = quantization(state)
+    if quantized is not None and quantized not in QUANTIZATIONS:
+        raise CheckpointError(f"{resolve(path)}: unknown quantization {quantized!r} (known: {', '.join(QUANTIZATIONS)})")
+    if quantized is not None and torch.device(device).type != "cpu":
+        raise CheckpointError(f"{resolve(path)} holds an {quantized} model, which runs on the CPU; load it with "
+                              f"device 'cpu' (--device cpu), not {device!r}")
     try:
         config = TransformerConfig.from_dict(state["config"])
         model = Transformer(config, backend=backend)
+        if quantized is not None:
+            model = prepare(model, quantized)
         model.load_state_dict(state["model"])
     except (TypeError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{resolve(path)}: weights do not match the stored config ({exc})") from exc
@@ -99,9 +132,12 @@ def load_model(path: str, backend: str | None = None, device: str = "cpu") -> tu
     return model.to(device).eval(), tokenizer, state
 
 
-def load_model_or_exit(path: str, backend: str | None = None, device: str = "cpu"):
-    """load_model for the command-line tools: a bad checkpoint ends the program with its message."""
+def load_model_or_exit(path: str, backend: str | None = None, device: str = "cpu", state: dict | None = None):
+    """load_model (or from_state, of a ``state`` read already) for the command-line tools: a bad checkpoint
+    ends the program with its message."""
     try:
+        if state is not None:
+            return from_state(state, path, backend=backend, device=device)
         return load_model(path, backend=backend, device=device)
     except CheckpointError as exc:
         raise SystemExit(f"error: {exc}") from exc

@@ -87,8 +87,9 @@ def add_quantize_argument(parser) -> None:
 
     parser.add_argument("--quantize", choices=QUANTIZATIONS,
                         help="quantize the model's projections before translating (int8: weights per output "
-                             "channel, activations per row, as CTranslate2's int8; CPU only; docs/decoding.md) "
-                             "(default: float32, not quantized)")
+                             "channel, activations per row, as CTranslate2's int8; CPU only; docs/decoding.md). "
+                             "An int8 checkpoint (python -m fastformer.convert --quantize int8) is int8 already "
+                             "(default: as the checkpoint holds it: float32, or int8)")
 
 
 def load_for_translation(prog: str, args):
@@ -98,12 +99,23 @@ def load_for_translation(prog: str, args):
     from fastformer import checkpoint as ckpt
     from fastformer.nn.quantize import quantize
 
+    try:  # an int8 checkpoint's model is quantized already, and runs on the CPU
+        state = ckpt.load(args.checkpoint)
+    except ckpt.CheckpointError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+    stored = ckpt.quantization(state)
+    if args.quantize and stored is not None and args.quantize != stored:
+        raise SystemExit(f"{prog}: error: {args.checkpoint} holds an {stored} model; it cannot be quantized to "
+                         f"{args.quantize} (--quantize takes a float checkpoint)")
+    on_cpu = args.quantize or stored
     if args.device is None:
-        args.device = "cpu" if args.quantize or not torch.cuda.is_available() else "cuda"
-    if args.quantize and torch.device(args.device).type != "cpu":
-        raise SystemExit(f"{prog}: error: --quantize {args.quantize} runs on the CPU; use --device cpu")
-    model, tokenizer, state = ckpt.load_model_or_exit(args.checkpoint, backend=args.backend, device=args.device)
-    if args.quantize:
+        args.device = "cpu" if on_cpu or not torch.cuda.is_available() else "cuda"
+    if on_cpu and torch.device(args.device).type != "cpu":
+        what = f"--quantize {args.quantize}" if args.quantize else f"the {stored} checkpoint"
+        raise SystemExit(f"{prog}: error: {what} runs on the CPU; use --device cpu")
+    model, tokenizer, state = ckpt.load_model_or_exit(args.checkpoint, backend=args.backend, device=args.device,
+                                                      state=state)
+    if args.quantize and stored is None:
         model = quantize(model.float(), args.quantize)
     return model, tokenizer, state
 

@@ -129,15 +129,32 @@ at::Tensor dequantize_int8(const at::Tensor& panels, const at::Tensor& scale, in
   const std::string who = "fastformer dequantize_int8";
   check_tensor(panels, at::kChar, int8_panels_shape(n, K), who, "panels");
   check_tensor(scale, at::kFloat, {n}, who, "scale");
-  const int64_t P = kPackedLinearPanel, K4 = (K + 3) / 4;
   at::Tensor out = at::empty({n, K}, scale.options());
-  const int8_t* src = panels.const_data_ptr<int8_t>();
-  const float* s = scale.const_data_ptr<float>();
+  const Int8Weight w{panels.const_data_ptr<int8_t>(), scale.const_data_ptr<float>(), nullptr};
   float* dst = out.mutable_data_ptr<float>();
-  for (int64_t row = 0; row < n; ++row) {
-    const int64_t p = row / P, j = row % P;
-    for (int64_t k = 0; k < K; ++k) dst[row * K + k] = src[((p * K4 + k / 4) * P + j) * 4 + k % 4] * s[row];
+  for (int64_t row = 0; row < n; ++row) int8_row(w, row, K, dst + row * K);
+  return out;
+}
+
+// Memory: K int8 values and a scale read, K floats written, per id.
+at::Tensor int8_embedding(const at::Tensor& ids, const at::Tensor& panels, const at::Tensor& scale, int64_t n,
+                          int64_t K) {
+  const std::string who = "fastformer int8_embedding";
+  check_tensor(panels, at::kChar, int8_panels_shape(n, K), who, "panels");
+  check_tensor(scale, at::kFloat, {n}, who, "scale");
+  TORCH_CHECK_VALUE(ids.scalar_type() == at::kLong && ids.device().is_cpu(), who, ": ids must be an int64 CPU tensor, "
+                    "got ", dtype_name(ids.scalar_type()), " on ", ids.device());
+  const at::Tensor flat = ids.contiguous().view(-1);
+  const int64_t* id = flat.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < flat.numel(); ++i) {
+    TORCH_CHECK_VALUE(id[i] >= 0 && id[i] < n, who, ": id ", id[i], " is outside [0, ", n, ")");
   }
+  std::vector<int64_t> shape = ids.sizes().vec();
+  shape.push_back(K);
+  at::Tensor out = at::empty(shape, scale.options());
+  const Int8Weight w{panels.const_data_ptr<int8_t>(), scale.const_data_ptr<float>(), nullptr};
+  float* dst = out.mutable_data_ptr<float>();
+  for (int64_t i = 0; i < flat.numel(); ++i) int8_row(w, id[i], K, dst + i * K);
   return out;
 }
 

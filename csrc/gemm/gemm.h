@@ -3,7 +3,8 @@
 //   packed_linear.cpp   (per CPU level) float32: W^T streamed from column panels with at::vec FMAs
 //   int8_linear.cpp     (per CPU level) int8: W per output channel, x quantized per row, int32 dot products
 //                       (VNNI, AVX2, plain); int8_linear_tile.h: one tile per dot-product instruction
-//   gemm.cpp            (fastformer._C) the weight preparation (pack_linear, quantize_int8, dequantize_int8),
+//   gemm.cpp            (fastformer._C) the weight preparation (pack_linear, quantize_int8, dequantize_int8,
+//                       int8_embedding),
 //                       the checks, and the entry points Python calls (packed_linear, int8_linear)
 // Their users: the model's projections at inference (fastformer/nn/linear.py) and the decoder step
 // (csrc/inference/decoder_step.cpp).
@@ -49,6 +50,15 @@ struct Int8Weight {
   const int32_t* colsum;  // (n,): sum_k Wq[n, k]
 };
 
+// Row `row` of an int8 weight (n, K) as float32, out[k] = Wq[row, k] s_w[row]: dequantize_int8, and the
+// embedding lookup of a quantized model, whose embedding is its output projection's int8 weight.
+inline void int8_row(const Int8Weight& w, int64_t row, int64_t K, float* out) {
+  const int64_t P = kPackedLinearPanel, K4 = (K + 3) / 4;
+  const int8_t* first = w.panels + ((row / P) * K4 * P + row % P) * 4;  // Wq[row, 0]; Wq[row, k] 4 P (k / 4) further
+  const float step = w.scale[row];
+  for (int64_t k = 0; k < K; ++k) out[k] = static_cast<float>(first[(k / 4) * P * 4 + k % 4]) * step;
+}
+
 // A projection y = x W^T + b: W as float32 panels, or quantized (int8.panels != nullptr).
 struct PackedProjection {
   const float* panels;  // packed_panels_shape(n, K); nullptr when int8
@@ -79,6 +89,9 @@ PackedProjection int8_projection(const at::Tensor& panels, const at::Tensor& sca
 at::Tensor pack_linear(const at::Tensor& weight);                                    // (n, K) -> panels
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_int8(const at::Tensor& weight);  // -> panels, scale, colsum
 at::Tensor dequantize_int8(const at::Tensor& panels, const at::Tensor& scale, int64_t n, int64_t K);  // -> (n, K)
+// Rows ids (any shape, int64 in [0, n)) of the int8 weight (n, K), dequantized: (*ids.shape, K) float32.
+at::Tensor int8_embedding(const at::Tensor& ids, const at::Tensor& panels, const at::Tensor& scale, int64_t n,
+                          int64_t K);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
                          int64_t n);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scale,

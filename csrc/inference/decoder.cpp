@@ -24,7 +24,8 @@
 //               description does not use is refused: a swapped self_out/cross_q/cross_out (all d x d) cannot
 //               get in by position, and a weight added to the description cannot be left out silently.
 //   final_norm  {"final_norm.weight", "final_norm.bias"} for pre-norm, {} for post-norm
-//   embed (V, d), embed_scale, positions (>= steps, d)
+//   embed (V, d), or None in a quantized model (its embedding is the int8 output weight); embed_scale;
+//   positions (>= steps, d)
 //   output      the output projection d -> V by name: {"output.panels"} or {"output.int8_*"} (no bias)
 //   cross       per layer (k, v), each (B, H, S, Dh);  src_padding (B, S) bool or None
 //   beams, steps
@@ -213,7 +214,7 @@ class CpuDecoder {
     const int64_t heads = f.take<int64_t>("heads"), d_ff = f.take<int64_t>("d_ff");
     layers_ = f.take<std::vector<Named>>("layers");
     final_norm_ = f.take<Named>("final_norm");
-    embed_ = f.take<Tensor>("embed");
+    const c10::optional<Tensor> embed = f.optional<Tensor>("embed");
     const double embed_scale = f.take<double>("embed_scale");
     positions_ = f.take<Tensor>("positions");
     output_ = f.take<Named>("output");
@@ -224,14 +225,26 @@ class CpuDecoder {
 
     TORCH_CHECK_VALUE(beams >= 1 && heads >= 1 && d_ff >= 1 && steps >= 1, kWho,
                       ": beams, heads, d_ff and steps must be >= 1");
-    TORCH_CHECK_VALUE(embed_.dim() == 2, kWho, ": embed must be (V, d)");
-    const int64_t V = embed_.size(0), d = embed_.size(1);
+    // (V, d) from the embedding, or in a quantized model (embed None) from its int8 output projection
+    int64_t V = -1, d = -1;
+    if (embed.has_value()) {
+      TORCH_CHECK_VALUE(embed->dim() == 2, kWho, ": embed must be (V, d)");
+      embed_ = *embed;
+      V = embed_.size(0);
+      d = embed_.size(1);
+    } else {
+      const auto scale = output_.find("output.int8_scale");
+      TORCH_CHECK_VALUE(scale != output_.end() && scale->second.dim() == 1 && positions_.dim() == 2, kWho,
+                        ": without embed the output projection must be int8 (its rows are the embedding)");
+      V = scale->second.size(0);
+      d = positions_.size(1);
+    }
     TORCH_CHECK_VALUE(d % heads == 0, kWho, ": d_model ", d, " is not divisible by ", heads, " heads");
     TORCH_CHECK_VALUE(!layers_.empty(), kWho, ": no decoder layers");
     const int64_t L = static_cast<int64_t>(layers_.size());
     TORCH_CHECK_VALUE(static_cast<int64_t>(cross.size()) == L, kWho, ": cross must hold a (k, v) pair per layer");
     TORCH_CHECK_VALUE(norm_first || final_norm_.empty(), kWho, ": a post-norm decoder has no final LayerNorm");
-    check_tensor(embed_, at::kFloat, {V, d}, kWho, "embed");
+    if (embed.has_value()) check_tensor(embed_, at::kFloat, {V, d}, kWho, "embed");
     TORCH_CHECK_VALUE(positions_.dim() == 2 && positions_.size(0) >= steps, kWho, ": positions must hold >= ", steps,
                       " rows");
     check_tensor(positions_, at::kFloat, {positions_.size(0), d}, kWho, "positions");
@@ -268,7 +281,7 @@ class CpuDecoder {
     step_.norm_first = norm_first;
     step_.eps = static_cast<float>(eps);
     step_.embed_scale = static_cast<float>(embed_scale);
-    step_.embed = embed_.const_data_ptr<float>();
+    step_.embed = embed.has_value() ? embed_.const_data_ptr<float>() : nullptr;
     step_.final_norm_weight = final.first;
     step_.final_norm_bias = final.second;
     {
@@ -276,13 +289,14 @@ class CpuDecoder {
       step_.output = w.linear("output", d, V, /*bias=*/false);
       w.done();
     }
+    step_.embed_int8 = step_.output.int8;  // read only when embed is None, then int8 (checked above)
     step_.int8_variant = 0;
     step_.layers.resize(L);
     for (int64_t l = 0; l < L; ++l) {
       step_.layers[l] = bind_layer(layers_[l], sublayers, l, d, d_ff);
       DecoderLayerStep& layer = step_.layers[l];
       // Two cache buffers a layer: keys and values.
-      for (int i = 0; i < 2; ++i) caches_.push_back(at::empty({B * beams, heads, steps, d / heads}, embed_.options()));
+      for (int i = 0; i < 2; ++i) caches_.push_back(at::empty({B * beams, heads, steps, d / heads}, positions_.options()));
       layer.k_cache = caches_[2 * l].mutable_data_ptr<float>();
       layer.v_cache = caches_[2 * l + 1].mutable_data_ptr<float>();
     }
@@ -303,7 +317,7 @@ class CpuDecoder {
       TORCH_CHECK_VALUE(ids[r] >= 0 && ids[r] < step_.vocab, kWho, ": token ", ids[r],
                         " is outside [0, ", step_.vocab, ")");
     }
-    Tensor logits = at::empty({step_.rows, step_.vocab}, embed_.options());
+    Tensor logits = at::empty({step_.rows, step_.vocab}, positions_.options());
     step_.tokens = ids;
     step_.slots = slots_.data();
     step_.position_row = positions_.const_data_ptr<float>() + step_.position * step_.d_model;

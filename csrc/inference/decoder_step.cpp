@@ -6,7 +6,7 @@
 // Driven by the decoder layer's description (csrc/inference/inference.h: each layer's sublayers, in the
 // order fastformer/nn/layers.py DECODER_SUBLAYERS gives; the norm placement and the activation). Per step,
 // with x (N, d) the residual stream in a scratch buffer:
-//   x = embed[token] * embed_scale + position[t]
+//   x = embed[token] * embed_scale + position[t]   (a quantized model: its int8 output weight's row)
 //   per sublayer f of every layer, in order, post-norm
 //       x = LayerNorm_f(x + f(x)),
 //   or pre-norm (h = LayerNorm_first(x) first)
@@ -142,8 +142,14 @@ void decoder_step(const DecoderStep& s) {
 
   at::parallel_for(0, N, 32, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const float* e = s.embed + s.tokens[r] * d;
-      for (int64_t j = 0; j < d; ++j) x[r * d + j] = e[j] * s.embed_scale + s.position_row[j];
+      float* xr = x.data() + r * d;
+      const float* e = xr;  // a quantized model's row, dequantized into x first (gemm.h int8_row)
+      if (s.embed != nullptr) {
+        e = s.embed + s.tokens[r] * d;
+      } else {
+        int8_row(s.embed_int8, s.tokens[r], d, xr);
+      }
+      for (int64_t j = 0; j < d; ++j) xr[j] = e[j] * s.embed_scale + s.position_row[j];
     }
   });
   // Every sublayer of every layer, in order, with its layer.

@@ -109,7 +109,8 @@ class IncrementalDecoder:
         self.H, self.Dh, self.d = cfg.n_heads, cfg.head_dim, cfg.d_model
         # Each layer's weights by name (fastformer/nn/layers.py DECODER_LAYER), shapes checked.
         self.weights = [decoder_layer_weights(layer, cfg) for layer in model.decoder.layers]
-        self.embed = model.embed.weight  # (V, d): also the output projection
+        # (V, d): also the output projection; None in a quantized model (its int8 output weight's rows)
+        self.embed = None if model.embed is None else model.embed.weight
         B, S, d = memory.shape
         # Cross-attention keys/values, once per sentence: (B, S, 2d) -> k, v (B, H, S, Dh).
         self.cross = []

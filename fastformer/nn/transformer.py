@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fastformer._ext import C
 from fastformer.nn import decoding
 from fastformer.nn.config import TransformerConfig
 from fastformer.nn.layers import Decoder, Encoder
@@ -45,7 +46,8 @@ class Transformer(nn.Module):
         self.encoder = Encoder(config, backend)
         self.decoder = Decoder(config, backend)
         # The output projection is the embedding, transposed; a quantized model holds its int8 form here
-        # (an Int8Linear without bias: fastformer/nn/quantize.py), else None.
+        # (an Int8Linear without bias: fastformer/nn/quantize.py), else None. A quantized model's embed is
+        # None: its lookup reads the int8 rows.
         self.output_projection: Optional[nn.Module] = None
 
     # ------------------------------------------------------------------------------------------
@@ -59,7 +61,12 @@ class Transformer(nn.Module):
         return table[:length]
 
     def _embed(self, tokens: Tensor, offset: int = 0) -> Tensor:
-        x = self.embed(tokens) * math.sqrt(self.config.d_model)
+        if self.embed is None:  # quantized: the rows of the int8 output projection (fastformer/nn/quantize.py)
+            out = self.output_projection
+            rows = C.int8_embedding(tokens, out.weight, out.weight_scale, out.out_features, out.in_features)
+        else:
+            rows = self.embed(tokens)
+        x = rows * math.sqrt(self.config.d_model)
         x = x + self.positions(offset + tokens.shape[1], x.dtype, x.device)[offset:]
         return F.dropout(x, self.config.dropout, self.training)
 

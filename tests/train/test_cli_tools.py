@@ -1,4 +1,4 @@
-"""The translate, evaluate, average and visualize commands on a checkpoint trained on the fixture, their
+"""The translate, evaluate, average, visualize and convert commands on a checkpoint trained on the fixture, their
 --help, and clear errors for corrupt or mismatched checkpoints."""
 import argparse
 import importlib
@@ -14,7 +14,7 @@ from fastformer import checkpoint as ckpt
 from fastformer.train import main
 from train_helpers import DATA, tiny_run_args
 
-COMMANDS = ("train", "translate", "evaluate", "average", "visualize")
+COMMANDS = ("train", "translate", "evaluate", "average", "visualize", "convert")
 
 
 def run(*args, stdin=None):
@@ -103,6 +103,64 @@ def test_translate_and_evaluate_quantize_int8(run_dir, tmp_path):
     refused = run("fastformer.translate", "--checkpoint", str(run_dir), "--quantize", "int8", "--device", "cuda",
                   stdin="Und Gott sprach.\n")
     assert refused.returncode != 0 and "--quantize int8 runs on the CPU; use --device cpu" in refused.stderr
+
+
+def test_convert_writes_an_int8_checkpoint_that_loads_as_quantizing_after_load(run_dir, tmp_path):
+    """python -m fastformer.convert --quantize int8 writes the int8 model: int8 projection weights and no float
+    copy of them, a smaller file than the float checkpoint convert writes, no training state; loaded, it gives
+    the logits and tokens of quantizing the float model after load, translate takes it as it is, and the bad
+    uses are refused with their reason."""
+    from fastformer import quantize
+    from fastformer.nn.linear import Int8Linear
+
+    from fastformer.convert import main as convert
+
+    float_path, int8_path = tmp_path / "float.pt", tmp_path / "int8.pt"
+    convert([str(run_dir), "--out", str(float_path)])
+    convert([str(run_dir), "--out", str(int8_path), "--quantize", "int8"])
+    float_state, int8_state = (torch.load(p, weights_only=True) for p in (float_path, int8_path))
+    assert ckpt.quantization(float_state) is None and ckpt.quantization(int8_state) == "int8"
+    assert not {"optimizer", "train_state", "ranks"} & (float_state.keys() | int8_state.keys())
+
+    model, tokenizer, _ = ckpt.load_model(str(int8_path))
+    reference = quantize(ckpt.load_model(str(float_path))[0])
+    projections = [name for name, module in model.named_modules() if isinstance(module, Int8Linear)]
+    assert projections and model.quantization == "int8"
+    for name in projections:  # int8 in the file; the float weight is not there
+        assert int8_state["model"][name + ".weight"].dtype == torch.int8, name
+    float_projection_bytes = sum(t.numel() * t.element_size() for key, t in float_state["model"].items()
+                                 if key.endswith(".weight") and key[:-len(".weight")] in projections)
+    int8_float_bytes = sum(t.numel() * t.element_size() for t in int8_state["model"].values() if t.is_floating_point())
+    float_bytes = sum(t.numel() * t.element_size() for t in float_state["model"].values())
+    assert int8_float_bytes <= float_bytes - float_projection_bytes + sum(
+        int8_state["model"][name + ".weight_scale"].numel() * 4 for name in projections)
+    assert int8_path.stat().st_size < float_path.stat().st_size
+
+    src = torch.tensor([tokenizer.encode(["Und Gott sprach."])[0] + [model.config.eos_id]])
+    tgt = torch.tensor([[model.config.bos_id, 5, 6, 7]])
+    with torch.no_grad():
+        assert torch.equal(model(src, tgt), reference(src, tgt))
+    assert model.generate(src) == reference.generate(src)
+
+    text = "Im Anfang schuf Gott die Himmel und die Erde.\nUnd Gott sprach.\n"
+    as_stored = run("fastformer.translate", "--checkpoint", str(int8_path), "--beam", "2", stdin=text)
+    after_load = run("fastformer.translate", "--checkpoint", str(float_path), "--quantize", "int8", "--beam", "2",
+                     stdin=text)
+    assert as_stored.returncode == 0 and after_load.returncode == 0, as_stored.stderr + after_load.stderr
+    assert as_stored.stdout == after_load.stdout and len(as_stored.stdout.splitlines()) == 2
+
+    refused = run("fastformer.translate", "--checkpoint", str(int8_path), "--device", "cuda", stdin="Und Gott sprach.\n")
+    assert refused.returncode != 0 and "the int8 checkpoint runs on the CPU; use --device cpu" in refused.stderr
+    with pytest.raises(ckpt.CheckpointError, match="runs on the CPU"):
+        ckpt.load_model(str(int8_path), device="cuda")
+    with pytest.raises(SystemExit, match="holds an int8 model already"):
+        convert([str(int8_path), "--out", str(tmp_path / "again.pt"), "--quantize", "int8"])
+    with pytest.raises(SystemExit, match=r"exists \(use --force"):
+        convert([str(run_dir), "--out", str(float_path)])
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="transformers model folder"):
+        convert([str(tmp_path / "hf"), "--out", str(tmp_path / "hf.pt")])
 
 
 def test_visualize_writes_one_png_per_layer(run_dir, tmp_path):
