@@ -1,6 +1,7 @@
 """fastformer._C.packed_linear, the incremental decoder's small-M projection kernel (csrc/gemm/packed_linear.cpp),
-against the float64 reference x W^T + b: row counts around the kernel's row groups (1-17), odd widths
-around the 32-column panels, with and without bias, on one and two threads; bad arguments raise ValueError.
+against the float64 reference x W^T + b: row counts around the kernel's row groups (1-17, 97; AVX2 takes 6-row
+blocks over half panels from 8 rows), odd widths around the 32-column panels, with and without bias, on one
+and two threads; bad arguments raise ValueError.
 CI runs this file at every CPU instruction-set level the machine supports."""
 import pytest
 import torch
@@ -11,7 +12,7 @@ from helpers import randn
 from tolerances import assert_close
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 13, 16, 17])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 97])
 @pytest.mark.parametrize("K, N", [(1, 1), (7, 31), (97, 32), (256, 33), (64, 1000), (113, 97)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_packed_linear_matches_reference(M, K, N, with_bias):
@@ -25,11 +26,12 @@ def test_packed_linear_matches_reference(M, K, N, with_bias):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_packed_linear_splits_panels_over_threads(threads):
+@pytest.mark.parametrize("M", [4, 40])
+def test_packed_linear_splits_panels_over_threads(threads, M):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        x, w, b = randn(4, 256, dtype=torch.float32), randn(8000, 256, dtype=torch.float32), randn(8000,
+        x, w, b = randn(M, 256, dtype=torch.float32), randn(8000, 256, dtype=torch.float32), randn(8000,
                                                                                                  dtype=torch.float32)
         y = C.packed_linear(x, pack_panels(w), b, 8000)
     finally:
