@@ -132,12 +132,9 @@ def from_state(state: dict, path: str, backend: str | None = None,
     return model.to(device).eval(), tokenizer, state
 
 
-def load_model_or_exit(path: str, backend: str | None = None, device: str = "cpu", state: dict | None = None):
-    """load_model (or from_state, of a ``state`` read already) for the command-line tools: a bad checkpoint
-    ends the program with its message."""
+def load_model_or_exit(path: str, backend: str | None = None, device: str = "cpu"):
+    """load_model for the command-line tools: a bad checkpoint ends the program with its message."""
     try:
-        if state is not None:
-            return from_state(state, path, backend=backend, device=device)
         return load_model(path, backend=backend, device=device)
     except CheckpointError as exc:
         raise SystemExit(f"error: {exc}") from exc

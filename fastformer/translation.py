@@ -113,8 +113,10 @@ def load_for_translation(prog: str, args):
     if on_cpu and torch.device(args.device).type != "cpu":
         what = f"--quantize {args.quantize}" if args.quantize else f"the {stored} checkpoint"
         raise SystemExit(f"{prog}: error: {what} runs on the CPU; use --device cpu")
-    model, tokenizer, state = ckpt.load_model_or_exit(args.checkpoint, backend=args.backend, device=args.device,
-                                                      state=state)
+    try:
+        model, tokenizer, state = ckpt.from_state(state, args.checkpoint, backend=args.backend, device=args.device)
+    except ckpt.CheckpointError as exc:
+        raise SystemExit(f"error: {exc}") from exc
     if args.quantize and stored is None:
         model = quantize(model.float(), args.quantize)
     return model, tokenizer, state

@@ -50,10 +50,9 @@ def save_checkpoint(run: Run) -> None:
     ranks = procs.gather({**run.batches.position(), "rng": rng_state(procs.device)})
     if not procs.main:
         return
-    payload = {"config": run.config.to_dict(), "model": run.model.state_dict(),
-               "optimizer": run.optimizer.state_dict(), "tokenizer": ckpt.tokenizer_bytes(run.tokenizer),
-               "data": run.data_info, "args": vars(run.args), "step": run.state["step"],
-               "train_state": dict(run.state), "ranks": ranks, "world_size": procs.world}
+    payload = ckpt.model_state(run.model, run.tokenizer, optimizer=run.optimizer.state_dict(), data=run.data_info,
+                               args=vars(run.args), step=run.state["step"], train_state=dict(run.state), ranks=ranks,
+                               world_size=procs.world)
     if run.scaler.is_enabled():
         payload["scaler"] = run.scaler.state_dict()
     ckpt.save(payload, os.path.join(run.run_dir, f"checkpoint_{run.state['step']}.pt"))
