@@ -11,13 +11,15 @@
     fastformer.set_backend(name)   # process default (also FASTFORMER_BACKEND=name)
     fastformer.cpu_capability()    # the CPU kernels' instruction-set level: avx512, avx2 or default
     fastformer.quantize(model, "int8")  # a copy of a model whose projections run in int8 on the CPU
+    model, tokenizer = fastformer.from_transformers(DIR)  # a local MarianMT or M2M-100/NLLB folder
+    import fastformer.hf           # registers attn_implementation="fastformer" in transformers
 """
 from fastformer import ops
 from fastformer._dispatch import backends, set_backend
 from fastformer._ext import cpu_capability
 
 __version__ = "0.1.0"
-__all__ = ["ops", "backends", "set_backend", "cpu_capability", "quantize", "__version__"]
+__all__ = ["ops", "backends", "set_backend", "cpu_capability", "quantize", "from_transformers", "__version__"]
 
 
 def quantize(model, dtype: str = "int8"):
@@ -26,5 +28,15 @@ def quantize(model, dtype: str = "int8"):
     from fastformer.nn.quantize import quantize as _quantize
 
     return _quantize(model, dtype)
+
+
+def from_transformers(directory, backend=None, device="cpu"):
+    """``(model, tokenizer)`` of a local transformers MarianMT or M2M-100/NLLB folder, offline: the types
+    ``fastformer.checkpoint.load_model`` gives (a ``fastformer.nn.Transformer`` in eval mode and a tokenizer
+    with ``encode``/``decode``), which translate, quantize and export take as they are
+    (fastformer/hf_convert.py: what maps to what, and what is refused)."""
+    from fastformer.hf_convert import from_transformers as _from_transformers
+
+    return _from_transformers(directory, backend=backend, device=device)
 
 backends()  # resolve availability once, at import, so op calls stay cheap and traceable

@@ -17,7 +17,7 @@ import re
 
 import torch
 
-from fastformer.data.tokenizer import Tokenizer
+from fastformer.data.tokenizer import Tokenizer, tokenizer_from_state, tokenizer_state
 from fastformer.nn import Transformer, TransformerConfig
 
 _NAME = re.compile(r"checkpoint_(\d+)\.pt$")
@@ -83,14 +83,12 @@ def load(path: str) -> dict:
     return state
 
 
-def tokenizer_bytes(tokenizer: Tokenizer) -> torch.Tensor:
-    return torch.frombuffer(bytearray(tokenizer.model_proto), dtype=torch.uint8)
 
 
 def model_state(model: Transformer, tokenizer: Tokenizer, **extra) -> dict:
     """A checkpoint of ``model`` (float or quantized) and its tokenizer, with ``extra`` entries (e.g. data)."""
     state = {"config": model.config.to_dict(), "model": model.state_dict(),
-             "tokenizer": tokenizer_bytes(tokenizer), **extra}
+             "tokenizer": tokenizer_state(tokenizer), **extra}
     if model.quantization is not None:
         state["quantization"] = model.quantization
     return state
@@ -126,7 +124,10 @@ def from_state(state: dict, path: str, backend: str | None = None,
         model.load_state_dict(state["model"])
     except (TypeError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{resolve(path)}: weights do not match the stored config ({exc})") from exc
-    tokenizer = Tokenizer(bytes(state["tokenizer"].tolist()))
+    try:
+        tokenizer = tokenizer_from_state(state["tokenizer"])
+    except (TypeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{resolve(path)}: unreadable tokenizer ({exc})") from exc
     if tokenizer.vocab_size != config.vocab_size:
         raise CheckpointError(f"{resolve(path)}: tokenizer has {tokenizer.vocab_size} pieces, model {config.vocab_size}")
     return model.to(device).eval(), tokenizer, state

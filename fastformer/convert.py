@@ -1,17 +1,19 @@
 """python -m fastformer.convert SOURCE --out CHECKPOINT [--quantize int8]: a fastformer checkpoint of a model.
 
-SOURCE is a fastformer checkpoint file or run folder (its latest checkpoint). With ``--quantize int8`` the
+SOURCE is a transformers model folder (config.json: MarianMT or M2M-100/NLLB, read offline by
+fastformer/hf_convert.py), or a fastformer checkpoint file or run folder (its latest checkpoint). With ``--quantize int8`` the
 written checkpoint holds ``fastformer.quantize``'s model: the projections' int8 weights and per-channel
 scales, no float copy of them (fastformer/checkpoint.py ``model_state``), which ``translate``, ``evaluate``
 and ``checkpoint.load_model`` load as the int8 model, giving the same tokens as quantizing after load.
 Without it the model is written as it is (float32, or int8 already), without the training state
 (optimizer, resume state): a checkpoint to ship.
 
-Reading a transformers model folder (Marian, M2M-100) is not supported yet: such a SOURCE is refused.
+A transformers folder's checkpoint also records where it came from (``source``: the family and the folder).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -26,7 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Write a checkpoint of a model to ship: its weights (quantized with "
                                             "--quantize), config and tokenizer, without the training state.",
                                 formatter_class=HelpFormatter)
-    p.add_argument("source", metavar="SOURCE", help="a fastformer checkpoint file, or run folder (its latest)")
+    p.add_argument("source", metavar="SOURCE",
+                   help="a transformers model folder (MarianMT, M2M-100 or NLLB: config.json, model.safetensors or "
+                        "pytorch_model.bin, the tokenizer files), or a fastformer checkpoint file or run folder "
+                        "(its latest)")
     p.add_argument("--out", required=True, metavar="CHECKPOINT", help="the checkpoint file to write")
     p.add_argument("--quantize", choices=QUANTIZATIONS,
                    help="quantize the model's projections (int8: weights per output channel, as "
@@ -40,16 +45,24 @@ def convert(source: str, out: str, quantize: str | None = None) -> dict:
     from fastformer.nn.quantize import quantize as quantize_model
 
     if os.path.isfile(os.path.join(source, "config.json")):
-        raise ckpt.CheckpointError(f"{source} is a transformers model folder (config.json); reading those is not "
-                                   "supported yet: SOURCE must be a fastformer checkpoint")
-    state = ckpt.load(source)
-    stored = ckpt.quantization(state)
-    if quantize is not None and stored is not None:
-        raise ckpt.CheckpointError(f"{source} holds an {stored} model already; --quantize takes a float checkpoint")
-    model, tokenizer, _ = ckpt.from_state(state, source)
+        from fastformer.hf_convert import ConversionError, from_transformers
+
+        try:
+            model, tokenizer = from_transformers(source)
+        except ConversionError as exc:
+            raise ckpt.CheckpointError(f"{source}: {exc}") from exc
+        with open(os.path.join(source, "config.json"), encoding="utf-8") as f:
+            family = json.load(f).get("model_type")
+        extra = {"source": {"transformers": family, "folder": os.path.abspath(source)}}
+    else:
+        state = ckpt.load(source)
+        stored = ckpt.quantization(state)
+        if quantize is not None and stored is not None:
+            raise ckpt.CheckpointError(f"{source} holds an {stored} model already; --quantize takes a float checkpoint")
+        model, tokenizer, _ = ckpt.from_state(state, source)
+        extra = {key: state[key] for key in ("data", "step", "source") if key in state}
     if quantize is not None:
         model = quantize_model(model.float(), quantize)
-    extra = {key: state[key] for key in ("data", "step") if key in state}
     written = ckpt.model_state(model, tokenizer, **extra)
     ckpt.save(written, out)
     return written

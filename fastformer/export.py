@@ -7,8 +7,9 @@ input (``tests/test_export.py`` checks it), given the same search settings:
 - weights: the shared embedding serves the encoder's and decoder's embeddings and the output projection
   (CTranslate2 stores it once); the fused q|k|v projection of self-attention and the fused k|v projection
   of cross-attention are CTranslate2's own layouts, copied as they are; post-norm or pre-norm as trained.
-- positions: fastformer's sinusoid table (sin and cos interleaved, position 0 first) is stored in the
-  model, so CTranslate2 does not use its own table ([sin | cos] halves, from position 1).
+- positions: the model's table (config.positions: the paper's sin and cos interleaved, or a converted
+  model's family's layout and offset) is stored in the model, so CTranslate2 does not use its own.
+- a converted model's options: the embedding scale on or off, the output bias, the decoder's start token.
 - tokens: CTranslate2 reads sentencepiece pieces; ``ctranslate2_translate`` below turns fastformer's ids
   into pieces and back, with the source's eos appended as fastformer's ``collate`` does and bos as the
   decoder's start token.
@@ -29,7 +30,7 @@ from fastformer import checkpoint as ckpt
 from fastformer.cli import HelpFormatter
 from fastformer.nn import decoding
 from fastformer.nn.layers import DECODER_LAYER, decoder_layer_weights
-from fastformer.nn.transformer import sinusoid_table
+from fastformer.nn.transformer import position_table
 
 # Where each weight of the decoder layer (fastformer/nn/layers.py DECODER_LAYER, by name) goes in
 # CTranslate2's TransformerDecoderLayerSpec. The fused q|k|v and k|v projections are CTranslate2's own
@@ -58,8 +59,8 @@ def _ctranslate2():
 
 
 def vocabulary(tokenizer) -> list[str]:
-    """The sentencepiece pieces of ids 0 .. V - 1: CTranslate2's vocabulary."""
-    return [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
+    """The pieces of ids 0 .. V - 1: CTranslate2's vocabulary."""
+    return tokenizer.pieces()
 
 
 # config.activation -> CTranslate2's name (its GELU is the exact one, as fastformer's)
@@ -91,11 +92,11 @@ def ctranslate2_spec(model, pieces: list[str]):
     def norm(target, prefix):
         target.gamma, target.beta = numpy[prefix + ".weight"], numpy[prefix + ".bias"]
 
-    positions = sinusoid_table(cfg.max_positions, cfg.d_model).float().numpy()
+    positions = position_table(cfg.max_positions, cfg).float().numpy()  # config.positions' layout and offset
     embed = numpy["embed.weight"]
     for side, stack in (("encoder", spec.encoder), ("decoder", spec.decoder)):
         (stack.embeddings[0] if isinstance(stack.embeddings, list) else stack.embeddings).weight = embed
-        stack.scale_embeddings = True  # x sqrt(d_model)
+        stack.scale_embeddings = cfg.scale_embedding  # x sqrt(d_model), or not
         stack.position_encodings.encodings = positions
         if cfg.norm_first:
             norm(stack.layer_norm, f"{side}.final_norm")
@@ -118,11 +119,13 @@ def ctranslate2_spec(model, pieces: list[str]):
             linear(layer.ffn.linear_1, p + ".ffn.fc2")
             norm(layer.ffn.layer_norm, p + ".ffn_norm")
     spec.decoder.projection.weight = embed
+    if cfg.output_bias:  # Marian's final_logits_bias
+        spec.decoder.projection.bias = numpy["output_bias"]
     spec.register_source_vocabulary(pieces)
     spec.register_target_vocabulary(pieces)
     spec.config.unk_token, spec.config.bos_token, spec.config.eos_token = (
         pieces[cfg.unk_id], pieces[cfg.bos_id], pieces[cfg.eos_id])
-    spec.config.decoder_start_token = spec.config.bos_token
+    spec.config.decoder_start_token = pieces[cfg.start_id]
     spec.config.add_source_eos = True
     return spec
 

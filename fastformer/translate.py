@@ -26,6 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", metavar="F", help="where translations go (default: standard output)")
     add_decoding_arguments(p)
     add_quantize_argument(p)
+    p.add_argument("--source-lang", metavar="CODE",
+                   help="a converted NLLB or M2M-100 model's source language (NLLB: deu_Latn; M2M-100: de): its "
+                        "token goes before every sentence (default: the tokenizer's src_lang, if it had one)")
+    p.add_argument("--target-lang", metavar="CODE",
+                   help="a converted NLLB or M2M-100 model's target language: its token is forced first, as "
+                        "transformers' forced_bos_token_id (needed by those models)")
     return p
 
 
@@ -39,8 +45,13 @@ def main(argv: list[str] | None = None) -> None:
         raw = sys.stdin.buffer.read()
     sentences, problems = read_sentences(raw)
     stats: dict = {}
-    out = translate_lines(model, tokenizer, sentences, beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a,
-                          max_len_b=args.max_len_b, device=args.device, progress=args.output is not None, stats=stats)
+    try:
+        out = translate_lines(model, tokenizer, sentences, beam=args.beam, lenpen=args.lenpen,
+                              max_len_a=args.max_len_a, max_len_b=args.max_len_b, device=args.device,
+                              progress=args.output is not None, stats=stats, source_lang=args.source_lang,
+                              target_lang=args.target_lang)
+    except ValueError as exc:
+        raise SystemExit(f"{PROG}: error: {exc}") from exc
     text = "".join(h + "\n" for h in out)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:

@@ -17,10 +17,23 @@ from fastformer.nn import decoding
 def translate(model: Transformer, tokenizer: Tokenizer, sentences: list[str], *, beam: int = decoding.BEAM_SIZE,
               lenpen: float = decoding.LENGTH_PENALTY, max_len_a: float = decoding.MAX_LEN_A,
               max_len_b: int = decoding.MAX_LEN_B, batch_tokens: int = 6000, device="cpu",
-              progress: bool = False, stats: dict | None = None) -> list[str]:
+              progress: bool = False, stats: dict | None = None, source_lang: str | None = None,
+              target_lang: str | None = None) -> list[str]:
     """Detokenized translations of ``sentences``, in order. Sentences are sorted by length into batches
     of at most ``batch_tokens`` source tokens (times the beam) so little compute goes to padding.
-    ``stats``, if given, receives sentences, target tokens (eos included) and seconds spent decoding."""
+    ``stats``, if given, receives sentences, target tokens (eos included) and seconds spent decoding.
+    ``source_lang`` and ``target_lang``: language codes of a converted multilingual model (NLLB's
+    ``deu_Latn``, M2M-100's ``de``): the source's language token, and the target's, forced first."""
+    forced = None
+    if source_lang is not None or target_lang is not None:
+        if not hasattr(tokenizer, "language_id"):
+            raise ValueError("--source-lang/--target-lang apply to converted multilingual models (NLLB, M2M-100); "
+                             "this model's tokenizer has no language codes")
+        if source_lang is not None:
+            tokenizer.set_source_lang(source_lang)
+        if target_lang is not None:
+            forced = [tokenizer.language_id(target_lang)]
+    cfg = model.config
     ids = tokenizer.encode(sentences)
     max_positions = model.config.max_positions
     ids = [s[: max_positions - 1] for s in ids]  # leave room for the eos
@@ -39,8 +52,9 @@ def translate(model: Transformer, tokenizer: Tokenizer, sentences: list[str], *,
     start, tokens = time.perf_counter(), 0
     with cli.progress(total=len(sentences), desc="translate", unit="sent", disable=not progress, leave=False) as bar:
         for batch in batches:
-            src = collate([ids[i] for i in batch]).to(device)
-            hyps = model.generate(src, beam_size=beam, length_penalty=lenpen, max_len_a=max_len_a, max_len_b=max_len_b)
+            src = collate([ids[i] for i in batch], pad_id=cfg.pad_id, eos_id=cfg.eos_id).to(device)
+            hyps = model.generate(src, beam_size=beam, length_penalty=lenpen, max_len_a=max_len_a, max_len_b=max_len_b,
+                                  forced_tokens=forced)
             for i, text in zip(batch, tokenizer.decode(hyps)):
                 out[i] = text
             tokens += sum(len(h) + 1 for h in hyps)

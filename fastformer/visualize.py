@@ -10,7 +10,6 @@ import torch
 from fastformer import checkpoint as ckpt
 from fastformer.cli import HelpFormatter, int_at_least
 from fastformer.data.batching import collate
-from fastformer.data.tokenizer import BOS_ID
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,16 +38,18 @@ def main(argv: list[str] | None = None) -> list[str]:
         raise SystemExit("visualize needs matplotlib: pip install matplotlib") from exc
     model, tokenizer, _ = ckpt.load_model_or_exit(args.checkpoint)
     src_ids = tokenizer.encode([args.text])[0]
-    src = collate([src_ids])
+    cfg = model.config
+    src = collate([src_ids], pad_id=cfg.pad_id, eos_id=cfg.eos_id)
     hyp = model.generate(src, beam_size=args.beam)[0]
-    tgt_in = torch.tensor([[BOS_ID] + hyp])
+    tgt_in = torch.tensor([[cfg.start_id] + hyp])
     for module in model.modules():
         if hasattr(module, "record_attention"):
             module.record_attention = True
     with torch.no_grad():
         model(src, tgt_in)
-    src_tokens = [tokenizer.sp.id_to_piece(i) for i in src_ids] + ["</s>"]
-    tgt_tokens = ["<s>"] + [tokenizer.sp.id_to_piece(i) for i in hyp]
+    pieces = tokenizer.pieces()
+    src_tokens = [pieces[i] for i in src_ids] + [pieces[cfg.eos_id]]
+    tgt_tokens = [pieces[cfg.start_id]] + [pieces[i] for i in hyp]
     stem, ext = os.path.splitext(args.out)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     ext = ext or ".png"

@@ -14,7 +14,10 @@
 //     counting the eos (GNMT's length penalty); other tokens extend a beam, until K beams; a -inf
 //     candidate stops the walk;
 //   - a sentence stops when K hypotheses have finished, at its length limit, or with no beam left;
-//     otherwise beams short of K are filled with idle copies of the first (score -inf).
+//     otherwise beams short of K are filled with idle copies of the first (score -inf);
+//   - every row starts from the start token (the config's decoder start: bos, or pad for Marian); the
+//     `forced` tokens (NLLB's target language) are the only candidates of the first steps, each with
+//     log-probability 0 (transformers' forced_bos_token_id), whatever the logits say.
 // Memory: a step reads lse (N) and the candidates (N, width); the prefixes of the live rows are kept as
 // token lists and copied from their parents each step (N t ints).
 #include <torch/python.h>  // pybind11, tensor casters (torch/extension.h adds the C++ frontend: 16 s to compile)
@@ -37,11 +40,15 @@ constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 class BeamSearch {
  public:
   BeamSearch(std::vector<int64_t> max_len, int64_t beams, double alpha, int64_t vocab, int64_t pad, int64_t bos,
-             int64_t eos)
+             int64_t eos, c10::optional<int64_t> start, std::vector<int64_t> forced)
       : max_len_(std::move(max_len)), K_(beams), alpha_(alpha), V_(vocab), pad_(pad), bos_(bos), eos_(eos),
-        finished_(max_len_.size()) {
+        start_(start.value_or(bos)), forced_(std::move(forced)), finished_(max_len_.size()) {
     TORCH_CHECK_VALUE(beams >= 1, "fastformer BeamSearch: beams must be >= 1, got ", beams);
     TORCH_CHECK_VALUE(vocab >= 1, "fastformer BeamSearch: vocab must be >= 1, got ", vocab);
+    for (const int64_t token : forced_) {
+      TORCH_CHECK_VALUE(token >= 0 && token < vocab, "fastformer BeamSearch: forced token ", token,
+                        " is outside the vocabulary [0, ", vocab, ")");
+    }
     const int64_t B = static_cast<int64_t>(max_len_.size());
     active_.resize(B);
     std::iota(active_.begin(), active_.end(), 0);
@@ -65,12 +72,12 @@ class BeamSearch {
     return out;
   }
 
-  // (N, t + 1) int64: bos, then each live row's tokens.
+  // (N, t + 1) int64: the start token, then each live row's tokens.
   Tensor tokens() const {
     Tensor out = at::empty({rows(), step_ + 1}, at::TensorOptions().dtype(at::kLong));
     int64_t* p = out.mutable_data_ptr<int64_t>();
     for (int64_t r = 0; r < rows(); ++r) {
-      p[r * (step_ + 1)] = bos_;
+      p[r * (step_ + 1)] = start_;
       std::copy(prefixes_[r].begin(), prefixes_[r].end(), p + r * (step_ + 1) + 1);
     }
     return out;
@@ -82,8 +89,9 @@ class BeamSearch {
                           logits.scalar_type() == at::kFloat && logits.device().is_cpu(),
                       "fastformer BeamSearch: logits must be a float32 CPU tensor (", rows(), ", ", V_, "), got ",
                       logits.scalar_type(), " ", logits.sizes(), " on ", logits.device());
-    const Tensor l = logits.contiguous();
     const int64_t N = rows(), w = width();
+    if (step_ < static_cast<int64_t>(forced_.size())) return step_forced();
+    const Tensor l = logits.contiguous();
     Tensor lse = at::empty({N}, l.options().dtype(at::kDouble));
     Tensor top = at::empty({N, w}, l.options());
     Tensor top_tokens = at::empty({N, w}, l.options().dtype(at::kLong));
@@ -94,9 +102,25 @@ class BeamSearch {
     return step_candidates(lse, top.to(at::kDouble), top_tokens);
   }
 
-  // A step from lse (N,) float64, the best logits (N, width) float64 and their tokens (N, width) int64.
+  // A forced step: every row's only candidate is forced_[step_], with log-probability 0.
+  bool step_forced() {
+    const int64_t N = rows(), w = width();
+    Tensor lse = at::zeros({N}, at::TensorOptions().dtype(at::kDouble));
+    Tensor top = at::full({N, w}, kNegInf, at::TensorOptions().dtype(at::kDouble));
+    Tensor tokens = at::full({N, w}, eos_, at::TensorOptions().dtype(at::kLong));
+    top.select(1, 0).fill_(0.0);
+    tokens.select(1, 0).fill_(forced_[step_]);
+    forcing_ = true;
+    const bool going = step_candidates(lse, top, tokens);
+    forcing_ = false;
+    return going;
+  }
+
+  // A step from lse (N,) float64, the best logits (N, width) float64 and their tokens (N, width) int64 (ignored
+  // at a forced step).
   bool step_candidates(const Tensor& lse_in, const Tensor& top_in, const Tensor& tokens_in) {
     const int64_t N = rows(), w = width();
+    if (!forcing_ && step_ < static_cast<int64_t>(forced_.size())) return step_forced();
     TORCH_CHECK_VALUE(lse_in.sizes().vec() == std::vector<int64_t>({N}) &&
                           top_in.sizes().vec() == std::vector<int64_t>({N, w}) &&
                           tokens_in.sizes().vec() == std::vector<int64_t>({N, w}),
@@ -194,7 +218,9 @@ class BeamSearch {
   std::vector<int64_t> max_len_;
   int64_t K_;
   double alpha_;
-  int64_t V_, pad_, bos_, eos_;
+  int64_t V_, pad_, bos_, eos_, start_;
+  std::vector<int64_t> forced_;  // the tokens of the first steps
+  bool forcing_ = false;
   std::vector<std::vector<std::pair<std::vector<int64_t>, double>>> finished_;
   std::vector<int64_t> active_;                 // batch index of each live sentence
   std::vector<std::vector<int64_t>> prefixes_;  // (N) tokens of each live row, bos excluded
@@ -211,12 +237,15 @@ void bind_beam_search(pybind11::module_& m) {
   py::class_<BeamSearch>(m, "BeamSearch",
                          "The beam search's bookkeeping, one step a call (csrc/inference/beam_search.cpp); driven by "
                          "fastformer.nn.decoding.beam_search")
-      .def(py::init<std::vector<int64_t>, int64_t, double, int64_t, int64_t, int64_t, int64_t>(), py::arg("max_len"),
-           py::arg("beams"), py::arg("alpha"), py::arg("vocab"), py::arg("pad"), py::arg("bos"), py::arg("eos"))
+      .def(py::init<std::vector<int64_t>, int64_t, double, int64_t, int64_t, int64_t, int64_t, c10::optional<int64_t>,
+                    std::vector<int64_t>>(),
+           py::arg("max_len"), py::arg("beams"), py::arg("alpha"), py::arg("vocab"), py::arg("pad"), py::arg("bos"),
+           py::arg("eos"), py::arg("start") = py::none(), py::arg("forced") = std::vector<int64_t>(),
+           "start: the decoder's first token (default bos); forced: the tokens of the first steps")
       .def_property_readonly("width", &BeamSearch::width, "candidates a row offers: min(2 beams, vocab)")
       .def_property_readonly("rows", &BeamSearch::rows, "live rows N")
       .def("at_limit", &BeamSearch::at_limit, "(N,) bool: rows at their sentence's last allowed position")
-      .def("tokens", &BeamSearch::tokens, "(N, t + 1) int64: bos and each live row's tokens")
+      .def("tokens", &BeamSearch::tokens, "(N, t + 1) int64: the start token and each live row's tokens")
       .def("step_logits", &BeamSearch::step_logits, py::arg("logits"),
            "one step from float32 CPU logits (N, V); False when every sentence is done")
       .def("step_candidates", &BeamSearch::step_candidates, py::arg("lse"), py::arg("top_logits"),

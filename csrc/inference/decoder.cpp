@@ -26,7 +26,8 @@
 //   final_norm  {"final_norm.weight", "final_norm.bias"} for pre-norm, {} for post-norm
 //   embed (V, d), or None in a quantized model (its embedding is the int8 output weight); embed_scale;
 //   positions (>= steps, d)
-//   output      the output projection d -> V by name: {"output.panels"} or {"output.int8_*"} (no bias)
+//   output      the output projection d -> V by name: {"output.panels"} or {"output.int8_*"}, and
+//               "output.bias" (V,) where the model has an output bias (Marian's final_logits_bias)
 //   cross       per layer (k, v), each (B, H, S, Dh);  src_padding (B, S) bool or None
 //   beams, steps
 #include <torch/python.h>  // pybind11, tensor casters (torch/extension.h adds the C++ frontend: 16 s to compile)
@@ -286,7 +287,7 @@ class CpuDecoder {
     step_.final_norm_bias = final.second;
     {
       Binder w(output_, "the output projection");
-      step_.output = w.linear("output", d, V, /*bias=*/false);
+      step_.output = w.linear("output", d, V, /*bias=*/output_.count("output.bias") > 0);  // config.output_bias
       w.done();
     }
     step_.embed_int8 = step_.output.int8;  // read only when embed is None, then int8 (checked above)

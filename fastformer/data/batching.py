@@ -32,16 +32,18 @@ def token_batches(src: list[list[int]], tgt: list[list[int]], max_tokens: int, *
     return batches
 
 
-def collate(src: list[list[int]], tgt: list[list[int]] | None = None):
+def collate(src: list[list[int]], tgt: list[list[int]] | None = None, *, pad_id: int = PAD_ID, bos_id: int = BOS_ID,
+            eos_id: int = EOS_ID):
     """src (B, S) with eos, right-padded; with targets also tgt_in (B, T) = bos + y and tgt_out (B, T) =
-    y + eos, right-padded with PAD_ID."""
+    y + eos, right-padded with pad (the ids: fastformer's tokenizer's by default, a model config's
+    pad_id, start_id and eos_id for a converted model)."""
     def pad(rows):
-        out = torch.full((len(rows), max(len(r) for r in rows)), PAD_ID, dtype=torch.long)
+        out = torch.full((len(rows), max(len(r) for r in rows)), pad_id, dtype=torch.long)
         for i, r in enumerate(rows):
             out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
         return out
 
-    src_t = pad([s + [EOS_ID] for s in src])
+    src_t = pad([s + [eos_id] for s in src])
     if tgt is None:
         return src_t
-    return src_t, pad([[BOS_ID] + t for t in tgt]), pad([t + [EOS_ID] for t in tgt])
+    return src_t, pad([[bos_id] + t for t in tgt]), pad([t + [eos_id] for t in tgt])

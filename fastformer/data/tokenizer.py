@@ -63,3 +63,105 @@ class Tokenizer:
 
     def decode(self, ids: list[list[int]]) -> list[str]:
         return self.sp.decode(ids)
+
+    def pieces(self) -> list[str]:
+        """The pieces of ids 0 .. V - 1."""
+        return [self.sp.id_to_piece(i) for i in range(self.vocab_size)]
+
+
+class VocabTokenizer:
+    """The tokenizer of a model converted from transformers (fastformer/hf_convert.py): sentencepiece pieces
+    looked up in the model's own vocabulary, as transformers' Marian, M2M-100 and NLLB tokenizers do.
+
+    - ``encode``: the source model's pieces of each text, each piece's id in ``vocab`` (unk where it has none),
+      after the source-language token (``source_lang``, M2M-100 and NLLB; Marian's multilingual models take
+      a ``>>xx<<`` code at the start of the text, as their tokenizer does). No eos: ``collate`` appends it.
+    - ``decode``: the pieces of the ids (special tokens and language codes dropped), joined by the target
+      sentencepiece model.
+    Not done (as transformers does when sacremoses is installed): Moses punctuation normalization of Marian's
+    source text.
+    """
+
+    def __init__(self, source_spm: bytes, target_spm: bytes, vocab: list[str], unk_id: int, specials: list[int],
+                 languages: dict[str, int] | None = None, source_lang: str | None = None):
+        spm = _sentencepiece()
+        self.source_spm, self.target_spm = source_spm, target_spm
+        self.source = spm.SentencePieceProcessor(model_proto=source_spm)
+        self.target = self.source if target_spm == source_spm else spm.SentencePieceProcessor(model_proto=target_spm)
+        self.vocab, self.unk_id = list(vocab), unk_id
+        self.index = {piece: i for i, piece in enumerate(self.vocab)}
+        self.languages = dict(languages or {})
+        self.specials = set(specials) | set(self.languages.values())
+        self.source_lang = None
+        self.set_source_lang(source_lang)
+
+    def set_source_lang(self, lang: str | None) -> None:
+        """The source-language token put before every encoded text (M2M-100, NLLB); None: none."""
+        if lang is not None and lang not in self.languages:
+            raise ValueError(f"unknown source language {lang!r}; this model knows {self.language_list()}")
+        self.source_lang = lang
+
+    def language_id(self, lang: str) -> int:
+        """The id of a language code (NLLB's ``deu_Latn``, M2M-100's ``de``), for ``--target-lang``."""
+        if lang not in self.languages:
+            raise ValueError(f"unknown target language {lang!r}; this model knows {self.language_list()}")
+        return self.languages[lang]
+
+    def language_list(self) -> str:
+        codes = sorted(self.languages)
+        return "no language codes" if not codes else ", ".join(codes[:12]) + (" ..." if len(codes) > 12 else "")
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def pieces(self) -> list[str]:
+        return list(self.vocab)
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        prefix = [] if self.source_lang is None else [self.languages[self.source_lang]]
+        out = []
+        for text in texts:
+            code = []
+            if text.startswith(">>") and (end := text.find("<<")) != -1 and text[: end + 2] in self.index:
+                code, text = [self.index[text[: end + 2]]], text[end + 2:]  # Marian's target-language code
+            pieces = self.source.encode(text, out_type=str)
+            out.append(prefix + code + [self.index.get(p, self.unk_id) for p in pieces])
+        return out
+
+    def decode(self, ids: list[list[int]]) -> list[str]:
+        return [self.target.decode_pieces([self.vocab[i] for i in row if i not in self.specials]) for row in ids]
+
+    def to_state(self) -> dict:
+        import torch
+
+        def as_tensor(proto):
+            return torch.frombuffer(bytearray(proto), dtype=torch.uint8)
+
+        return {"kind": "vocab", "source_spm": as_tensor(self.source_spm), "target_spm": as_tensor(self.target_spm),
+                "vocab": self.vocab, "unk_id": self.unk_id, "specials": sorted(self.specials - set(self.languages.values())),
+                "languages": self.languages, "source_lang": self.source_lang}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "VocabTokenizer":
+        return cls(bytes(state["source_spm"].tolist()), bytes(state["target_spm"].tolist()), state["vocab"],
+                   state["unk_id"], state["specials"], state["languages"], state["source_lang"])
+
+
+def tokenizer_state(tokenizer):
+    """What a checkpoint stores of a tokenizer: a fastformer model's sentencepiece bytes (uint8 tensor), or a
+    converted model's ``VocabTokenizer.to_state()`` dict."""
+    if isinstance(tokenizer, VocabTokenizer):
+        return tokenizer.to_state()
+    import torch
+
+    return torch.frombuffer(bytearray(tokenizer.model_proto), dtype=torch.uint8)
+
+
+def tokenizer_from_state(state):
+    """The tokenizer of ``tokenizer_state``'s output."""
+    if isinstance(state, dict):
+        if state.get("kind") != "vocab":
+            raise ValueError(f"unknown tokenizer kind {state.get('kind')!r}")
+        return VocabTokenizer.from_state(state)
+    return Tokenizer(bytes(state.tolist()))

@@ -2,11 +2,19 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from typing import Optional
 
 # The feed-forward's activations (fastformer/nn/layers.py ACTIVATIONS computes them in Python, the C++
 # decoder step, csrc/inference/decoder_step.cpp, by the same names): relu (the paper), gelu (exact, erf),
 # silu (x sigmoid(x), called swish by Marian and CTranslate2).
 ACTIVATIONS = ("relu", "gelu", "silu")
+
+# The sinusoidal position tables (fastformer/nn/transformer.py position_table), each a family's layout; row p
+# encodes position p (+ config.position_offset), with frequencies w_i for i = 0 .. d/2 - 1:
+#   "paper":   PE(p, 2i) = sin(p w_i), PE(p, 2i + 1) = cos(p w_i), w_i = 10000^(-2i/d)  (interleaved)
+#   "marian":  PE(p, i) = sin(p w_i), PE(p, d/2 + i) = cos(p w_i), w_i = 10000^(-2i/d)  (halves: Marian)
+#   "fairseq": halves as "marian", w_i = 10000^(-i/(d/2 - 1))  (fairseq's, M2M-100's and NLLB's)
+POSITION_TABLES = ("paper", "marian", "fairseq")
 
 
 @dataclass(frozen=True)
@@ -29,12 +37,24 @@ class TransformerConfig:
     unk_id: int = 1
     bos_id: int = 2
     eos_id: int = 3
+    # Options of the models converted from transformers (fastformer/hf_convert.py; the defaults are the paper's):
+    scale_embedding: bool = True  # embeddings times sqrt(d_model) before the positions are added
+    output_bias: bool = False  # a bias (vocab,) on the output projection (Marian's final_logits_bias)
+    positions: str = "paper"  # the sinusoid table's layout: one of POSITION_TABLES
+    position_offset: int = 0  # position p reads the table's row p + offset (M2M-100: 2)
+    decoder_start_id: Optional[int] = None  # the decoder's first input token (None: bos_id; Marian: pad)
 
     def __post_init__(self):
         if self.vocab_size <= max(self.pad_id, self.unk_id, self.bos_id, self.eos_id):
             raise ValueError(f"vocab_size {self.vocab_size} must exceed the special token ids")
         if self.d_model % self.n_heads != 0:
             raise ValueError(f"d_model {self.d_model} must be divisible by n_heads {self.n_heads}")
+        if self.positions not in POSITION_TABLES:
+            raise ValueError(f"positions must be one of {', '.join(POSITION_TABLES)}, got {self.positions!r}")
+        if self.position_offset < 0:
+            raise ValueError(f"position_offset must be >= 0, got {self.position_offset}")
+        if self.decoder_start_id is not None and not 0 <= self.decoder_start_id < self.vocab_size:
+            raise ValueError(f"decoder_start_id {self.decoder_start_id} is outside the vocabulary [0, {self.vocab_size})")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
         for name in ("dropout", "attention_dropout", "activation_dropout", "label_smoothing"):
@@ -45,6 +65,11 @@ class TransformerConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def start_id(self) -> int:
+        """The decoder's first input token: decoder_start_id, else bos_id."""
+        return self.bos_id if self.decoder_start_id is None else self.decoder_start_id
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -154,7 +154,6 @@ class IncrementalDecoder:
                     named[w.name + ".bias"] = bias
             layers.append(named)
         cfg, final = model.config, model.decoder.final_norm
-        output = model.output_projection
         return C.CpuDecoder({
             "sublayers": [(s.kind, s.norm, {role: name for role, name in s.weights.items() if role != "kv"})
                           for s in DECODER_SUBLAYERS],
@@ -166,14 +165,28 @@ class IncrementalDecoder:
             "layers": layers,
             "final_norm": {"final_norm.weight": final.weight, "final_norm.bias": final.bias} if cfg.norm_first else {},
             "embed": self.embed,
-            "embed_scale": math.sqrt(cfg.d_model),
+            "embed_scale": math.sqrt(cfg.d_model) if cfg.scale_embedding else 1.0,
             "positions": model.positions(steps, torch.float32, cross_k.device).contiguous(),
-            "output": _projection("output", *((None, output.int8()) if output is not None else (self.embed, None))),
+            "output": self._output(),
             "cross": self.cross,
             "src_padding": self.src_padding,
             "beams": self.K,
             "steps": steps,
         })
+
+    def _output(self) -> dict[str, Tensor]:
+        """The output projection as the C++ step binds it: the embedding's panels or the int8 output
+        projection, and the output bias if the model has one (config.output_bias)."""
+        output = self.model.output_projection
+        if output is not None:  # quantized: its bias is the output bias
+            named = _projection("output", None, output.int8())
+            bias = output.bias
+        else:
+            named = _projection("output", self.embed, None)
+            bias = self.model.output_bias
+        if bias is not None:
+            named["output.bias"] = bias.detach()
+        return named
 
     def select(self, parents: Tensor, sentences: Optional[Tensor]) -> None:
         """The next step's live rows continue rows ``parents`` (N',) of this step; ``sentences`` (n',)
@@ -293,17 +306,20 @@ def search_candidates(logits: Tensor, at_limit: Tensor, config, width: int) -> t
 
 
 def beam_search(model, src: Tensor, K: int, alpha: float, a: float, b: float, use_cache: bool,
-                stepper=None) -> list[Hypotheses]:
+                stepper=None, forced: Optional[list[int]] = None) -> list[Hypotheses]:
     """Per sentence of src (B, S), its finished hypotheses (tokens without bos/eos, score), best first.
     The model must be in eval mode and grad disabled (``Transformer.beam_search`` sees to both).
     ``stepper(model, memory, src_padding, K, steps)`` may supply another decoder with the interface of
     ``IncrementalDecoder`` (``logits``, ``select``): the benchmarks run a plain-PyTorch one this way.
     The rules and the bookkeeping are ``fastformer._C.BeamSearch`` (csrc/inference/beam_search.cpp); this loop asks
-    the stepper for logits and tells it which rows survive."""
+    the stepper for logits and tells it which rows survive. The decoder starts from ``config.start_id``;
+    ``forced`` tokens (e.g. NLLB's target-language code) follow it at the first steps, each with
+    log-probability 0 (transformers' forced_bos_token_id), and stay in the returned tokens."""
     cfg = model.config
     device = src.device
     memory, src_padding = model.encode(src)
-    max_len = [length_limit(n, a, b) for n in (~src_padding).sum(1).tolist()]
+    # the forced tokens come on top of each sentence's limit
+    max_len = [length_limit(n, a, b) + len(forced or ()) for n in (~src_padding).sum(1).tolist()]
     steps = max(max_len) + 1
     if stepper is not None:
         stepper = stepper(model, memory, src_padding, K, steps)
@@ -311,7 +327,8 @@ def beam_search(model, src: Tensor, K: int, alpha: float, a: float, b: float, us
         stepper = IncrementalDecoder(model, memory, src_padding, K, steps)
     else:
         stepper = FullRecompute(model, memory, src_padding, K)
-    search = C.BeamSearch(max_len, K, alpha, cfg.vocab_size, cfg.pad_id, cfg.bos_id, cfg.eos_id)
+    search = C.BeamSearch(max_len, K, alpha, cfg.vocab_size, cfg.pad_id, cfg.bos_id, cfg.eos_id, start=cfg.start_id,
+                          forced=list(forced or []))
     for _ in range(steps):
         logits = stepper.logits(search.tokens().to(device))  # (N, V)
         if logits.device.type == "cpu" and logits.dtype == torch.float32:

@@ -3,7 +3,7 @@ the way CTranslate2's ``compute_type="int8"`` does.
 
 - Weights, once, per output channel: every ``Linear`` of the encoder and the decoder becomes an
   ``Int8Linear`` (fastformer/nn/linear.py), and the output projection (the shared embedding, transposed)
-  becomes ``model.output_projection``, an ``Int8Linear`` without bias. Its rows are the embedding too: the
+  becomes ``model.output_projection``, an ``Int8Linear`` (its bias: the output bias, if the config has one). Its rows are the embedding too: the
   lookup reads them dequantized (``C.int8_embedding``, in C++ the decoder step's ``int8_row``), and the
   float embedding is gone (``model.embed`` is None), as CTranslate2's int8 quantizes its embeddings. The
   LayerNorms and the biases stay float32. The rule (scale = max |W[n, :]| / 127, round half to even, clamp to
@@ -55,8 +55,8 @@ def prepare(model, dtype: str = "int8"):
     ``load_state_dict`` of a quantized model's state; returned in eval mode with frozen parameters."""
     _check(model, dtype)
     _replace_linears(model, lambda m: Int8Linear(m.in_features, m.out_features, m.bias is not None))
-    model.output_projection = Int8Linear(model.config.d_model, model.config.vocab_size, bias=False)
-    model.embed = None  # the lookup reads the output projection's int8 rows
+    model.output_projection = Int8Linear(model.config.d_model, model.config.vocab_size, bias=model.config.output_bias)
+    model.embed = model.output_bias = None  # the lookup reads the output projection's int8 rows
     model.requires_grad_(False)
     return model.eval()
 
@@ -72,7 +72,7 @@ def quantize(model, dtype: str = "int8"):
     quantized = copy.deepcopy(model)
     with torch.no_grad():
         _replace_linears(quantized, lambda m: Int8Linear.quantize(m.weight, m.bias))
-        quantized.output_projection = Int8Linear.quantize(quantized.embed.weight)
-    quantized.embed = None  # the lookup reads the output projection's int8 rows
+        quantized.output_projection = Int8Linear.quantize(quantized.embed.weight, quantized.output_bias)
+    quantized.embed = quantized.output_bias = None  # the lookup reads the output projection's int8 rows
     quantized.requires_grad_(False)
     return quantized.eval()

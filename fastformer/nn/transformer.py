@@ -26,6 +26,23 @@ def sinusoid_table(n_positions: int, d_model: int) -> Tensor:
     return table
 
 
+def position_table(n_positions: int, config: TransformerConfig) -> Tensor:
+    """Rows of positions 0 .. n - 1 of ``config.positions``' table, each read at p + ``config.position_offset``
+    (the layouts: fastformer/nn/config.py POSITION_TABLES); (n, d) float64."""
+    d, offset = config.d_model, config.position_offset
+    if config.positions == "paper":
+        return sinusoid_table(n_positions + offset, d)[offset:]
+    position = torch.arange(offset, offset + n_positions, dtype=torch.float64)[:, None]
+    half = d // 2
+    if config.positions == "marian":  # transformers' MarianSinusoidalPositionalEmbedding: angle p / 10000^(2(j//2)/d)
+        inv_freq = torch.pow(10000.0, -torch.arange(0, d, 2, dtype=torch.float64) / d)  # 10000^(-2i/d)
+        return torch.cat([torch.sin(position * inv_freq), torch.cos(position * inv_freq[: d // 2])], dim=1)
+    # "fairseq" (transformers' M2M100SinusoidalPositionalEmbedding); an odd d's last column is zero
+    inv_freq = torch.exp(torch.arange(half, dtype=torch.float64) * -(math.log(10000.0) / max(half - 1, 1)))
+    table = torch.cat([torch.sin(position * inv_freq), torch.cos(position * inv_freq)], dim=1)
+    return torch.cat([table, table.new_zeros(n_positions, d - 2 * half)], dim=1)
+
+
 class Transformer(nn.Module):
     """``model(src, tgt_in)`` -> logits (B, T, vocab) for int64 src (B, S) and tgt_in (B, T).
 
@@ -42,7 +59,9 @@ class Transformer(nn.Module):
         nn.init.normal_(self.embed.weight, mean=0.0, std=config.d_model ** -0.5)
         with torch.no_grad():
             self.embed.weight[config.pad_id].zero_()
-        self._position_cache: dict = {}  # (device, dtype) -> sinusoid table, computed in float64 then cast
+        self._position_cache: dict = {}  # (device, dtype) -> position table, computed in float64 then cast
+        # Marian's final_logits_bias (config.output_bias); a quantized model holds it in output_projection.
+        self.output_bias = nn.Parameter(torch.zeros(config.vocab_size)) if config.output_bias else None
         self.encoder = Encoder(config, backend)
         self.decoder = Decoder(config, backend)
         # The output projection is the embedding, transposed; a quantized model holds its int8 form here
@@ -52,11 +71,12 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------------------------------
     def positions(self, length: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """The first ``length`` rows of the sinusoid table (at least config.max_positions are kept)."""
+        """The position encodings of positions 0 .. length - 1 (config.positions' table; at least
+        config.max_positions rows are kept)."""
         table = self._position_cache.get((device, dtype))
         if table is None or table.shape[0] < length:
             n = max(length, self.config.max_positions, 0 if table is None else 2 * table.shape[0])
-            table = sinusoid_table(n, self.config.d_model).to(device=device, dtype=dtype)
+            table = position_table(n, self.config).to(device=device, dtype=dtype)
             self._position_cache[(device, dtype)] = table
         return table[:length]
 
@@ -66,7 +86,7 @@ class Transformer(nn.Module):
             rows = C.int8_embedding(tokens, out.weight, out.weight_scale, out.out_features, out.in_features)
         else:
             rows = self.embed(tokens)
-        x = rows * math.sqrt(self.config.d_model)
+        x = rows * math.sqrt(self.config.d_model) if self.config.scale_embedding else rows
         x = x + self.positions(offset + tokens.shape[1], x.dtype, x.device)[offset:]
         return F.dropout(x, self.config.dropout, self.training)
 
@@ -103,10 +123,10 @@ class Transformer(nn.Module):
 
     def project(self, h: Tensor) -> Tensor:
         """Logits (..., vocab) of decoder states (..., d): the embedding matrix, transposed (int8 in a quantized
-        model)."""
+        model), plus the output bias (config.output_bias)."""
         if self.output_projection is not None:
             return self.output_projection(h)
-        return linear(h, self.embed.weight)
+        return linear(h, self.embed.weight, self.output_bias)
 
     def forward(self, src: Tensor, tgt_in: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         """Logits (B, T, vocab); with a bool ``positions`` mask (B, T), only those positions' logits, (n, vocab)
@@ -118,26 +138,30 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def beam_search(self, src: Tensor, beam_size: int = decoding.BEAM_SIZE,
                     length_penalty: float = decoding.LENGTH_PENALTY, max_len_a: float = decoding.MAX_LEN_A,
-                    max_len_b: int = decoding.MAX_LEN_B, use_cache: bool = True) -> list[list[tuple[list[int], float]]]:
+                    max_len_b: int = decoding.MAX_LEN_B, use_cache: bool = True,
+                    forced_tokens: Optional[list[int]] = None) -> list[list[tuple[list[int], float]]]:
         """Batched beam search. Returns, per sentence, its finished hypotheses as (tokens, score), best
         first; tokens exclude bos and eos, score = sum of log-probabilities / ((5 + len) / 6) ** alpha
         (GNMT's length penalty, len counting the eos). A sentence of n source tokens (padding excluded)
         gets at most ``decoding.length_limit(n, a, b)`` = floor(a n + b) target tokens before its eos (eos is
         forced then); the defaults are ``decoding``'s, shared with the CLIs. A sentence stops when beam_size
         hypotheses have finished. beam_size=1 is greedy decoding. ``use_cache=False`` recomputes the
-        whole prefix at each step (for tests and benchmarks)."""
+        whole prefix at each step (for tests and benchmarks). The decoder starts from config.start_id;
+        ``forced_tokens`` (a converted NLLB or M2M-100 model's target-language token) are the first tokens
+        of every hypothesis, with log-probability 0, on top of the length limit."""
         if beam_size < 1:
             raise ValueError(f"beam_size must be >= 1, got {beam_size}")
         was_training = self.training
         self.eval()
         try:
-            return decoding.beam_search(self, src, beam_size, length_penalty, max_len_a, max_len_b, use_cache)
+            return decoding.beam_search(self, src, beam_size, length_penalty, max_len_a, max_len_b, use_cache,
+                                        forced=forced_tokens)
         finally:
             self.train(was_training)
 
     def generate(self, src: Tensor, beam_size: int = decoding.BEAM_SIZE, length_penalty: float = decoding.LENGTH_PENALTY,
                  max_len_a: float = decoding.MAX_LEN_A, max_len_b: int = decoding.MAX_LEN_B,
-                 use_cache: bool = True) -> list[list[int]]:
+                 use_cache: bool = True, forced_tokens: Optional[list[int]] = None) -> list[list[int]]:
         """Best translation of each source sentence as a list of token ids (no bos/eos)."""
         return [hyps[0][0] for hyps in self.beam_search(src, beam_size, length_penalty, max_len_a, max_len_b,
-                                                        use_cache)]
+                                                        use_cache, forced_tokens)]
