@@ -52,6 +52,19 @@ _ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "swish": "silu", "silu": "silu"}
 _M2M_LANGUAGE = re.compile(r"^__([a-z]{2,3})__$")
 _NLLB_LANGUAGE = re.compile(r"^[a-z]{3}_[A-Z][a-z]{3}$")
 
+# M2M-100's language codes, in the order that gives their ids (len(vocab.json) + index), by the tokenizer's
+# language_codes setting (tokenizer_config.json): fairseq's lists, as transformers' M2M100Tokenizer holds them.
+M2M100_LANGUAGE_CODES = {
+    "m2m100": [
+        "af", "am", "ar", "ast", "az", "ba", "be", "bg", "bn", "br", "bs", "ca", "ceb", "cs", "cy", "da", "de", "el",
+        "en", "es", "et", "fa", "ff", "fi", "fr", "fy", "ga", "gd", "gl", "gu", "ha", "he", "hi", "hr", "ht", "hu", "hy",
+        "id", "ig", "ilo", "is", "it", "ja", "jv", "ka", "kk", "km", "kn", "ko", "lb", "lg", "ln", "lo", "lt", "lv",
+        "mg", "mk", "ml", "mn", "mr", "ms", "my", "ne", "nl", "no", "ns", "oc", "or", "pa", "pl", "ps", "pt", "ro", "ru",
+        "sd", "si", "sk", "sl", "so", "sq", "sr", "ss", "su", "sv", "sw", "ta", "th", "tl", "tn", "tr", "uk", "ur", "uz",
+        "vi", "wo", "xh", "yi", "yo", "zh", "zu"],
+    "wmt21": ["en", "ha", "is", "ja", "cs", "ru", "zh", "de"],
+}
+
 
 class ConversionError(ValueError):
     """A transformers model folder fastformer cannot read or map; the message names the file or field."""
@@ -227,6 +240,12 @@ def load_tokenizer(directory: str, config: TransformerConfig, family: str) -> Vo
         source = target = _read_bytes(directory, "sentencepiece.bpe.model")
         encoder = _read_json(directory, "vocab.json", required=False)
         languages = _languages(directory)
+        if encoder is not None and not languages:  # M2M-100: the codes follow vocab.json's ids
+            listed = tokenizer_config.get("language_codes", "m2m100")
+            if listed not in M2M100_LANGUAGE_CODES:
+                raise ConversionError(f"tokenizer_config.json's language_codes {listed!r} is not known "
+                                      f"(known: {', '.join(M2M100_LANGUAGE_CODES)})")
+            languages = {code: len(encoder) + i for i, code in enumerate(M2M100_LANGUAGE_CODES[listed])}
         if encoder is None:  # NLLB: sentencepiece ids + 1, with <s> <pad> </s> <unk> at 0 .. 3 (fairseq's order)
             import sentencepiece
 
