@@ -159,6 +159,28 @@ def test_converted_greedy_tokens_match_generate(family, step, marian_dir, m2m_di
         assert all(row[0] == forced[0] for row in got)
 
 
+def test_converted_beam_search_matches_transformers_in_the_matching_mode(small_weights):
+    """Beam 4 in the mode where the two searches' rules agree (docs/transformers.md): no length penalty
+    (fastformer's alpha 0, transformers' length_penalty 0) and transformers' early_stopping=True (a sentence
+    stops when 4 hypotheses have finished). The eos bias (Marian's final_logits_bias) is raised so that some
+    sentences end early and others at the length limit."""
+    folder = small_weights["marian"]
+    hf = load_hf("marian", folder)
+    model, tokenizer = fastformer.from_transformers(folder)
+    cfg, limit = model.config, 40
+    with torch.no_grad():
+        hf.final_logits_bias[0, cfg.eos_id] = model.output_bias[cfg.eos_id] = 7.0
+    src, mask = batch(model, tokenizer)
+    out = hf.generate(input_ids=src, attention_mask=mask, num_beams=4, do_sample=False, max_new_tokens=limit + 1,
+                      length_penalty=0.0, early_stopping=True, forced_eos_token_id=cfg.eos_id,
+                      bad_words_ids=[[cfg.pad_id]])
+    expected = [row[1:][: row[1:].index(cfg.eos_id)] for row in out.tolist()]
+    got = model.generate(src, beam_size=4, length_penalty=0.0, max_len_a=0, max_len_b=limit)
+    assert got == expected
+    lengths = {len(row) for row in got}
+    assert limit in lengths and min(lengths) < limit, lengths
+
+
 def test_m2m_target_language_changes_the_translation(m2m_dir):
     model, tokenizer = fastformer.from_transformers(m2m_dir)
     src, _ = batch(model, tokenizer)
