@@ -274,3 +274,52 @@ def test_what_does_not_map_is_refused_by_name(marian_dir, tmp_path, change, mess
         fastformer.from_transformers(str(folder))
     with pytest.raises(SystemExit, match=message):
         convert_main([str(folder), "--out", str(tmp_path / "x.pt")])
+
+
+def test_nllb_tokenizer_follows_fairseqs_ids(m2m_dir, spm_file, tmp_path):
+    """An NLLB folder (no vocab.json): sentencepiece id + 1 for every piece, <s> <pad> </s> <unk> at 0 .. 3
+    (sentencepiece's unk becomes 3), the language codes at the ids of tokenizer.json's added tokens, the
+    source-language code first. (transformers 5's NllbTokenizer builds its vocabulary from the sentencepiece
+    model only with protobuf installed, so this is checked against the rule, not against it.)"""
+    import shutil
+
+    folder = tmp_path / "nllb"
+    folder.mkdir()
+    shutil.copy(os.path.join(m2m_dir, "config.json"), folder / "config.json")
+    shutil.copy(os.path.join(m2m_dir, "model.safetensors"), folder / "model.safetensors")
+    shutil.copy(spm_file, folder / "sentencepiece.bpe.model")
+    sp = sentencepiece.SentencePieceProcessor(model_file=spm_file)
+    codes = {"deu_Latn": sp.get_piece_size() + 1, "eng_Latn": sp.get_piece_size() + 2}
+    added = [{"id": i, "content": c} for i, c in enumerate(["<s>", "<pad>", "</s>", "<unk>"])]
+    added += [{"id": i, "content": c} for c, i in codes.items()]
+    with open(folder / "tokenizer.json", "w") as f:
+        json.dump({"added_tokens": added}, f)
+    with open(folder / "tokenizer_config.json", "w") as f:
+        json.dump({"src_lang": "eng_Latn", "tokenizer_class": "NllbTokenizer"}, f)
+    _, tokenizer = fastformer.from_transformers(str(folder))
+    assert tokenizer.languages == codes and tokenizer.source_lang == "eng_Latn"
+    for text, ids in zip(TEXT + ["zebra"], tokenizer.encode(TEXT + ["zebra"])):
+        pieces = sp.encode(text)
+        assert ids == [codes["eng_Latn"]] + [p + 1 if p != sp.unk_id() else 3 for p in pieces]
+    assert tokenizer.decode([[codes["deu_Latn"]] + ids[1:] for ids in tokenizer.encode(TEXT)]) == TEXT
+
+
+def test_translate_cli_takes_a_converted_m2m_checkpoint_and_target_lang(m2m_dir, tmp_path):
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "m2m.pt")
+    convert_main([m2m_dir, "--out", path])
+    model, tokenizer = fastformer.from_transformers(m2m_dir)
+    src, _ = batch(model, tokenizer)
+    expected = tokenizer.decode(model.generate(src[:2], forced_tokens=[tokenizer.language_id("de")]))
+
+    def run(*flags):
+        return subprocess.run([sys.executable, "-m", "fastformer.translate", "--checkpoint", path, *flags],
+                              input="\n".join(TEXT[:2]) + "\n", capture_output=True, text=True, timeout=300)
+
+    done = run("--target-lang", "de", "--beam", "4")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == expected
+    bad = run("--target-lang", "xx")
+    assert bad.returncode != 0 and "unknown target language 'xx'" in bad.stderr
