@@ -293,17 +293,27 @@ inline OptTensor contiguous(const OptTensor& t) {
   return t.has_value() ? OptTensor(t->contiguous()) : std::nullopt;
 }
 
+// attention's (B, H, L, D) tensors as its kernels take them: the CPU kernel (csrc/cpu/attention.cpp) reads rows
+// at any row, head and batch stride, so a CPU tensor whose last dim is contiguous and whose rows do not
+// overlap (a BLAS leading dimension >= D) passes as it is (transformers' q, k, v: views of (B, L, H, D)
+// projections); the GPU kernels take contiguous tensors.
+inline Tensor attention_layout(const Tensor& t) {
+  const bool rows =
+      t.dim() == 4 && t.stride(3) == 1 && (t.size(2) <= 1 || t.stride(2) >= std::max<int64_t>(1, t.size(3)));
+  return t.is_cpu() && rows ? t : t.contiguous();
+}
+
 // ---- adapters: registered op -> entry points of a backend (csrc/op_entry_points.h) ----
-// Each checks the caller's arguments, makes the tensors contiguous (a no-op when they are), resolves the
-// defaults (scale, seed) and calls the backend's function Impl.
+// Each checks the caller's arguments, makes the tensors contiguous (a no-op when they are; attention:
+// attention_layout), resolves the defaults (scale, seed) and calls the backend's function Impl.
 
 template <auto Impl>
 std::tuple<Tensor, Tensor> attention_fwd_op(const Tensor& q, const Tensor& k, const Tensor& v,
                                             const OptTensor& key_padding_mask, bool causal, double dropout_p,
                                             std::optional<double> scale, const OptTensor& seed) {
   check_attention(q, k, v, key_padding_mask, dropout_p);
-  return Impl(q.contiguous(), k.contiguous(), v.contiguous(), contiguous(key_padding_mask), causal, dropout_p,
-              attention_scale(scale, q), seed_value(seed));
+  return Impl(attention_layout(q), attention_layout(k), attention_layout(v), contiguous(key_padding_mask), causal,
+              dropout_p, attention_scale(scale, q), seed_value(seed));
 }
 
 template <auto Impl>
@@ -312,8 +322,9 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_op(const Tensor& dout, const Te
                                                     const OptTensor& key_padding_mask, bool causal, double dropout_p,
                                                     std::optional<double> scale, const OptTensor& seed) {
   check_attention_bwd(dout, q, k, v, out, lse, key_padding_mask, dropout_p);
-  return Impl(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
-              contiguous(key_padding_mask), causal, dropout_p, attention_scale(scale, q), seed_value(seed));
+  return Impl(attention_layout(dout), attention_layout(q), attention_layout(k), attention_layout(v),
+              attention_layout(out), lse.contiguous(), contiguous(key_padding_mask), causal, dropout_p,
+              attention_scale(scale, q), seed_value(seed));
 }
 
 template <auto Impl>

@@ -5,6 +5,10 @@
 // Shapes: q (B, H, Lq, D), k and v (B, H, Lk, D), key_padding_mask (B, Lk), out (B, H, Lq, D),
 // lse (B, H, Lq) in the accumulation type acc_t (float for half/bfloat16/float, double for double).
 // Half inputs are converted tile by tile into acc_t buffers; float and double tiles are used in place.
+// Layout: any strides with the last dim contiguous (``Rows``): a tile is rows at a row stride, which the
+// BLAS takes as its leading dimension. So q, k, v as transformers passes them (views (B, H, L, D) of
+// (B, L, H, D) projections) are read in place, and out, dq, dk, dv take q's, k's and v's layout
+// (at::empty_like keeps a dense layout): no copy on the way in or out.
 //
 // Forward, one work item per (batch, head, tile of kBlockQ query rows), spread over threads:
 //   for each block of kBlockK keys up to the tile's causal limit:
@@ -60,6 +64,34 @@ inline void blas_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double 
 }
 constexpr int64_t kBlockQ = 64;   // query rows per tile
 constexpr int64_t kBlockK = 128;  // keys per block (the leading dimension of score tiles)
+
+// Element (b, h, i, :) of a (B, H, L, D) tensor whose last dim is contiguous: base + b sb + h sh + i sl.
+template <typename T>
+struct Rows {
+  T* base;
+  int64_t sb, sh, sl;
+  T* row(int64_t b, int64_t h, int64_t i) const { return base + b * sb + h * sh + i * sl; }
+};
+template <typename T>
+Rows<T> rows_of(const Tensor& t) {
+  // one row: its stride is never stepped, but the BLAS wants a leading dimension >= D
+  const int64_t sl = t.size(2) <= 1 ? std::max<int64_t>({t.stride(2), t.size(3), 1}) : t.stride(2);
+  return Rows<T>{t.data_ptr<std::remove_const_t<T>>(), t.stride(0), t.stride(1), sl};
+}
+
+// n rows of D elements at row stride ld as acc_t: {src, ld} when the types agree, else converted into
+// buffer ({buffer, D}).
+template <typename scalar_t, typename acc_t>
+inline std::pair<const acc_t*, int64_t> rows_as_acc(const scalar_t* src, int64_t n, int64_t ld, int64_t D,
+                                                    Buffer<acc_t>& buffer) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return {src, ld};
+  } else {
+    if (static_cast<int64_t>(buffer.size()) < n * D) buffer.resize(n * D);
+    for (int64_t r = 0; r < n; ++r) convert_row(src + r * ld, buffer.data() + r * D, D);
+    return {buffer.data(), D};
+  }
+}
 
 struct AttnDims {
   int64_t B, H, Lq, Lk, D;
@@ -123,9 +155,9 @@ inline void mask_row(T* s, int64_t nk, const T* pad_bias, int64_t visible_end, T
 }
 
 template <typename scalar_t>
-void attention_fwd_kernel(const scalar_t* q, const scalar_t* k, const scalar_t* v, const bool* kpm,
-                          scalar_t* out, at::opmath_type<scalar_t>* lse, const AttnDims s, double dropout_p,
-                          double scale, uint64_t seed) {
+void attention_fwd_kernel(const Rows<const scalar_t> q, const Rows<const scalar_t> k, const Rows<const scalar_t> v,
+                          const bool* kpm, const Rows<scalar_t> out, at::opmath_type<scalar_t>* lse, const AttnDims s,
+                          double dropout_p, double scale, uint64_t seed) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t D = s.D;
   const int64_t tiles = (s.Lq + kBlockQ - 1) / kBlockQ;
@@ -140,23 +172,23 @@ void attention_fwd_kernel(const scalar_t* q, const scalar_t* k, const scalar_t* 
       v_buf.resize(ldk * D);
     }
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t bh = item / tiles, i0 = (item % tiles) * kBlockQ, b = bh / s.H;
+      const int64_t bh = item / tiles, i0 = (item % tiles) * kBlockQ, b = bh / s.H, h = bh % s.H;
       const int64_t nq = std::min(kBlockQ, s.Lq - i0);
       const bool* pad = kpm ? kpm + b * s.Lk : nullptr;
-      const acc_t* qt = as_acc(q + (bh * s.Lq + i0) * D, nq * D, q_buf);
+      const auto [qt, ldq] = rows_as_acc(q.row(b, h, i0), nq, q.sl, D, q_buf);
       std::fill(o.begin(), o.end(), acc_t(0));
       std::fill(m.begin(), m.end(), neg_inf);
       std::fill(l.begin(), l.end(), acc_t(0));
       const int64_t tile_key_end = s.key_end(i0 + nq - 1);
       for (int64_t j0 = 0; j0 < tile_key_end; j0 += kBlockK) {
         const int64_t nk = std::min(kBlockK, tile_key_end - j0);
-        const acc_t* kb = as_acc(k + (bh * s.Lk + j0) * D, nk * D, k_buf);
-        const acc_t* vb = as_acc(v + (bh * s.Lk + j0) * D, nk * D, v_buf);
+        const auto [kb, ldkb] = rows_as_acc(k.row(b, h, j0), nk, k.sl, D, k_buf);
+        const auto [vb, ldvb] = rows_as_acc(v.row(b, h, j0), nk, v.sl, D, v_buf);
         if (pad != nullptr) {
           for (int64_t t = 0; t < nk; ++t) pad_bias[t] = pad[j0 + t] ? neg_inf : acc_t(0);
         }
         // S (nq x nk) = scale Q_t K_b^T
-        gemm_rm<acc_t>(nq, nk, D, static_cast<acc_t>(scale), qt, D, kb, D, true, acc_t(0), sc.data(), ldk);
+        gemm_rm<acc_t>(nq, nk, D, static_cast<acc_t>(scale), qt, ldq, kb, ldkb, true, acc_t(0), sc.data(), ldk);
         for (int64_t r = 0; r < nq; ++r) {
           const int64_t i = i0 + r;
           acc_t* p = sc.data() + r * ldk;
@@ -179,11 +211,11 @@ void attention_fwd_kernel(const scalar_t* q, const scalar_t* k, const scalar_t* 
           }
         }
         // O (nq x D) += P (nq x nk) V_b (nk x D)
-        gemm_rm<acc_t>(nq, D, nk, acc_t(1), sc.data(), ldk, vb, D, false, acc_t(1), o.data(), D);
+        gemm_rm<acc_t>(nq, D, nk, acc_t(1), sc.data(), ldk, vb, ldvb, false, acc_t(1), o.data(), D);
       }
       for (int64_t r = 0; r < nq; ++r) {
         const int64_t i = i0 + r;
-        scalar_t* out_i = out + (bh * s.Lq + i) * D;
+        scalar_t* out_i = out.row(b, h, i);
         acc_t* o_r = o.data() + r * D;
         if (l[r] == acc_t(0)) {  // no visible key: zeros, never NaN
           std::fill(out_i, out_i + D, scalar_t(0));
@@ -199,9 +231,10 @@ void attention_fwd_kernel(const scalar_t* q, const scalar_t* k, const scalar_t* 
 }
 
 template <typename scalar_t>
-void attention_bwd_kernel(const scalar_t* dout, const scalar_t* q, const scalar_t* k, const scalar_t* v,
-                          const scalar_t* out, const at::opmath_type<scalar_t>* lse, const bool* kpm,
-                          scalar_t* dq, scalar_t* dk, scalar_t* dv, const AttnDims s, double dropout_p,
+void attention_bwd_kernel(const Rows<const scalar_t> dout, const Rows<const scalar_t> q, const Rows<const scalar_t> k,
+                          const Rows<const scalar_t> v, const Rows<const scalar_t> out,
+                          const at::opmath_type<scalar_t>* lse, const bool* kpm, const Rows<scalar_t> dq,
+                          const Rows<scalar_t> dk, const Rows<scalar_t> dv, const AttnDims s, double dropout_p,
                           double scale, uint64_t seed) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t D = s.D, Lq = s.Lq, Lk = s.Lk;
@@ -219,21 +252,21 @@ void attention_bwd_kernel(const scalar_t* dout, const scalar_t* q, const scalar_
       v_buf.resize(ldk * D);
     }
     for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / s.H;
+      const int64_t b = bh / s.H, h = bh % s.H;
       const bool* pad = kpm ? kpm + b * Lk : nullptr;
       const acc_t* lse_bh = lse + bh * Lq;
-      const acc_t* qa = as_acc(q + bh * Lq * D, Lq * D, q_buf);       // (Lq, D)
-      const acc_t* doa = as_acc(dout + bh * Lq * D, Lq * D, do_buf);  // (Lq, D)
+      const auto [qa, ldq] = rows_as_acc(q.row(b, h, 0), Lq, q.sl, D, q_buf);         // (Lq, D)
+      const auto [doa, lddo] = rows_as_acc(dout.row(b, h, 0), Lq, dout.sl, D, do_buf);  // (Lq, D)
       for (int64_t i = 0; i < Lq; ++i) {  // D_i = dO_i . O_i
-        convert_row(out + (bh * Lq + i) * D, o_row.data(), D);
-        delta[i] = vec_dot(doa + i * D, o_row.data(), D);
+        convert_row(out.row(b, h, i), o_row.data(), D);
+        delta[i] = vec_dot(doa + i * lddo, o_row.data(), D);
       }
       std::fill(dq_acc.begin(), dq_acc.end(), acc_t(0));
       const int64_t all_key_end = s.key_end(Lq - 1);
       for (int64_t j0 = 0; j0 < all_key_end; j0 += kBlockK) {
         const int64_t nk = std::min(kBlockK, all_key_end - j0);
-        const acc_t* kb = as_acc(k + (bh * Lk + j0) * D, nk * D, k_buf);
-        const acc_t* vb = as_acc(v + (bh * Lk + j0) * D, nk * D, v_buf);
+        const auto [kb, ldkb] = rows_as_acc(k.row(b, h, j0), nk, k.sl, D, k_buf);
+        const auto [vb, ldvb] = rows_as_acc(v.row(b, h, j0), nk, v.sl, D, v_buf);
         if (pad != nullptr) {
           for (int64_t t = 0; t < nk; ++t) pad_bias[t] = pad[j0 + t] ? neg_inf : acc_t(0);
         }
@@ -242,10 +275,10 @@ void attention_bwd_kernel(const scalar_t* dout, const scalar_t* q, const scalar_
         // Query tiles that can see some key of this block (causal: rows before first_query see none).
         for (int64_t i0 = s.first_query(j0) / kBlockQ * kBlockQ; i0 < Lq; i0 += kBlockQ) {
           const int64_t nq = std::min(kBlockQ, Lq - i0);
-          const acc_t* qt = qa + i0 * D;
-          const acc_t* dot = doa + i0 * D;
-          gemm_rm<acc_t>(nq, nk, D, scale_acc, qt, D, kb, D, true, acc_t(0), p.data(), ldk);   // S
-          gemm_rm<acc_t>(nq, nk, D, acc_t(1), dot, D, vb, D, true, acc_t(0), dp.data(), ldk);  // dO V^T
+          const acc_t* qt = qa + i0 * ldq;
+          const acc_t* dot = doa + i0 * lddo;
+          gemm_rm<acc_t>(nq, nk, D, scale_acc, qt, ldq, kb, ldkb, true, acc_t(0), p.data(), ldk);    // S
+          gemm_rm<acc_t>(nq, nk, D, acc_t(1), dot, lddo, vb, ldvb, true, acc_t(0), dp.data(), ldk);  // dO V^T
           for (int64_t r = 0; r < nq; ++r) {
             const int64_t i = i0 + r;
             acc_t* p_r = p.data() + r * ldk;
@@ -273,22 +306,27 @@ void attention_bwd_kernel(const scalar_t* dout, const scalar_t* q, const scalar_
           }
           // dV_b (nk x D) += (P r)^T dO_t ; dK_b += scale dS^T Q_t ; dQ_t += scale dS K_b
           // (column-major: dV_b^T (D x nk) += dO_t^T (D x nq) (P r) (nq x nk), likewise dK_b^T)
-          blas_gemm(false, true, D, nk, nq, acc_t(1), dot, D, p.data(), ldk, acc_t(1), dv_acc.data(), D);
-          blas_gemm(false, true, D, nk, nq, scale_acc, qt, D, dp.data(), ldk, acc_t(1), dk_acc.data(), D);
-          gemm_rm<acc_t>(nq, D, nk, scale_acc, dp.data(), ldk, kb, D, false, acc_t(1), dq_acc.data() + i0 * D, D);
+          blas_gemm(false, true, D, nk, nq, acc_t(1), dot, lddo, p.data(), ldk, acc_t(1), dv_acc.data(), D);
+          blas_gemm(false, true, D, nk, nq, scale_acc, qt, ldq, dp.data(), ldk, acc_t(1), dk_acc.data(), D);
+          gemm_rm<acc_t>(nq, D, nk, scale_acc, dp.data(), ldk, kb, ldkb, false, acc_t(1), dq_acc.data() + i0 * D, D);
         }
-        convert_row(dk_acc.data(), dk + (bh * Lk + j0) * D, nk * D);
-        convert_row(dv_acc.data(), dv + (bh * Lk + j0) * D, nk * D);
+        for (int64_t t = 0; t < nk; ++t) {
+          convert_row(dk_acc.data() + t * D, dk.row(b, h, j0 + t), D);
+          convert_row(dv_acc.data() + t * D, dv.row(b, h, j0 + t), D);
+        }
       }
       // Keys no query can see (past the causal limit of the last row) get zero gradients.
-      std::fill(dk + (bh * Lk + all_key_end) * D, dk + (bh + 1) * Lk * D, scalar_t(0));
-      std::fill(dv + (bh * Lk + all_key_end) * D, dv + (bh + 1) * Lk * D, scalar_t(0));
-      convert_row(dq_acc.data(), dq + bh * Lq * D, Lq * D);
+      for (int64_t j = all_key_end; j < Lk; ++j) {
+        std::fill(dk.row(b, h, j), dk.row(b, h, j) + D, scalar_t(0));
+        std::fill(dv.row(b, h, j), dv.row(b, h, j) + D, scalar_t(0));
+      }
+      for (int64_t i = 0; i < Lq; ++i) convert_row(dq_acc.data() + i * D, dq.row(b, h, i), D);
     }
   });
 }
 
-// The shape of a call; the arguments were checked by csrc/ops.h (the caller's errors) and are contiguous.
+// The shape of a call; the arguments were checked by csrc/ops.h (the caller's errors); their last dims are
+// contiguous (csrc/ops.h rows_contiguous).
 AttnDims dims(const Tensor& q, const Tensor& k, bool causal) {
   return AttnDims{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), causal};
 }
@@ -299,15 +337,15 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const
                                          const c10::optional<Tensor>& key_padding_mask, bool causal,
                                          double dropout_p, double scale, int64_t seed) {
   const AttnDims s = dims(q, k, causal);
-  Tensor out = at::empty_like(q);
+  Tensor out = at::empty_like(q);  // q's layout, if dense (transformers': (B, L, H, D) memory)
   Tensor lse = at::empty({s.B, s.H, s.Lq}, q.options().dtype(at::toOpMathType(q.scalar_type())));
   if (q.numel() == 0 || s.Lk == 0) {
     return {out.zero_(), lse.fill_(-std::numeric_limits<double>::infinity())};
   }
   const bool* kpm = key_padding_mask.has_value() ? key_padding_mask->data_ptr<bool>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "fastformer_attention_fwd_cpu", [&] {
-    attention_fwd_kernel<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), kpm,
-                                   out.data_ptr<scalar_t>(), lse.data_ptr<at::opmath_type<scalar_t>>(), s,
+    attention_fwd_kernel<scalar_t>(rows_of<const scalar_t>(q), rows_of<const scalar_t>(k), rows_of<const scalar_t>(v),
+                                   kpm, rows_of<scalar_t>(out), lse.data_ptr<at::opmath_type<scalar_t>>(), s,
                                    dropout_p, scale, static_cast<uint64_t>(seed));
   });
   return {out, lse};
@@ -322,11 +360,11 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
   if (q.numel() == 0 || k.numel() == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
   const bool* kpm = key_padding_mask.has_value() ? key_padding_mask->data_ptr<bool>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "fastformer_attention_bwd_cpu", [&] {
-    attention_bwd_kernel<scalar_t>(dout.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
-                                   v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                                   lse.data_ptr<at::opmath_type<scalar_t>>(), kpm, dq.data_ptr<scalar_t>(),
-                                   dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(), s, dropout_p, scale,
-                                   static_cast<uint64_t>(seed));
+    attention_bwd_kernel<scalar_t>(rows_of<const scalar_t>(dout), rows_of<const scalar_t>(q),
+                                   rows_of<const scalar_t>(k), rows_of<const scalar_t>(v),
+                                   rows_of<const scalar_t>(out), lse.data_ptr<at::opmath_type<scalar_t>>(), kpm,
+                                   rows_of<scalar_t>(dq), rows_of<scalar_t>(dk), rows_of<scalar_t>(dv), s, dropout_p,
+                                   scale, static_cast<uint64_t>(seed));
   });
   return {dq, dk, dv};
 }

@@ -331,3 +331,27 @@ def test_triton_autotune_switch():
         env = dict(os.environ, FASTFORMER_TRITON_AUTOTUNE=value, TRITON_INTERPRET="1")
         out = subprocess.run([sys.executable, "-c", read], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+@pytest.mark.parametrize("B,H,Lq,Lk,D,causal", [(2, 3, 7, 9, 16, False), (2, 3, 97, 97, 8, True),
+                                                 (1, 2, 1, 5, 4, False), (2, 4, 130, 140, 32, True)])
+def test_cpu_kernel_reads_and_writes_transformers_layout(dtype, B, H, Lq, Lk, D, causal):
+    """q, k, v as transformers hands them over (views (B, H, L, D) of (B, L, H, D) projections; k and v
+    interleaved in one tensor): the cpu backend reads them in place and writes out, dq, dk, dv in the inputs'
+    layouts (csrc/ops.h attention_layout), with results bit-identical to contiguous copies' (one row, L = 1,
+    included: its row stride is never stepped)."""
+    x = randn(B, Lq, H, D, dtype=dtype).requires_grad_()
+    kv = randn(B, Lk, 2, H, D, dtype=dtype).requires_grad_()
+    q, k, v = x.transpose(1, 2), kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    mask = padding_mask(B, Lk)
+    out = ops.attention(q, k, v, key_padding_mask=mask, causal=causal, backend="cpu")
+    dout = randn(*out.shape, dtype=dtype)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    contiguous = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
+    ref = ops.attention(*contiguous, key_padding_mask=mask, causal=causal, backend="cpu")
+    ref_grads = torch.autograd.grad(ref, contiguous, dout.contiguous())
+    assert out.stride() == q.stride() and grads[0].stride() == q.stride()  # written in place: no copy
+    assert torch.equal(out, ref)
+    for g, rg in zip(grads, ref_grads):
+        assert torch.equal(g, rg)
