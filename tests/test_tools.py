@@ -66,8 +66,9 @@ def test_make_results_dry_run_prints_the_commands_in_order(monkeypatch, capsys):
     assert lines == [
         "pytest benchmarks/test_decoding.py --benchmark-only --benchmark-json runs/x/decoding.json -q -p no:cacheprovider",
         "python benchmarks/to_markdown.py runs/x/decoding.json -o runs/x/decoding.md",
-        "pytest benchmarks/ --ignore benchmarks/test_decoding.py --benchmark-only --benchmark-json "
-        "runs/x/cpu-benchmarks.json -q -p no:cacheprovider",
+        "pytest benchmarks/ --ignore benchmarks/test_decoding.py --ignore benchmarks/test_hf_decoding.py --ignore "
+        "benchmarks/test_hf_training_step.py --benchmark-only --benchmark-json runs/x/cpu-benchmarks.json -q "
+        "-p no:cacheprovider",
         "python benchmarks/to_markdown.py runs/x/cpu-benchmarks.json -o runs/x/cpu-benchmarks.md",
         "python tools/readme_results.py"]
 

@@ -46,12 +46,17 @@ class Result(NamedTuple):
         if self.name == "translation":
             return [["python", "tools/translation_report.py", run_dir, "-o", out]]
         json_file = f"{stage}/{self.name}.json"
-        selection = (["benchmarks/test_decoding.py"] if self.name == "decoding"
-                     else ["benchmarks/", "--ignore", "benchmarks/test_decoding.py"])
+        selection = BENCHMARK_SELECTIONS[self.name]
         return [["pytest", *selection, "--benchmark-only", "--benchmark-json", json_file, "-q",
                  "-p", "no:cacheprovider"],
                 ["python", "benchmarks/to_markdown.py", json_file, "-o", out]]
 
+
+# The benchmark files of each benchmark result; cpu-benchmarks is every other file of benchmarks/.
+_OWN_FILES = {"decoding": ["benchmarks/test_decoding.py"],
+              "transformers": ["benchmarks/test_hf_decoding.py", "benchmarks/test_hf_training_step.py"]}
+BENCHMARK_SELECTIONS = {**_OWN_FILES, "cpu-benchmarks": ["benchmarks/"] + [
+    arg for files in _OWN_FILES.values() for f in files for arg in ("--ignore", f)]}
 
 # In the order they run (translation measures the checkpoint that main-job trains). The minutes are for the
 # 2-core AMD EPYC VM the current files come from.
@@ -65,9 +70,15 @@ ALL = (Result("main-job", 35,
               "docs/results/decoding.md: benchmarks/test_decoding.py (decoding beside CTranslate2 and a plain "
               "PyTorch decoder, and its thread scaling), then benchmarks/to_markdown.py; its time is an "
               "estimate, not timed"),
+       Result("transformers", 6,
+              "docs/results/transformers.md: benchmarks/test_hf_decoding.py (an opus-mt-shaped Marian decoded "
+              "by fastformer beside transformers' generate and CTranslate2) and test_hf_training_step.py "
+              "(a transformers Marian training step with attn_implementation='fastformer' beside 'sdpa' and "
+              "'eager'), then benchmarks/to_markdown.py"),
        Result("cpu-benchmarks", 10,
-              "docs/results/cpu-benchmarks.md: benchmarks/ without test_decoding.py (every CPU kernel and the "
-              "training step beside the PyTorch code they replace), then benchmarks/to_markdown.py"))
+              "docs/results/cpu-benchmarks.md: benchmarks/ without the files of decoding and transformers "
+              "(every CPU kernel and the training step beside the PyTorch code they replace), then "
+              "benchmarks/to_markdown.py"))
 NAMES = tuple(r.name for r in ALL)
 README_COMMAND = ["python", "tools/readme_results.py"]
 

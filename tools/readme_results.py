@@ -6,6 +6,7 @@ figure that no command made:
     python benchmarks/to_markdown.py out.json -o docs/results/cpu-benchmarks.md      # the kernels, the step
     pytest benchmarks/test_decoding.py --benchmark-only --benchmark-json dec.json
     python benchmarks/to_markdown.py dec.json -o docs/results/decoding.md            # beside CTranslate2
+    python benchmarks/to_markdown.py hf.json -o docs/results/transformers.md         # transformers models
     python tools/translation_report.py RUN_DIR -o docs/results/translation.md        # BLEU and speed, int8
     python tools/readme_results.py                                                   # README's block
 
@@ -30,6 +31,10 @@ SECTIONS = (("main-job.md", "The main job, `python -m fastformer.train`", True),
             ("decoding.md", "Decoding beside CTranslate2 and a plain-PyTorch decoder, random models of the small and "
                             "base configs: float32 and int8, batch 1 and 32, beam 1 and 4, 1 and 2 threads, side by "
                             "side in one run; and decoding's thread scaling beside a large GEMM's", False),
+            ("transformers.md", "A transformers Marian of opus-mt-de-en's shape: decoded by fastformer (converted) beside "
+                                "transformers' generate and CTranslate2, float32 and int8, beam 4, batch 1 and 32; "
+                                "its training step with attn_implementation='fastformer' beside 'sdpa' and 'eager'",
+             True),
             ("cpu-benchmarks.md", "Every CPU kernel and the training step beside the PyTorch code they replace", False))
 
 
