@@ -1,6 +1,6 @@
 """Re-make every file of docs/results/ and README's results block with one command, from a clean commit.
 
-    python tools/make_results.py                                  # all four: about 70 minutes on a 2-core CPU
+    python tools/make_results.py                                  # all five: about 75 minutes on a 2-core CPU
     python tools/make_results.py --only decoding,cpu-benchmarks   # some of them
     python tools/make_results.py --dry-run                        # check the tree, print the commands
 
