@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -334,13 +335,16 @@ class Bench:
     def __call__(self, fn: Callable[[], object], *, op: str, shape: str, pass_: str, impl: str,
                  bytes_moved: Optional[float] = None, flops: Optional[float] = None, memory_bound: bool = False,
                  per_second: Optional[dict[str, float]] = None, group: Optional[str] = None,
-                 baseline: Optional[bool] = None, length: Optional[int] = None):
+                 baseline: Optional[bool] = None, length: Optional[int] = None,
+                 turns_with: Optional[dict[str, Callable[[], object]]] = None):
         """Times ``fn`` and records in extra_info: op, shape, pass, impl, whether it is a baseline (default:
         impl is in the test module's BASELINES), and from the median time GB/s (of ``bytes_moved``),
         TFLOP/s (of ``flops``), the fraction of the copy bandwidth (``memory_bound``) and, for each
         ``per_second`` entry {name: count}, count / median. Benchmarks of one ``group`` (default:
         op, shape and pass) are compared: each non-baseline gets its speedup over each baseline.
-        Returns what the last call of ``fn`` returned."""
+        ``turns_with`` {impl: call}: baselines timed in alternation with ``fn`` instead (CPU only): each
+        round runs them, in an order that rotates, then ``fn``; the speedups are their medians over fn's, from
+        the same rounds, so drift over the run cancels. Returns what the last call of ``fn`` returned."""
         ctx, benchmark = self.ctx, self.benchmark
         if baseline is None:
             baseline = impl in getattr(self.request.module, "BASELINES", ())
@@ -354,8 +358,26 @@ class Bench:
         if benchmark.disabled:
             return benchmark.pedantic(fn)  # --benchmark-disable: one call, as a smoke test
         rounds, iterations = _plan(fn, ctx)
-        result = benchmark.pedantic(_synced(fn, ctx, iterations), rounds=rounds, iterations=iterations)
+        if turns_with:
+            times: dict[str, list[float]] = {name: [] for name in turns_with}
+            names = list(turns_with)
+            for call in turns_with.values():  # their warm-up (fn's was _plan's)
+                call()
+
+            def baselines():  # a round's baselines, in a rotating order
+                names.append(names.pop(0))
+                for name in names:
+                    start = time.perf_counter()
+                    turns_with[name]()
+                    times[name].append(time.perf_counter() - start)
+
+            result = benchmark.pedantic(fn, setup=baselines, rounds=rounds)
+        else:
+            result = benchmark.pedantic(_synced(fn, ctx, iterations), rounds=rounds, iterations=iterations)
         median = benchmark.stats.stats.median
+        if turns_with:
+            info["speedup"] = {name: statistics.median(t) / median for name, t in times.items()}
+            info["alternated"] = {name + " median s": statistics.median(t) for name, t in times.items()}
         if bytes_moved is not None:
             info["bytes"] = int(bytes_moved)
             info["GB/s"] = bytes_moved / median / 1e9
@@ -418,8 +440,8 @@ def add_speedups(benchmarks: list[dict]) -> None:
         if b["extra_info"].get("baseline"):
             baselines.setdefault(b["group"], []).append(b)
     for b in benchmarks:
-        if b["extra_info"].get("baseline") or b["group"] not in baselines:
-            continue
+        if b["extra_info"].get("baseline") or b["group"] not in baselines or "alternated" in b["extra_info"]:
+            continue  # (alternated: its speedups come from its own rounds, Bench's turns_with)
         b["extra_info"]["speedup"] = {base["extra_info"]["impl"]: base["stats"]["median"] / b["stats"]["median"]
                                       for base in baselines[b["group"]]}
 

@@ -8,6 +8,10 @@ projection) and random weights; smoke sizes use a 2+2-layer d_model 64 model. Th
 attention call gets a padding mask. The step: the mean label-smoothed (0.1) cross-entropy over the
 non-pad target tokens, backward; no optimizer step (the same for every attention). "fastformer" runs
 on each fastformer backend of the benchmark device; all of them in float32 (issue 37's target is the CPU's).
+On the CPU each fastformer case also runs "sdpa" and "eager" in every one of its rounds (in a rotating
+order, before the fastformer step), and its speed-ups are the medians of those rounds: side by side, so that
+the machine's drift over the run (seen: 5% between the first and the last case of one run) cancels. The
+baseline rows are their own cases, timed alone.
 """
 import torch
 import transformers
@@ -36,21 +40,27 @@ def test_hf_marian_training_step(bench, ctx, impl):
     src = ctx.tokens(n, 16, 32, 0, ctx.sizes.vocab_size)
     tgt = ctx.tokens(n, 16, 32, 0, ctx.sizes.vocab_size)
     labels = tgt.masked_fill(tgt.eq(0), -100)
-    model.set_attn_implementation(impl if impl in BASELINES else "fastformer")
     backend = None if impl in BASELINES else impl
 
-    def step():
-        model.zero_grad(set_to_none=True)
-        logits = model(input_ids=src, attention_mask=src.ne(0), decoder_input_ids=tgt,
-                       decoder_attention_mask=tgt.ne(0)).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), label_smoothing=0.1)
-        loss.backward()
+    def step_with(attention):
+        def step():
+            model.set_attn_implementation(attention)
+            model.zero_grad(set_to_none=True)
+            logits = model(input_ids=src, attention_mask=src.ne(0), decoder_input_ids=tgt,
+                           decoder_attention_mask=tgt.ne(0)).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), label_smoothing=0.1)
+            loss.backward()
+        return step
 
+    # fastformer on the CPU: timed in alternation with both baselines (Bench's turns_with), round by round
+    turns_with = ({name: step_with(name) for name in BASELINES}
+                  if backend is not None and ctx.device.type == "cpu" else None)
     fastformer.set_backend(backend)
     try:
         tokens = int(tgt.ne(0).sum())
-        bench(step, op="hf_marian_training_step", shape=f"opus-mt shape, {n} pairs <= 32 tokens ({tokens} target)",
+        bench(step_with(impl if impl in BASELINES else "fastformer"), op="hf_marian_training_step",
+              shape=f"opus-mt shape, {n} pairs <= 32 tokens ({tokens} target)",
               pass_="fwd+bwd, float32", impl=impl if impl in BASELINES else f"fastformer ({impl})",
-              baseline=impl in BASELINES, per_second={"tokens/s": tokens})
+              baseline=impl in BASELINES, per_second={"tokens/s": tokens}, turns_with=turns_with)
     finally:
         fastformer.set_backend(None)
