@@ -26,12 +26,16 @@
 #define FASTFORMER_TORCH_VERSION "unknown"
 #endif
 
+// needs_fixed_stride_order: compiled code (inductor) hands each op its inputs with the strides the fake
+// kernels saw when tracing. The CPU attention kernel's outputs take its inputs' layout (csrc/cpu/attention.cpp
+// rows_like), and the fake kernels state the same rule, so the two agree only on the same input strides.
 TORCH_LIBRARY(fastformer, m) {
+  const std::vector<at::Tag> tags = {at::Tag::needs_fixed_stride_order};
 #define FASTFORMER_DEFINE(op, fwd_args, fwd_returns, bwd_args, bwd_returns)                    \
-  m.def(#op "_fwd(" fwd_args ") -> " fwd_returns);                                            \
-  m.def(#op "_bwd(" bwd_args ") -> " bwd_returns);                                            \
-  m.def(#op "_fwd_py(" fwd_args ", str backend) -> " fwd_returns);                            \
-  m.def(#op "_bwd_py(" bwd_args ", str backend) -> " bwd_returns);
+  m.def(#op "_fwd(" fwd_args ") -> " fwd_returns, tags);                                      \
+  m.def(#op "_bwd(" bwd_args ") -> " bwd_returns, tags);                                      \
+  m.def(#op "_fwd_py(" fwd_args ", str backend) -> " fwd_returns, tags);                      \
+  m.def(#op "_bwd_py(" bwd_args ", str backend) -> " bwd_returns, tags);
   FASTFORMER_OPS(FASTFORMER_DEFINE)
 #undef FASTFORMER_DEFINE
 }

@@ -16,6 +16,15 @@ def pytest_configure(config):
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
         torch.set_num_threads(max(1, torch.get_num_threads() // int(workers)))
+    # torch.compile's caches are keyed without the fake kernels of custom ops: a cache that an earlier build of
+    # fastformer filled can hand back code compiled for other output strides. Each session compiles afresh.
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        import atexit
+        import shutil
+        import tempfile
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fastformer-tests-inductor-")
+        atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
 
 
 @pytest.fixture(autouse=True)

@@ -7,8 +7,8 @@
 // Half inputs are converted tile by tile into acc_t buffers; float and double tiles are used in place.
 // Layout: any strides with the last dim contiguous (``Rows``): a tile is rows at a row stride, which the
 // BLAS takes as its leading dimension. So q, k, v as transformers passes them (views (B, H, L, D) of
-// (B, L, H, D) projections) are read in place, and out, dq, dk, dv take q's, k's and v's layout
-// (at::empty_like keeps a dense layout): no copy on the way in or out.
+// (B, L, H, D) projections) are read in place, and out, dq, dk, dv take that layout where q, k, v have it
+// (rows_like): no copy on the way in or out.
 //
 // Forward, one work item per (batch, head, tile of kBlockQ query rows), spread over threads:
 //   for each block of kBlockK keys up to the tile's causal limit:
@@ -325,6 +325,16 @@ void attention_bwd_kernel(const Rows<const scalar_t> dout, const Rows<const scal
   });
 }
 
+// An output shaped like x (B, H, L, D): a view of a contiguous (B, L, H, D) tensor when x is one (transformers'
+// q, k, v: out, dq, dk, dv then go back to its projections without a copy), else contiguous. The fake kernels
+// (fastformer/ops/attention.py rows_like) state the same rule: compiled code checks the strides.
+Tensor rows_like(const Tensor& x) {
+  if (x.transpose(1, 2).is_contiguous()) {
+    return at::empty({x.size(0), x.size(2), x.size(1), x.size(3)}, x.options()).transpose(1, 2);
+  }
+  return at::empty(x.sizes(), x.options());
+}
+
 // The shape of a call; the arguments were checked by csrc/ops.h (the caller's errors); their last dims are
 // contiguous (csrc/ops.h rows_contiguous).
 AttnDims dims(const Tensor& q, const Tensor& k, bool causal) {
@@ -337,7 +347,7 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const
                                          const c10::optional<Tensor>& key_padding_mask, bool causal,
                                          double dropout_p, double scale, int64_t seed) {
   const AttnDims s = dims(q, k, causal);
-  Tensor out = at::empty_like(q);  // q's layout, if dense (transformers': (B, L, H, D) memory)
+  Tensor out = rows_like(q);
   Tensor lse = at::empty({s.B, s.H, s.Lq}, q.options().dtype(at::toOpMathType(q.scalar_type())));
   if (q.numel() == 0 || s.Lk == 0) {
     return {out.zero_(), lse.fill_(-std::numeric_limits<double>::infinity())};
@@ -356,7 +366,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
                                                  const c10::optional<Tensor>& key_padding_mask, bool causal,
                                                  double dropout_p, double scale, int64_t seed) {
   const AttnDims s = dims(q, k, causal);
-  Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  Tensor dq = rows_like(q), dk = rows_like(k), dv = rows_like(v);
   if (q.numel() == 0 || k.numel() == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
   const bool* kpm = key_padding_mask.has_value() ? key_padding_mask->data_ptr<bool>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "fastformer_attention_bwd_cpu", [&] {

@@ -33,15 +33,19 @@ def out_like(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def register(op: str, *, fake_fwd: Callable, fake_bwd: Callable, py_fwd: Callable, py_bwd: Callable) -> None:
+def register(op: str, *, fake_fwd: Callable, fake_bwd: Callable, py_fwd: Callable, py_bwd: Callable,
+             fake_fwd_py: Callable | None = None, fake_bwd_py: Callable | None = None) -> None:
     """Fake kernels of ``<op>_fwd``/``<op>_bwd`` and their ``_py`` twins, and the twins' implementation.
 
-    ``py_fwd``/``py_bwd`` take the schema's arguments, ``backend`` last, and run on any device.
+    ``py_fwd``/``py_bwd`` take the schema's arguments, ``backend`` last, and run on any device. The twins'
+    fake kernels are ``fake_fwd_py``/``fake_bwd_py`` where the Python backends' outputs have other strides than
+    the C++ kernels' (attention), else the same.
     """
-    for phase, fake, impl in (("fwd", fake_fwd, py_fwd), ("bwd", fake_bwd, py_bwd)):
+    for phase, fake, fake_py, impl in (("fwd", fake_fwd, fake_fwd_py or fake_fwd, py_fwd),
+                                       ("bwd", fake_bwd, fake_bwd_py or fake_bwd, py_bwd)):
         name = f"fastformer::{op}_{phase}"
         torch.library.register_fake(name)(fake)
-        torch.library.register_fake(f"{name}_py")(lambda *args, fake=fake: fake(*args[:-1]))
+        torch.library.register_fake(f"{name}_py")(lambda *args, fake=fake_py: fake(*args[:-1]))
         torch.library.impl(f"{name}_py", "CompositeExplicitAutograd")(_without_autocast(impl))
 
 

@@ -19,14 +19,24 @@ from fastformer.ops import _registry
 from fastformer.ops._registry import C, dropout_seed, out_like, seed_int
 
 
-def _fake_fwd(q, k, v, key_padding_mask, causal, dropout_p, scale, seed):
+def rows_like(x: Tensor) -> Tensor:
+    """An output of the C++ kernels shaped like x (B, H, L, D) in their layout (csrc/cpu/attention.cpp
+    rows_like, the same rule): on the CPU, a view (B, H, L, D) of a contiguous (B, L, H, D) tensor when x is
+    one (transformers' q, k, v: its outputs and gradients then need no copy), else contiguous. The CUDA
+    kernels, and the Python backends, write contiguous outputs."""
+    if x.device.type == "cpu" and x.transpose(1, 2).is_contiguous():
+        return x.new_empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3]).transpose(1, 2)
+    return out_like(x)
+
+
+def _fake_fwd(q, k, v, key_padding_mask, causal, dropout_p, scale, seed, like=rows_like):
     _registry.same_device("attention", "q", q, k=k, v=v, key_padding_mask=key_padding_mask)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return out_like(q), q.new_empty(q.shape[:3], dtype=lse_dtype)
+    return like(q), q.new_empty(q.shape[:3], dtype=lse_dtype)
 
 
-def _fake_bwd(dout, q, k, v, out, lse, key_padding_mask, causal, dropout_p, scale, seed):
-    return out_like(q), out_like(k), out_like(v)
+def _fake_bwd(dout, q, k, v, out, lse, key_padding_mask, causal, dropout_p, scale, seed, like=rows_like):
+    return like(q), like(k), like(v)
 
 
 def _py_fwd(q, k, v, key_padding_mask, causal, dropout_p, scale, seed, backend):
@@ -45,7 +55,9 @@ def _py_bwd(dout, q, k, v, out, lse, key_padding_mask, causal, dropout_p, scale,
                 mask, causal, dropout_p, scale, seed_int(seed))
 
 
-_registry.register("attention", fake_fwd=_fake_fwd, fake_bwd=_fake_bwd, py_fwd=_py_fwd, py_bwd=_py_bwd)
+_registry.register("attention", fake_fwd=_fake_fwd, fake_bwd=_fake_bwd, py_fwd=_py_fwd, py_bwd=_py_bwd,
+                   fake_fwd_py=lambda *args: _fake_fwd(*args, like=out_like),
+                   fake_bwd_py=lambda *args: _fake_bwd(*args, like=out_like))
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Optional[Tensor] = None,
