@@ -66,8 +66,8 @@ others is among fastformer float32's final hypotheses; at full size a disagreeme
 only. (int8 engines agree with float32 on few whole sentences of this random model: its next token is a
 pseudo-random function of the last, so one rounding flip changes the rest of the sentence.)
 
-The fastformer cases skip while ``fastformer.from_transformers`` does not exist, the CTranslate2 ones without
-ctranslate2, and the whole module on a GPU session (a 1-thread CPU comparison).
+The CTranslate2 cases skip without ctranslate2, and the whole module on a GPU session (a 1-thread CPU
+comparison: transformers' generate and CTranslate2 are measured on the CPU here).
 
     pytest benchmarks/test_hf_decoding.py --benchmark-only --benchmark-json hf_decoding.json
     pytest benchmarks/test_hf_decoding.py --benchmark-disable --bench-sizes smoke -q            # seconds
@@ -375,8 +375,6 @@ def _agreement(suite: Suite, batch: int, engine: str) -> tuple[list[str], list[s
 def test_hf_decoding(bench, ctx, suite, engine, batch, one_thread, capsys):
     if engine.startswith("ctranslate2"):
         pytest.importorskip("ctranslate2")
-    if engine.startswith("fastformer") and not hasattr(fastformer, "from_transformers"):
-        pytest.skip("fastformer.from_transformers does not exist yet (issue 37): nothing loads the Marian folder")
     smoke, shape = ctx.sizes.name == "smoke", suite.shape
     run = suite.run(engine, batch)
     if not smoke:

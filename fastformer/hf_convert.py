@@ -123,6 +123,8 @@ def model_config(hf: dict) -> TransformerConfig:
     # bos: a token the search never produces. Marian has none: its start token, pad (never produced either).
     bos = hf.get("bos_token_id")
     bos = start if bos is None or bos == eos else bos
+    unk = hf.get("unk_token_id")  # rarely in config.json: the families' own (vocab.json's, for the tokenizer)
+    unk = (1 if family == "marian" else 3) if unk is None else unk
     try:
         return TransformerConfig(
             vocab_size=vocab, d_model=hf["d_model"], n_heads=same("encoder_attention_heads", "decoder_attention_heads"),
@@ -130,8 +132,7 @@ def model_config(hf: dict) -> TransformerConfig:
             n_decoder_layers=hf["decoder_layers"], dropout=hf.get("dropout", 0.1),
             attention_dropout=hf.get("attention_dropout", 0.0), activation_dropout=hf.get("activation_dropout", 0.0),
             activation=_ACTIVATIONS[activation], norm_first=family == "m2m_100", layer_norm_eps=1e-5,
-            max_positions=hf.get("max_position_embeddings", 1024), pad_id=pad, unk_id=hf.get("unk_token_id") or
-            (1 if family == "marian" else 3), bos_id=bos, eos_id=eos,
+            max_positions=hf.get("max_position_embeddings", 1024), pad_id=pad, unk_id=unk, bos_id=bos, eos_id=eos,
             scale_embedding=bool(hf.get("scale_embedding", False)), output_bias=family == "marian",
             positions="marian" if family == "marian" else "fairseq",
             position_offset=0 if family == "marian" else pad + 1, decoder_start_id=start)

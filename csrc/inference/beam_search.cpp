@@ -110,17 +110,20 @@ class BeamSearch {
     Tensor tokens = at::full({N, w}, eos_, at::TensorOptions().dtype(at::kLong));
     top.select(1, 0).fill_(0.0);
     tokens.select(1, 0).fill_(forced_[step_]);
-    forcing_ = true;
-    const bool going = step_candidates(lse, top, tokens);
-    forcing_ = false;
-    return going;
+    return advance(lse, top, tokens);
   }
 
   // A step from lse (N,) float64, the best logits (N, width) float64 and their tokens (N, width) int64 (ignored
   // at a forced step).
   bool step_candidates(const Tensor& lse_in, const Tensor& top_in, const Tensor& tokens_in) {
+    if (step_ < static_cast<int64_t>(forced_.size())) return step_forced();
+    return advance(lse_in, top_in, tokens_in);
+  }
+
+ private:
+  // The step itself, from the rows' candidates (step_candidates' arguments).
+  bool advance(const Tensor& lse_in, const Tensor& top_in, const Tensor& tokens_in) {
     const int64_t N = rows(), w = width();
-    if (!forcing_ && step_ < static_cast<int64_t>(forced_.size())) return step_forced();
     TORCH_CHECK_VALUE(lse_in.sizes().vec() == std::vector<int64_t>({N}) &&
                           top_in.sizes().vec() == std::vector<int64_t>({N, w}) &&
                           tokens_in.sizes().vec() == std::vector<int64_t>({N, w}),
@@ -201,6 +204,7 @@ class BeamSearch {
     return true;
   }
 
+ public:
   // Per sentence of the batch, its finished hypotheses (tokens without bos/eos, score), best first, at most K.
   std::vector<std::vector<std::pair<std::vector<int64_t>, double>>> hypotheses() const {
     auto out = finished_;
@@ -220,7 +224,6 @@ class BeamSearch {
   double alpha_;
   int64_t V_, pad_, bos_, eos_, start_;
   std::vector<int64_t> forced_;  // the tokens of the first steps
-  bool forcing_ = false;
   std::vector<std::vector<std::pair<std::vector<int64_t>, double>>> finished_;
   std::vector<int64_t> active_;                 // batch index of each live sentence
   std::vector<std::vector<int64_t>> prefixes_;  // (N) tokens of each live row, bos excluded

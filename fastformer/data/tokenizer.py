@@ -133,19 +133,25 @@ class VocabTokenizer:
         return [self.target.decode_pieces([self.vocab[i] for i in row if i not in self.specials]) for row in ids]
 
     def to_state(self) -> dict:
-        import torch
-
-        def as_tensor(proto):
-            return torch.frombuffer(bytearray(proto), dtype=torch.uint8)
-
-        return {"kind": "vocab", "source_spm": as_tensor(self.source_spm), "target_spm": as_tensor(self.target_spm),
+        return {"kind": "vocab", "source_spm": _as_tensor(self.source_spm), "target_spm": _as_tensor(self.target_spm),
                 "vocab": self.vocab, "unk_id": self.unk_id, "specials": sorted(self.specials - set(self.languages.values())),
                 "languages": self.languages, "source_lang": self.source_lang}
 
     @classmethod
     def from_state(cls, state: dict) -> "VocabTokenizer":
-        return cls(bytes(state["source_spm"].tolist()), bytes(state["target_spm"].tolist()), state["vocab"],
+        return cls(_as_bytes(state["source_spm"]), _as_bytes(state["target_spm"]), state["vocab"],
                    state["unk_id"], state["specials"], state["languages"], state["source_lang"])
+
+
+def _as_tensor(proto: bytes):
+    """A sentencepiece model's bytes as a checkpoint holds them: a uint8 tensor (weights_only loads it)."""
+    import torch
+
+    return torch.frombuffer(bytearray(proto), dtype=torch.uint8)
+
+
+def _as_bytes(tensor) -> bytes:
+    return bytes(tensor.tolist())
 
 
 def tokenizer_state(tokenizer):
@@ -153,9 +159,7 @@ def tokenizer_state(tokenizer):
     converted model's ``VocabTokenizer.to_state()`` dict."""
     if isinstance(tokenizer, VocabTokenizer):
         return tokenizer.to_state()
-    import torch
-
-    return torch.frombuffer(bytearray(tokenizer.model_proto), dtype=torch.uint8)
+    return _as_tensor(tokenizer.model_proto)
 
 
 def tokenizer_from_state(state):
@@ -164,4 +168,4 @@ def tokenizer_from_state(state):
         if state.get("kind") != "vocab":
             raise ValueError(f"unknown tokenizer kind {state.get('kind')!r}")
         return VocabTokenizer.from_state(state)
-    return Tokenizer(bytes(state.tolist()))
+    return Tokenizer(_as_bytes(state))
