@@ -231,9 +231,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("KERNEL_TABLE") = FASTFORMER_KERNEL_TABLE;
   // The decoding GEMMs (csrc/gemm/gemm.h: the layouts, the int8 rule, the checks).
   m.attr("PACKED_LINEAR_PANEL") = fastformer::kPackedLinearPanel;
+  m.attr("PACKED_LINEAR_STRIP") = fastformer::kPackedLinearStrip;
   m.def("pack_linear", &fastformer::pack_linear, py::arg("weight"),
-        "a float32 weight (n, K) as the panels packed_linear streams: (ceil(n / PACKED_LINEAR_PANEL), K, "
-        "PACKED_LINEAR_PANEL), W^T's columns, zeros past n");
+        "a float32 weight (n, K) as the panels packed_linear streams: (ceil(n / PACKED_LINEAR_PANEL), "
+        "PACKED_LINEAR_PANEL / PACKED_LINEAR_STRIP, K, PACKED_LINEAR_STRIP), W^T's columns in contiguous strips, "
+        "zeros past n");
   m.def("quantize_int8", &fastformer::quantize_int8, py::arg("weight"),
         "a float32 weight (n, K) quantized per output channel (csrc/gemm/gemm.h's rule) -> (panels int8 "
         "(ceil(n / 32), ceil(K / 4), 32, 4), scale float32 (n,), colsum int32 (n,))");

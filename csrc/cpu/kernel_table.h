@@ -34,13 +34,14 @@ using at::Tensor;
 // csrc/gemm: y (M, n) = x (M, K) W^T + bias for a weight packed as panels (gemm.h's float32 layout);
 // float32, contiguous, arguments checked by the caller (csrc/gemm/gemm.cpp).
 Tensor packed_linear(const Tensor& x, const Tensor& panels, const c10::optional<Tensor>& bias, int64_t n);
-// The same on raw pointers: y (M, n) row-major, x (M, K) row-major, bias nullptr for none.
+// The same on raw pointers: x (M, K) row-major, y (M, n) with rows y_stride (>= n) floats apart, bias nullptr
+// for none.
 void packed_linear_rows(const float* x, int64_t M, int64_t K, const float* panels, const float* bias, float* y,
-                        int64_t n);
+                        int64_t n, int64_t y_stride);
 // The same with W quantized to int8 (csrc/gemm/int8_linear.cpp), activations quantized per row there;
 // variant: an index into int8_variants() (0: the best this CPU runs at this level).
 void int8_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& w, const float* bias, float* y,
-                      int64_t n, int variant);
+                      int64_t n, int64_t y_stride, int variant);
 // The int8 dot-product variants this CPU runs at this level, best first, null-terminated: "avx512_vnni",
 // "avx_vnni", "avx2", "default".
 const char* const* int8_variants();
@@ -54,9 +55,11 @@ void layer_norm_residual_rows(const float* x, const float* residual, const float
 // csrc/inference: one step of the incremental decoder (decoder_step.cpp): writes step.logits and this
 // step's keys/values into the caches.
 void decoder_step(const DecoderStep& step);
-// The beam search's pass over the vocabulary (search_candidates.cpp): per row of logits (N, V), lse (N) and
-// the best `width` producible logits and their tokens (N, width); only_eos (N) or nullptr.
-void search_candidates(const float* logits, int64_t N, int64_t V, const bool* only_eos, int64_t pad, int64_t bos,
+// The beam search's pass over the vocabulary (search_candidates.cpp): per row of logits (N, V), rows
+// row_stride (>= V) floats apart, lse (N) and the best `width` producible logits and their tokens (N, width);
+// only_eos (N) or nullptr.
+void search_candidates(const float* logits, int64_t N, int64_t V, int64_t row_stride, const bool* only_eos,
+                       int64_t pad, int64_t bos,
                        int64_t eos, int64_t width, double* lse, float* top_values, int64_t* top_tokens);
 }  // namespace cpu
 

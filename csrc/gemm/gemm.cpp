@@ -88,8 +88,8 @@ at::Tensor pack_linear(const at::Tensor& weight) {
   const float* src = w.const_data_ptr<float>();
   float* dst = panels.mutable_data_ptr<float>();
   for (int64_t row = 0; row < n; ++row) {
-    const int64_t p = row / P, j = row % P;
-    for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * P + j] = src[row * K + k];
+    float* column = dst + (row / P) * K * P + packed_column_offset(row % P, K);  // row k: k strip widths on
+    for (int64_t k = 0; k < K; ++k) column[k * kPackedLinearStrip] = src[row * K + k];
   }
   return panels;
 }
@@ -199,7 +199,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& panels, const at::
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   cpu_kernels().gemm.int8_linear_rows(xc.const_data_ptr<float>(), x.size(0), x.size(1), w.int8, w.bias,
-                                      y.mutable_data_ptr<float>(), n, index);
+                                      y.mutable_data_ptr<float>(), n, n, index);
   return y;
 }
 

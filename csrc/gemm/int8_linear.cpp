@@ -242,7 +242,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int offset, uint8_t* q,
 const char* const* int8_variants() { return runnable().names.data(); }
 
 void int8_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& w, const float* bias, float* y,
-                      int64_t n, int variant) {
+                      int64_t n, int64_t y_stride, int variant) {
   if (M == 0 || n == 0) return;
   const Runnable& run = runnable();
   const Variant& v = *run.variants[variant >= 0 && variant < static_cast<int>(run.variants.size()) ? variant : 0];
@@ -273,7 +273,7 @@ void int8_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& w,
         const int32_t* __restrict colsum = w.colsum + n0;
         const float* __restrict sw = w.scale + n0;
         for (int r = 0; r < rows; ++r) {
-          float* __restrict out = y + (m0 + r) * n + n0;
+          float* __restrict out = y + (m0 + r) * y_stride + n0;
           const int32_t* __restrict a = acc + r * kInt8Panel;
           const float s = sx[m0 + r];
           if (bias != nullptr) {

@@ -3,18 +3,19 @@
 // Compiled per instruction-set level like the op kernels (at::vec::Vectorized<float>: 16 floats on AVX-512,
 // 8 on AVX2 and the default level).
 //
-// Shapes: x (M, K) float32; panels (ceil(N / kPanel), K, kPanel) float32, panel p holding columns
-// p kPanel .. p kPanel + kPanel - 1 of W^T (zeros past N); bias (N,) or none; y (M, N).
+// Shapes: x (M, K) float32; panels (ceil(N / P), P / S, K, S) float32 (csrc/gemm/gemm.h: panel p holds columns
+// p P .. p P + P - 1 of W^T, zeros past N, as P / S strips of S columns, each K x S contiguous; P = 32,
+// S = 16); bias (N,) or none; y (M, N).
 // Why: at M <= 16 rows a GEMM is a stream of the weight, and a library GEMM on the (out, in) or (in, out)
-// layout reads it with strides or repacks it per call. A panel is K kPanel contiguous floats, so the
-// weight streams once, front to back: per panel and group of R rows, R x (kPanel / vector) accumulators
-// start at the bias, and for each k the kPanel weights of row k (kPanel / vector vector loads) are
-// multiplied by the R broadcasts x[r][k] (fused multiply-add). Memory traffic: the weight once
-// (4 K N bytes, padded to kPanel columns), x once per panel from L1, y written once.
+// layout reads it with strides or repacks it per call. A panel is K P contiguous floats, so the weight
+// streams once, front to back: per panel and group of R rows, R x (P / vector) accumulators start at the
+// bias, and for each k the P weights of row k (P / vector vector loads, one per strip and vector of it) are
+// multiplied by the R broadcasts x[r][k] (fused multiply-add). Memory traffic: the weight once (4 K N bytes,
+// padded to P columns), x once per panel from L1, y written once.
 // Panels are split over threads (at::parallel_for) when there are enough of them. With more rows the same
-// loop is compute-bound: R x kPanel / vector fused multiply-adds per kPanel / vector loads and R broadcasts
+// loop is compute-bound: R x P / vector fused multiply-adds per P / vector loads and R broadcasts
 // (AVX-512: 8 per 2 + 4), the panel re-read from L1/L2 per row group; on AVX2 from 8 rows the panel is
-// taken as two halves, 6 rows at a time (12 per 2 + 6: kWideRowGroup below).
+// taken a strip at a time, 6 rows at a time (12 per 2 + 6: kWideRowGroup below).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -33,19 +34,20 @@ constexpr int kVecs = kPackedLinearPanel / Vec::size();  // vector registers per
 // Rows per pass: R x kVecs accumulators plus kVecs weight vectors stay in the 16 (AVX2) or 32 (AVX-512)
 // vector registers.
 constexpr int kRowGroup = kVecs <= 2 ? 4 : 2;
-static_assert(kPackedLinearPanel % Vec::size() == 0, "a panel row is a whole number of vectors");
+static_assert(kPackedLinearStrip % Vec::size() == 0, "a strip's row is a whole number of vectors");
 #if defined(CPU_CAPABILITY_AVX2)
 // AVX2 with many rows: the 2 x 4 register block above does 8 fused multiply-adds per 4 weight loads and 2
 // broadcasts, too many loads for the FMA units to stay busy (38-57 GFLOP/s against MKL's 69-78 at M = 128,
-// 1 thread). Instead each panel is taken as two halves of 2 vectors, and 6 rows at a time: 12 accumulators,
-// 2 weight vectors and a broadcast (15 of the 16 registers), 12 FMAs per 2 loads and 6 broadcasts. A half
-// panel (K x 16 floats, one cache line per k) stays in L1/L2 while the row groups pass over it.
+// 1 thread). Instead each panel is taken a strip (2 vectors) at a time, and 6 rows at a time: 12 accumulators,
+// 2 weight vectors and a broadcast (15 of the 16 registers), 12 FMAs per 2 loads and 6 broadcasts. A strip
+// (K x 16 floats, one cache line per k, contiguous) stays in L1/L2 while the row groups pass over it.
 constexpr int kWideRowGroup = 6, kWideVecs = 2;
 constexpr int64_t kWideMinRows = 8;  // fewer rows: the weight streams once, the 2 x 4 block is the better one
 #endif
 
 // y[r][n0 + c0 .. n0 + c0 + V vectors) for rows r < R of x (row stride K): the V vectors of columns from c0
-// of one panel (K, kPanel) whose first `width` columns are real (<= kPanel; the rest is padding).
+// of one panel whose first `width` columns are real (<= P; the rest is padding). Vector v of row k
+// is at column[v] + k S (row k of its strip).
 template <int R, int V>
 void panel_rows(const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t y_stride,
                 int64_t n0, int c0, int64_t width) {
@@ -64,10 +66,11 @@ void panel_rows(const float* x, int64_t K, const float* panel, const float* bias
     const Vec init = b != nullptr ? Vec::loadu(b + v * Vec::size()) : Vec(0.0f);
     for (int r = 0; r < R; ++r) acc[r][v] = init;
   }
-  const float* w_k = panel + c0;
-  for (int64_t k = 0; k < K; ++k, w_k += kPackedLinearPanel) {
+  const float* column[V];
+  for (int v = 0; v < V; ++v) column[v] = panel + packed_column_offset(c0 + v * Vec::size(), K);
+  for (int64_t k = 0; k < K; ++k) {
     Vec w[V];
-    for (int v = 0; v < V; ++v) w[v] = Vec::loadu(w_k + v * Vec::size());
+    for (int v = 0; v < V; ++v) w[v] = Vec::loadu(column[v] + k * kPackedLinearStrip);
     for (int r = 0; r < R; ++r) {
       const Vec xr(x[r * K + k]);
       for (int v = 0; v < V; ++v) acc[r][v] = at::vec::fmadd(xr, w[v], acc[r][v]);
@@ -86,12 +89,27 @@ void panel_rows(const float* x, int64_t K, const float* panel, const float* bias
 
 // panel_rows for the first `rows` (<= R) rows: the block of R rows, or of as many as there are.
 template <int R, int V>
-void row_group(int rows, const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t N,
-               int64_t n0, int c0, int64_t width) {
+void row_group(int rows, const float* x, int64_t K, const float* panel, const float* bias, float* y,
+               int64_t y_stride, int64_t n0, int c0, int64_t width) {
   if constexpr (R > 1) {
-    if (rows < R) return row_group<R - 1, V>(rows, x, K, panel, bias, y, N, n0, c0, width);
+    if (rows < R) return row_group<R - 1, V>(rows, x, K, panel, bias, y, y_stride, n0, c0, width);
   }
-  panel_rows<R, V>(x, K, panel, bias, y, N, n0, c0, width);
+  panel_rows<R, V>(x, K, panel, bias, y, y_stride, n0, c0, width);
+}
+
+// The rows of the group that starts at m0: R, except near the end. A group of 1-3 rows keeps too few
+// accumulators to cover the FMA latency (2 rows x 2 vectors: 4 chains, a quarter of AVX2's 2 FMAs x 4 cycles
+// in flight), so when R / 2 or fewer rows would be left over, the last R + rest rows go as two groups of about
+// half (128 rows, R = 6: 20 x 6 + 4 + 4, not 21 x 6 + 2, whose 2-row group took ~5% of the projections'
+// time at batch 32, beam 4, for 1.6% of the rows: perf, AVX2 EPYC).
+template <int R>
+int group_rows(int64_t m0, int64_t M) {
+  const int64_t left = M - m0, rest = M % R;
+  if (M > R && rest != 0 && rest <= R / 2 && left <= R + rest) {
+    const int64_t last = R + rest;  // the last two groups' rows
+    return static_cast<int>(left == last ? (last + 1) / 2 : left);
+  }
+  return static_cast<int>(std::min<int64_t>(R, left));
 }
 
 // Every row of x times one panel: row groups of R rows, each over the panel's column blocks of V vectors.
@@ -103,19 +121,22 @@ void row_group(int rows, const float* x, int64_t K, const float* panel, const fl
 constexpr int64_t kPrefetchMinRows = 8;
 template <int R, int V>
 void panel_all_rows(const float* x, int64_t M, int64_t K, const float* panel, const float* bias, float* y,
-                    int64_t n, int64_t n0, int64_t width, const float* next) {
+                    int64_t y_stride, int64_t n0, int64_t width, const float* next) {
   constexpr int64_t kLine = 64 / sizeof(float);  // floats per cache line
   const int64_t lines = next != nullptr ? K * kPackedLinearPanel / kLine : 0;
-  const int64_t groups = (kPackedLinearPanel / (V * Vec::size())) * ((M + R - 1) / R);
+  int64_t groups = 0;  // row groups a column block
+  for (int64_t m0 = 0; m0 < M; m0 += group_rows<R>(m0, M)) ++groups;
+  groups *= kPackedLinearPanel / (V * Vec::size());
   const int64_t share = (lines + groups - 1) / groups;
   int64_t prefetched = 0;
   for (int c0 = 0; c0 < kPackedLinearPanel; c0 += V * Vec::size()) {
-    for (int64_t m0 = 0; m0 < M; m0 += R) {
+    for (int64_t m0 = 0, rows = 0; m0 < M; m0 += rows) {
       for (const int64_t end = std::min(lines, prefetched + share); prefetched < end; ++prefetched) {
         __builtin_prefetch(next + prefetched * kLine, /*rw=*/0, /*locality=*/2);
       }
-      const int rows = static_cast<int>(std::min<int64_t>(R, M - m0));
-      row_group<R, V>(rows, x + m0 * K, K, panel, bias, y + m0 * n, n, n0, c0, width);
+      rows = group_rows<R>(m0, M);
+      row_group<R, V>(static_cast<int>(rows), x + m0 * K, K, panel, bias, y + m0 * y_stride, y_stride, n0, c0,
+                      width);
     }
   }
 }
@@ -123,7 +144,7 @@ void panel_all_rows(const float* x, int64_t M, int64_t K, const float* panel, co
 }  // namespace
 
 void packed_linear_rows(const float* x, int64_t M, int64_t K, const float* panels, const float* bias, float* y,
-                        int64_t n) {
+                        int64_t n, int64_t y_stride) {
   if (M == 0 || n == 0) return;
   const int64_t P = (n + kPackedLinearPanel - 1) / kPackedLinearPanel;
   // About 64 K-long panel rows of work per task before a second thread pays off.
@@ -136,11 +157,11 @@ void packed_linear_rows(const float* x, int64_t M, int64_t K, const float* panel
       const float* next = p + 1 < p1 && M >= kPrefetchMinRows ? panel + K * kPackedLinearPanel : nullptr;
 #if defined(CPU_CAPABILITY_AVX2)
       if (M >= kWideMinRows) {
-        panel_all_rows<kWideRowGroup, kWideVecs>(x, M, K, panel, bias, y, n, n0, width, next);
+        panel_all_rows<kWideRowGroup, kWideVecs>(x, M, K, panel, bias, y, y_stride, n0, width, next);
         continue;
       }
 #endif
-      panel_all_rows<kRowGroup, kVecs>(x, M, K, panel, bias, y, n, n0, width, next);
+      panel_all_rows<kRowGroup, kVecs>(x, M, K, panel, bias, y, y_stride, n0, width, next);
     }
   });
 }
@@ -148,7 +169,7 @@ void packed_linear_rows(const float* x, int64_t M, int64_t K, const float* panel
 Tensor packed_linear(const Tensor& x, const Tensor& panels, const c10::optional<Tensor>& bias, int64_t n) {
   Tensor y = at::empty({x.size(0), n}, x.options());
   packed_linear_rows(x.const_data_ptr<float>(), x.size(0), x.size(1), panels.const_data_ptr<float>(),
-                     bias.has_value() ? bias->const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>(), n);
+                     bias.has_value() ? bias->const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>(), n, n);
   return y;
 }
 

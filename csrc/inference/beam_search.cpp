@@ -83,7 +83,8 @@ class BeamSearch {
     return out;
   }
 
-  // A step from float32 CPU logits (N, V); returns whether any sentence goes on.
+  // A step from float32 CPU logits (N, V); returns whether any sentence goes on. Rows may lie further apart
+  // than V (the C++ decoder's logits: rows padded to whole cache lines), read in place.
   bool step_logits(const Tensor& logits) {
     TORCH_CHECK_VALUE(logits.dim() == 2 && logits.size(0) == rows() && logits.size(1) == V_ &&
                           logits.scalar_type() == at::kFloat && logits.device().is_cpu(),
@@ -91,12 +92,12 @@ class BeamSearch {
                       logits.scalar_type(), " ", logits.sizes(), " on ", logits.device());
     const int64_t N = rows(), w = width();
     if (step_ < static_cast<int64_t>(forced_.size())) return step_forced();
-    const Tensor l = logits.contiguous();
+    const Tensor l = logits.stride(1) == 1 && logits.stride(0) >= V_ ? logits : logits.contiguous();
     Tensor lse = at::empty({N}, l.options().dtype(at::kDouble));
     Tensor top = at::empty({N, w}, l.options());
     Tensor top_tokens = at::empty({N, w}, l.options().dtype(at::kLong));
     const Tensor limit = at_limit();
-    cpu_kernels().inference.search_candidates(l.const_data_ptr<float>(), N, V_, limit.const_data_ptr<bool>(), pad_, bos_,
+    cpu_kernels().inference.search_candidates(l.const_data_ptr<float>(), N, V_, l.stride(0), limit.const_data_ptr<bool>(), pad_, bos_,
                                     eos_, w, lse.mutable_data_ptr<double>(), top.mutable_data_ptr<float>(),
                                     top_tokens.mutable_data_ptr<int64_t>());
     return step_candidates(lse, top.to(at::kDouble), top_tokens);

@@ -27,6 +27,7 @@
 // out = sum_j e^(s_j - m) v_j / sum_j e^(s_j - m), in float, over rows x heads split across threads; the
 // cache reads are t + 1 keys and values of Dh floats a (row, head), each contiguous.
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 
 #include <algorithm>
 #include <cmath>
@@ -41,10 +42,13 @@
 namespace fastformer::cpu {
 namespace {
 
-// y (M, n) = x (M, K) W^T + b: float32 panels, or the int8 weight (activations quantized per row).
-void project(const float* x, int64_t M, int64_t K, const PackedProjection& w, float* y, int64_t n, int variant) {
-  if (w.int8.panels != nullptr) return int8_linear_rows(x, M, K, w.int8, w.bias, y, n, variant);
-  packed_linear_rows(x, M, K, w.panels, w.bias, y, n);
+// y (M, n) = x (M, K) W^T + b, y's rows y_stride floats apart (n unless given): float32 panels, or the int8
+// weight (activations quantized per row).
+void project(const float* x, int64_t M, int64_t K, const PackedProjection& w, float* y, int64_t n, int variant,
+             int64_t y_stride = -1) {
+  if (y_stride < 0) y_stride = n;
+  if (w.int8.panels != nullptr) return int8_linear_rows(x, M, K, w.int8, w.bias, y, n, y_stride, variant);
+  packed_linear_rows(x, M, K, w.panels, w.bias, y, n, y_stride);
 }
 
 // out (Dh) = softmax(q . keys^T scale, masked) values for one query against L keys/values of Dh floats,
@@ -112,19 +116,23 @@ struct Scratch {
 int64_t attention_grain(int64_t L, int64_t Dh) { return std::max<int64_t>(16, 32768 / std::max<int64_t>(1, L * Dh)); }
 
 
-// The feed-forward's activation over u (n floats), in place; rows split over threads.
+// The feed-forward's activation over u (rows x width floats), in place, in vectors (at::vec's exp and erf,
+// Sleef's); rows split over threads.
 void activate(Activation activation, float* u, int64_t rows, int64_t width) {
+  using Vec = at::vec::Vectorized<float>;
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    float* const end = u + r1 * width;
+    float* const v = u + r0 * width;
+    const int64_t n = (r1 - r0) * width;
     switch (activation) {
       case Activation::kRelu:
-        for (float* v = u + r0 * width; v != end; ++v) *v = std::max(*v, 0.0f);
+        at::vec::map([](Vec x) { return at::vec::maximum(x, Vec(0.0f)); }, v, v, n);  // (NaN stays NaN)
         break;
       case Activation::kGelu:  // exact: x Phi(x)
-        for (float* v = u + r0 * width; v != end; ++v) *v = 0.5f * *v * (1.0f + std::erf(*v * 0.70710678118654752f));
+        at::vec::map([](Vec x) { return Vec(0.5f) * x * (Vec(1.0f) + (x * Vec(0.70710678118654752f)).erf()); }, v,
+                     v, n);
         break;
       case Activation::kSilu:  // x sigmoid(x)
-        for (float* v = u + r0 * width; v != end; ++v) *v = *v / (1.0f + std::exp(-*v));
+        at::vec::map([](Vec x) { return x / (Vec(1.0f) + x.neg().exp()); }, v, v, n);
         break;
     }
   });
@@ -232,7 +240,7 @@ void decoder_step(const DecoderStep& s) {
       layer_norm(y.data(), s.final_norm_weight, s.final_norm_bias, h.data(), x.data());
     }
   }
-  project(in, N, d, s.output, s.logits, s.vocab, s.int8_variant);
+  project(in, N, d, s.output, s.logits, s.vocab, s.int8_variant, s.logits_stride);
 }
 
 }  // namespace fastformer::cpu

@@ -72,7 +72,8 @@ struct DecoderStep {
   const float* final_norm_weight;  // pre-norm only (nullptr for post-norm)
   const float* final_norm_bias;
   PackedProjection output;     // the output projection: d -> V
-  float* logits;               // (N, V), written
+  float* logits;               // (N, V), written; rows logits_stride (>= V) floats apart
+  int64_t logits_stride;
   int int8_variant;            // which of int8_variants() the int8 projections use (0: the best)
 };
 

@@ -335,6 +335,7 @@ def beam_search(model, src: Tensor, K: int, alpha: float, a: float, b: float, us
             going = search.step_logits(logits)
         else:
             going = search.step_candidates(*search_candidates(logits, search.at_limit().to(device), cfg, search.width))
+        del logits  # the C++ decoder writes the next step's logits into the same buffer when none holds it
         if not going:
             break
         sentences = search.sentences

@@ -2,9 +2,10 @@
 on the CPU in float32 run fastformer's own GEMM on the weight packed once into column panels.
 
 ``fastformer._C.packed_linear`` (csrc/gemm/packed_linear.cpp, built per CPU level) streams W^T as
-(ceil(out / P), in, P) panels, P = PACKED_LINEAR_PANEL, with ``at::vec`` fused multiply-adds (the decoding
-benchmark, benchmarks/test_decoding.py, times the decoder built on it beside one on torch's GEMM; no
-generated table times the two GEMMs alone). It is used where no gradient can be wanted: grad disabled (``torch.no_grad``,
+(ceil(out / P), P / S, in, S) panels (P = PACKED_LINEAR_PANEL columns a panel, in strips of S =
+PACKED_LINEAR_STRIP contiguous columns), with ``at::vec`` fused multiply-adds (the decoding benchmark,
+benchmarks/test_decoding.py, times the decoder built on it beside one on torch's GEMM; no generated table
+times the two GEMMs alone). It is used where no gradient can be wanted: grad disabled (``torch.no_grad``,
 ``inference_mode``: translation, evaluation), not under autocast, not while ``torch.compile`` traces, x
 float32 on the CPU. Everywhere else, training included, ``F.linear``.
 

@@ -140,9 +140,10 @@ def test_quantize_weight_packs_and_dequantizes():
 def test_pack_linear_is_the_packed_kernels_layout():
     weight = torch.randn(70, 13)
     panels = C.pack_linear(weight)
-    assert panels.shape == (3, 13, 32)
-    assert torch.equal(panels.transpose(1, 2).reshape(96, 13)[:70], weight)
-    assert not panels.transpose(1, 2).reshape(96, 13)[70:].any()
+    assert panels.shape == (3, 2, 13, 16)  # panels of 32 columns, each two contiguous strips of 16
+    columns = panels.transpose(2, 3).reshape(96, 13)  # row p 32 + s 16 + j: strip s of panel p, column j
+    assert torch.equal(columns[:70], weight)
+    assert not columns[70:].any()
 
 
 @pytest.mark.parametrize("call, message", [

@@ -74,6 +74,40 @@ def test_cpp_steps_match_the_float64_python_steps_through_reorders(name):
             live = len(keep)
 
 
+def test_cpp_decoder_pads_logits_rows_and_never_overwrites_held_logits():
+    """The C++ decoder writes a step's logits (N, V) into rows padded to whole 64-byte lines (a view: row
+    stride V rounded up to 16 floats) and takes one buffer again at each step, unless the last step's logits
+    are still held: then a fresh one, so a tensor the caller keeps never changes."""
+    config = CONFIGS["dh64"]  # V = 97: rows 112 floats apart
+    model = varied_model(config, "cpu", seed=4, dtype=torch.float32)
+    with torch.no_grad():
+        decoder = IncrementalDecoder(model, *model.encode(make_src(config, [3, 2])), 2, steps=3).native
+    first = decoder.logits(torch.full((4,), config.bos_id))
+    assert first.shape == (4, 97) and first.stride() == (112, 1)
+    kept = first.clone()
+    second = decoder.logits(torch.full((4,), 5))
+    assert torch.equal(first, kept) and second.data_ptr() != first.data_ptr()
+    address = second.data_ptr()
+    del first, second
+    third = decoder.logits(torch.full((4,), 6))
+    assert third.data_ptr() == address  # nothing held it: the same buffer
+
+
+def test_search_kernel_reads_logits_rows_in_place():
+    """step_logits takes logits whose rows lie further apart than V (the C++ decoder's padded rows) as they
+    are: NaN in the padding changes nothing."""
+    K, V, max_len = 2, 50, [3, 2]
+    generator = torch.Generator().manual_seed(1)
+    plain, strided = _search(K, V, max_len), _search(K, V, max_len)
+    for step in range(4):
+        logits = torch.randn(plain.rows, V, generator=generator) * 3
+        padded = torch.full((plain.rows, 64), float("nan"))
+        padded[:, :V] = logits
+        assert plain.step_logits(logits) == strided.step_logits(padded[:, :V])
+        assert torch.equal(plain.tokens(), strided.tokens())
+    assert plain.hypotheses() == strided.hypotheses()
+
+
 def _search(K, V, max_len, alpha=0.6):
     return C.BeamSearch(max_len, K, alpha, V, 0, 2, 3)
 

@@ -19,7 +19,8 @@ def test_packed_linear_matches_reference(M, K, N, with_bias):
     x, w = randn(M, K, dtype=torch.float32), randn(N, K, dtype=torch.float32)
     b = randn(N, dtype=torch.float32) if with_bias else None
     panels = pack_panels(w)
-    assert panels.shape == ((N + C.PACKED_LINEAR_PANEL - 1) // C.PACKED_LINEAR_PANEL, K, C.PACKED_LINEAR_PANEL)
+    P, S = C.PACKED_LINEAR_PANEL, C.PACKED_LINEAR_STRIP
+    assert panels.shape == ((N + P - 1) // P, P // S, K, S)
     y = C.packed_linear(x, panels, b, N)
     ref = x.double() @ w.double().t() + (0 if b is None else b.double())
     assert_close(y, ref, torch.float32, "y")
