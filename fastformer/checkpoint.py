@@ -130,6 +130,9 @@ def from_state(state: dict, path: str, backend: str | None = None,
         raise CheckpointError(f"{resolve(path)}: unreadable tokenizer ({exc})") from exc
     if tokenizer.vocab_size != config.vocab_size:
         raise CheckpointError(f"{resolve(path)}: tokenizer has {tokenizer.vocab_size} pieces, model {config.vocab_size}")
+    if len(tokenizer.source_pieces()) != config.source_vocab_size:
+        raise CheckpointError(f"{resolve(path)}: tokenizer has {len(tokenizer.source_pieces())} source pieces, model "
+                              f"{config.source_vocab_size}")
     return model.to(device).eval(), tokenizer, state
 
 

@@ -5,7 +5,8 @@ deployed with. The converted model decodes to the same tokens as ``Transformer.g
 input (``tests/test_export.py`` checks it), given the same search settings:
 
 - weights: the shared embedding serves the encoder's and decoder's embeddings and the output projection
-  (CTranslate2 stores it once); the fused q|k|v projection of self-attention and the fused k|v projection
+  (CTranslate2 stores it once); a model with its own source vocabulary (config.src_vocab_size) gives the
+  encoder its ``src_embed`` and CTranslate2 its source vocabulary; the fused q|k|v projection of self-attention and the fused k|v projection
   of cross-attention are CTranslate2's own layouts, copied as they are; post-norm or pre-norm as trained.
 - positions: the model's table (config.positions: the paper's sin and cos interleaved, or a converted
   model's family's layout and offset) is stored in the model, so CTranslate2 does not use its own.
@@ -59,17 +60,23 @@ def _ctranslate2():
 
 
 def vocabulary(tokenizer) -> list[str]:
-    """The pieces of ids 0 .. V - 1: CTranslate2's vocabulary."""
+    """The pieces of ids 0 .. V - 1: CTranslate2's (target) vocabulary."""
     return tokenizer.pieces()
+
+
+def source_vocabulary(tokenizer) -> list[str]:
+    """The source's pieces by id: the target's, unless the model has its own source vocabulary."""
+    return tokenizer.source_pieces()
 
 
 # config.activation -> CTranslate2's name (its GELU is the exact one, as fastformer's)
 _CT2_ACTIVATION = {"relu": "RELU", "gelu": "GELU", "silu": "SWISH"}
 
 
-def ctranslate2_spec(model, pieces: list[str]):
+def ctranslate2_spec(model, pieces: list[str], source_pieces: list[str] | None = None):
     """The ``ctranslate2.specs.TransformerSpec`` of a fastformer Transformer (float32 weights); ``pieces``
-    is the vocabulary (the special tokens are those at the config's unk, bos and eos ids)."""
+    is the (target) vocabulary (the special tokens are those at the config's unk, bos and eos ids),
+    ``source_pieces`` the source's where the model has its own (config.src_vocab_size; default: pieces)."""
     from ctranslate2.specs import common_spec, transformer_spec
 
     cfg = model.config
@@ -93,9 +100,14 @@ def ctranslate2_spec(model, pieces: list[str]):
         target.gamma, target.beta = numpy[prefix + ".weight"], numpy[prefix + ".bias"]
 
     positions = position_table(cfg.max_positions, cfg).float().numpy()  # config.positions' layout and offset
+    source_pieces = pieces if source_pieces is None else source_pieces
+    if len(pieces) != cfg.vocab_size or len(source_pieces) != cfg.source_vocab_size:
+        raise ValueError(f"the vocabularies have {len(source_pieces)} source and {len(pieces)} target pieces, the "
+                         f"model {cfg.source_vocab_size} and {cfg.vocab_size}")
     embed = numpy["embed.weight"]
     for side, stack in (("encoder", spec.encoder), ("decoder", spec.decoder)):
-        (stack.embeddings[0] if isinstance(stack.embeddings, list) else stack.embeddings).weight = embed
+        table = numpy["src_embed.weight"] if side == "encoder" and model.src_embed is not None else embed
+        (stack.embeddings[0] if isinstance(stack.embeddings, list) else stack.embeddings).weight = table
         stack.scale_embeddings = cfg.scale_embedding  # x sqrt(d_model), or not
         stack.position_encodings.encodings = positions
         if cfg.norm_first:
@@ -121,7 +133,7 @@ def ctranslate2_spec(model, pieces: list[str]):
     spec.decoder.projection.weight = embed
     if cfg.output_bias:  # Marian's final_logits_bias
         spec.decoder.projection.bias = numpy["output_bias"]
-    spec.register_source_vocabulary(pieces)
+    spec.register_source_vocabulary(source_pieces)
     spec.register_target_vocabulary(pieces)
     spec.config.unk_token, spec.config.bos_token, spec.config.eos_token = (
         pieces[cfg.unk_id], pieces[cfg.bos_id], pieces[cfg.eos_id])
@@ -130,13 +142,15 @@ def ctranslate2_spec(model, pieces: list[str]):
     return spec
 
 
-def write_ctranslate2(model, pieces: list[str], out_dir: str, force: bool = False) -> str:
-    """Writes the CTranslate2 model of a Transformer with vocabulary ``pieces`` into ``out_dir``."""
+def write_ctranslate2(model, pieces: list[str], out_dir: str, force: bool = False,
+                      source_pieces: list[str] | None = None) -> str:
+    """Writes the CTranslate2 model of a Transformer with vocabulary ``pieces`` (and the source's,
+    ``source_pieces``, where it has its own) into ``out_dir``."""
     ctranslate2 = _ctranslate2()
 
     class _Converter(ctranslate2.converters.Converter):
         def _load(self):
-            return ctranslate2_spec(model, pieces)
+            return ctranslate2_spec(model, pieces, source_pieces)
 
     return _Converter().convert(out_dir, force=force)
 
@@ -144,25 +158,27 @@ def write_ctranslate2(model, pieces: list[str], out_dir: str, force: bool = Fals
 def export_ctranslate2(checkpoint: str, out_dir: str, force: bool = False) -> str:
     """Writes the CTranslate2 model of ``checkpoint`` (file or run folder) into ``out_dir``."""
     model, tokenizer, _ = ckpt.load_model(checkpoint)
-    return write_ctranslate2(model, vocabulary(tokenizer), out_dir, force)
+    return write_ctranslate2(model, vocabulary(tokenizer), out_dir, force, source_vocabulary(tokenizer))
 
 
 def ctranslate2_translate(translator, pieces: list[str], ids: list[list[int]], *, beam_size: int = 4,
                           length_penalty: float = 0.0, max_len_a: float = decoding.MAX_LEN_A,
-                          max_len_b: int = decoding.MAX_LEN_B,
+                          max_len_b: int = decoding.MAX_LEN_B, source_pieces: list[str] | None = None,
                           **options) -> list[list[int]]:
     """Best translations (ids, no bos/eos) of source id lists ``ids`` (no eos) by a CTranslate2
-    ``Translator`` of an exported model with vocabulary ``pieces``, each sentence limited to
+    ``Translator`` of an exported model with vocabulary ``pieces`` (the source ids read by ``source_pieces``
+    where the model has its own source vocabulary), each sentence limited to
     ``decoding.length_limit(n, a, b)`` tokens before its eos (n counting the source's eos, as in ``Transformer.generate``). Sentences that share a limit go in
     one ``translate_batch`` call. fastformer's search never produces pad or bos; CTranslate2 can (its
     ``suppress_sequences`` option forbids them but renormalizes the other tokens' probabilities, which
     fastformer does not, so it is not set here)."""
     piece_ids = {piece: i for i, piece in enumerate(pieces)}
+    source_pieces = pieces if source_pieces is None else source_pieces
     limits = [decoding.length_limit(len(s) + 1, max_len_a, max_len_b) for s in ids]
     out: list[list[int]] = [[] for _ in ids]
     for limit in sorted(set(limits)):
         group = [i for i, n in enumerate(limits) if n == limit]
-        results = translator.translate_batch([[pieces[t] for t in ids[i]] for i in group],
+        results = translator.translate_batch([[source_pieces[t] for t in ids[i]] for i in group],
                                              beam_size=beam_size, length_penalty=length_penalty,
                                              max_decoding_length=limit, **options)
         for i, result in zip(group, results):

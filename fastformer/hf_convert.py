@@ -20,19 +20,25 @@ output_bias              final_logits_bias                           none
 decoder_start_id         decoder_start_token_id (= pad)              decoder_start_token_id (= eos), and the
                                                                      target language forced next (--target-lang)
 pad/unk/bos/eos ids      the config's and vocab.json's               the config's
+src_vocab_size           vocab_size where share_encoder_decoder_     none (one vocabulary)
+                         embeddings is false (vocab_size is then
+                         decoder_vocab_size)
 =======================  ==========================================  =========================================
 
-Weights: ``model.shared.weight`` is the one embedding (source, target, output projection); q, k, v
+Weights: ``model.shared.weight`` is the one embedding (source, target, output projection); with separate
+vocabularies ``model.decoder.embed_tokens.weight`` is the target's (and the output projection's) and
+``model.encoder.embed_tokens.weight`` the source's (``src_embed``); q, k, v
 projections are concatenated into fastformer's qkv_proj (self-attention) and k, v into kv_proj
 (cross-attention). Read from ``model.safetensors`` (needs the safetensors package) or ``pytorch_model.bin``
 (``torch.load(weights_only=True)``).
-Tokenizers (fastformer/data/tokenizer.py ``VocabTokenizer``): Marian's source.spm, target.spm and vocab.json;
+Tokenizers (fastformer/data/tokenizer.py ``VocabTokenizer``): Marian's source.spm, target.spm and vocab.json
+(with separate_vocabs, vocab.json the source's and target_vocab.json the target's);
 M2M-100's sentencepiece.bpe.model and vocab.json; NLLB's sentencepiece.bpe.model with fairseq's id offset; the
 language codes from tokenizer_config.json's added tokens.
 
-What does not map is refused with ``ConversionError`` naming the field: another model_type, separate source
-and target vocabularies (Marian's share_encoder_decoder_embeddings false), untied output weights, encoder and
-decoder of different widths or heads, other activations. Layer drop (M2M-100's encoder_layerdrop and
+What does not map is refused with ``ConversionError`` naming the field: another model_type, untied output
+weights, encoder and decoder of different widths or heads, other activations, a tokenizer whose
+separate_vocabs disagrees with the model's share_encoder_decoder_embeddings. Layer drop (M2M-100's encoder_layerdrop and
 decoder_layerdrop) is a training-time option fastformer does not have: inference is unaffected.
 """
 from __future__ import annotations
@@ -106,13 +112,14 @@ def model_config(hf: dict) -> TransformerConfig:
                               f"(supported: {', '.join(_ACTIVATIONS)})")
     if not hf.get("tie_word_embeddings", True):
         raise ConversionError("tie_word_embeddings is false: fastformer's output projection is the shared embedding")
-    vocab = hf["vocab_size"]
+    vocab, src_vocab = hf["vocab_size"], None
     if family == "marian":
+        target_vocab = hf.get("decoder_vocab_size") or vocab
         if not hf.get("share_encoder_decoder_embeddings", True):
-            raise ConversionError("share_encoder_decoder_embeddings is false (separate source and target "
-                                  "vocabularies): not supported, fastformer has one embedding")
-        if hf.get("decoder_vocab_size", vocab) not in (None, vocab):
-            raise ConversionError(f"decoder_vocab_size {hf['decoder_vocab_size']} differs from vocab_size {vocab}")
+            vocab, src_vocab = target_vocab, vocab  # separate vocabularies: the source's is vocab_size
+        elif target_vocab != vocab:
+            raise ConversionError(f"decoder_vocab_size {target_vocab} differs from vocab_size {vocab} while "
+                                  "share_encoder_decoder_embeddings is true")
     pad, eos = hf["pad_token_id"], hf["eos_token_id"]
     if isinstance(eos, list):
         raise ConversionError(f"eos_token_id {eos}: one end-of-sentence token is supported")
@@ -135,7 +142,7 @@ def model_config(hf: dict) -> TransformerConfig:
             max_positions=hf.get("max_position_embeddings", 1024), pad_id=pad, unk_id=unk, bos_id=bos, eos_id=eos,
             scale_embedding=bool(hf.get("scale_embedding", False)), output_bias=family == "marian",
             positions="marian" if family == "marian" else "fairseq",
-            position_offset=0 if family == "marian" else pad + 1, decoder_start_id=start)
+            position_offset=0 if family == "marian" else pad + 1, decoder_start_id=start, src_vocab_size=src_vocab)
     except KeyError as exc:
         raise ConversionError(f"config.json lacks {exc.args[0]}") from exc
     except ValueError as exc:
@@ -169,15 +176,21 @@ def state_dict(hf_weights: dict[str, torch.Tensor], config: TransformerConfig) -
             raise ConversionError(f"the weights lack {name}")
         return w[name]
 
-    embed = next((w[k] for k in ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
-                  if k in w), None)
+    if config.src_vocab_size is None:  # one embedding: model.shared (or a copy of it in each stack)
+        names = ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+    else:  # separate vocabularies: the decoder's (tied to lm_head) and the encoder's own
+        names = ("decoder.embed_tokens.weight",)
+    embed = next((w[k] for k in names if k in w), None)
     if embed is None:
-        raise ConversionError("the weights lack model.shared.weight (the embedding)")
+        raise ConversionError(f"the weights lack model.{names[0]} (the {'target ' if len(names) == 1 else ''}"
+                              "embedding)")
     lm_head = hf_weights.get("lm_head.weight")
     if lm_head is not None and not torch.equal(lm_head.float(), embed):
-        raise ConversionError("lm_head.weight differs from the shared embedding: untied output weights are not "
+        raise ConversionError("lm_head.weight differs from the target embedding: untied output weights are not "
                               "supported")
     out = {"embed.weight": embed}
+    if config.src_vocab_size is not None:
+        out["src_embed.weight"] = take("encoder.embed_tokens.weight")
     if config.output_bias:
         out["output_bias"] = take("final_logits_bias").reshape(-1) if "final_logits_bias" in w else \
             torch.zeros(config.vocab_size)
@@ -230,12 +243,16 @@ def load_tokenizer(directory: str, config: TransformerConfig, family: str) -> Vo
     """The tokenizer of a Marian, M2M-100 or NLLB folder (see the module docstring)."""
     tokenizer_config = _read_json(directory, "tokenizer_config.json", required=False) or {}
     specials = [config.pad_id, config.eos_id, config.bos_id, config.start_id]
+    source_encoder = None  # the source's own vocabulary (Marian's separate_vocabs), else the one of both
     if family == "marian":
-        if tokenizer_config.get("separate_vocabs") or os.path.isfile(os.path.join(directory, "target_vocab.json")):
-            raise ConversionError("separate_vocabs (target_vocab.json): separate source and target vocabularies are "
-                                  "not supported")
+        separate = bool(tokenizer_config.get("separate_vocabs"))
+        if separate != (config.src_vocab_size is not None):
+            raise ConversionError(f"tokenizer_config.json's separate_vocabs is {separate}, config.json's "
+                                  f"share_encoder_decoder_embeddings is {config.src_vocab_size is None}: they disagree")
         source, target = _read_bytes(directory, "source.spm"), _read_bytes(directory, "target.spm")
         encoder = _read_json(directory, "vocab.json")
+        if separate:  # vocab.json: the source's; target_vocab.json: the target's
+            source_encoder, encoder = encoder, _read_json(directory, "target_vocab.json")
         languages: dict[str, int] = {}
     else:
         source = target = _read_bytes(directory, "sentencepiece.bpe.model")
@@ -254,10 +271,15 @@ def load_tokenizer(directory: str, config: TransformerConfig, family: str) -> Vo
             encoder = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
             for i in range(3, sp.get_piece_size()):
                 encoder.setdefault(sp.id_to_piece(i), i + 1)
-    vocab = ["<unused>"] * config.vocab_size  # ids no file names (a model's padding rows)
-    for piece, index in encoder.items():
-        if 0 <= index < config.vocab_size:
-            vocab[index] = piece
+    def pieces(encoder: dict[str, int], size: int) -> list[str]:
+        vocab = ["<unused>"] * size  # ids no file names (a model's padding rows)
+        for piece, index in encoder.items():
+            if 0 <= index < size:
+                vocab[index] = piece
+        return vocab
+
+    vocab = pieces(encoder, config.vocab_size)
+    source_vocab = None if source_encoder is None else pieces(source_encoder, config.source_vocab_size)
     for code, index in languages.items():  # M2M-100's __de__, NLLB's deu_Latn
         if 0 <= index < config.vocab_size:
             vocab[index] = f"__{code}__" if "_" not in code else code
@@ -265,8 +287,8 @@ def load_tokenizer(directory: str, config: TransformerConfig, family: str) -> Vo
     if source_lang is not None and source_lang not in languages:
         source_lang = None
     try:
-        return VocabTokenizer(source, target, vocab, encoder.get("<unk>", config.unk_id), specials, languages,
-                              source_lang)
+        return VocabTokenizer(source, target, vocab, (source_encoder or encoder).get("<unk>", config.unk_id),
+                              specials, languages, source_lang, source_vocab=source_vocab)
     except (RuntimeError, OSError) as exc:
         raise ConversionError(f"{directory}: the tokenizer's sentencepiece model does not load ({exc})") from exc
 

@@ -68,12 +68,17 @@ class Tokenizer:
         """The pieces of ids 0 .. V - 1."""
         return [self.sp.id_to_piece(i) for i in range(self.vocab_size)]
 
+    def source_pieces(self) -> list[str]:
+        """The source's pieces: the same (one joint vocabulary)."""
+        return self.pieces()
+
 
 class VocabTokenizer:
     """The tokenizer of a model converted from transformers (fastformer/hf_convert.py): sentencepiece pieces
     looked up in the model's own vocabulary, as transformers' Marian, M2M-100 and NLLB tokenizers do.
 
-    - ``encode``: the source model's pieces of each text, each piece's id in ``vocab`` (unk where it has none),
+    - ``encode``: the source model's pieces of each text, each piece's id in ``source_vocab`` (the source's own
+      vocabulary, Marian's separate_vocabs; by default ``vocab``; unk where it has none),
       after the source-language token (``source_lang``, M2M-100 and NLLB; Marian's multilingual models take
       a ``>>xx<<`` code at the start of the text, as their tokenizer does). No eos: ``collate`` appends it.
     - ``decode``: the pieces of the ids (special tokens and language codes dropped), joined by the target
@@ -83,13 +88,15 @@ class VocabTokenizer:
     """
 
     def __init__(self, source_spm: bytes, target_spm: bytes, vocab: list[str], unk_id: int, specials: list[int],
-                 languages: dict[str, int] | None = None, source_lang: str | None = None):
+                 languages: dict[str, int] | None = None, source_lang: str | None = None,
+                 source_vocab: list[str] | None = None):
         spm = _sentencepiece()
         self.source_spm, self.target_spm = source_spm, target_spm
         self.source = spm.SentencePieceProcessor(model_proto=source_spm)
         self.target = self.source if target_spm == source_spm else spm.SentencePieceProcessor(model_proto=target_spm)
         self.vocab, self.unk_id = list(vocab), unk_id
-        self.index = {piece: i for i, piece in enumerate(self.vocab)}
+        self.source_vocab = None if source_vocab is None else list(source_vocab)
+        self.index = {piece: i for i, piece in enumerate(self.vocab if source_vocab is None else source_vocab)}
         self.languages = dict(languages or {})
         self.specials = set(specials) | set(self.languages.values())
         self.source_lang = None
@@ -113,10 +120,20 @@ class VocabTokenizer:
 
     @property
     def vocab_size(self) -> int:
+        """The target's vocabulary size (the model's config.vocab_size)."""
         return len(self.vocab)
 
+    @property
+    def source_vocab_size(self) -> int:
+        return len(self.vocab if self.source_vocab is None else self.source_vocab)
+
     def pieces(self) -> list[str]:
+        """The target's pieces by id."""
         return list(self.vocab)
+
+    def source_pieces(self) -> list[str]:
+        """The source's pieces by id (the target's where the two share one vocabulary)."""
+        return list(self.vocab if self.source_vocab is None else self.source_vocab)
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         prefix = [] if self.source_lang is None else [self.languages[self.source_lang]]
@@ -135,12 +152,13 @@ class VocabTokenizer:
     def to_state(self) -> dict:
         return {"kind": "vocab", "source_spm": _as_tensor(self.source_spm), "target_spm": _as_tensor(self.target_spm),
                 "vocab": self.vocab, "unk_id": self.unk_id, "specials": sorted(self.specials - set(self.languages.values())),
-                "languages": self.languages, "source_lang": self.source_lang}
+                "languages": self.languages, "source_lang": self.source_lang, "source_vocab": self.source_vocab}
 
     @classmethod
     def from_state(cls, state: dict) -> "VocabTokenizer":
         return cls(_as_bytes(state["source_spm"]), _as_bytes(state["target_spm"]), state["vocab"],
-                   state["unk_id"], state["specials"], state["languages"], state["source_lang"])
+                   state["unk_id"], state["specials"], state["languages"], state["source_lang"],
+                   state.get("source_vocab"))
 
 
 def _as_tensor(proto: bytes):

@@ -43,6 +43,10 @@ class TransformerConfig:
     positions: str = "paper"  # the sinusoid table's layout: one of POSITION_TABLES
     position_offset: int = 0  # position p reads the table's row p + offset (M2M-100: 2)
     decoder_start_id: Optional[int] = None  # the decoder's first input token (None: bos_id; Marian: pad)
+    # The source's own vocabulary and embedding (Marian's share_encoder_decoder_embeddings false): src ids in
+    # [0, src_vocab_size), embedded by Transformer.src_embed; vocab_size is then the target's, whose embedding
+    # stays tied to the output projection. None: one joint vocabulary (the paper's).
+    src_vocab_size: Optional[int] = None
 
     def __post_init__(self):
         if self.vocab_size <= max(self.pad_id, self.unk_id, self.bos_id, self.eos_id):
@@ -53,6 +57,8 @@ class TransformerConfig:
             raise ValueError(f"positions must be one of {', '.join(POSITION_TABLES)}, got {self.positions!r}")
         if self.position_offset < 0:
             raise ValueError(f"position_offset must be >= 0, got {self.position_offset}")
+        if self.src_vocab_size is not None and self.src_vocab_size <= max(self.pad_id, self.unk_id):
+            raise ValueError(f"src_vocab_size {self.src_vocab_size} must exceed pad_id and unk_id")
         if self.decoder_start_id is not None and not 0 <= self.decoder_start_id < self.vocab_size:
             raise ValueError(f"decoder_start_id {self.decoder_start_id} is outside the vocabulary [0, {self.vocab_size})")
         if self.activation not in ACTIVATIONS:
@@ -65,6 +71,11 @@ class TransformerConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def source_vocab_size(self) -> int:
+        """The source's vocabulary size: src_vocab_size, else the joint vocab_size."""
+        return self.vocab_size if self.src_vocab_size is None else self.src_vocab_size
 
     @property
     def start_id(self) -> int:

@@ -47,7 +47,9 @@ class Transformer(nn.Module):
     """``model(src, tgt_in)`` -> logits (B, T, vocab) for int64 src (B, S) and tgt_in (B, T).
 
     One embedding matrix serves the source, the target and the pre-softmax projection (joint
-    vocabulary); embeddings are scaled by sqrt(d_model) and summed with sinusoidal positions.
+    vocabulary); embeddings are scaled by sqrt(d_model) and summed with sinusoidal positions. A model with
+    config.src_vocab_size (converted Marian models with separate vocabularies) embeds the source with its own
+    matrix, ``src_embed``; the target's stays tied to the projection.
     Padding (config.pad_id) in src is masked from every attention; target padding must be at the end.
     ``backend`` is passed to every fastformer op (None: the dispatcher's default).
     """
@@ -57,8 +59,14 @@ class Transformer(nn.Module):
         self.config, self.backend = config, backend
         self.embed = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_id)
         nn.init.normal_(self.embed.weight, mean=0.0, std=config.d_model ** -0.5)
+        self.src_embed: Optional[nn.Embedding] = None
+        if config.src_vocab_size is not None:
+            self.src_embed = nn.Embedding(config.src_vocab_size, config.d_model, padding_idx=config.pad_id)
+            nn.init.normal_(self.src_embed.weight, mean=0.0, std=config.d_model ** -0.5)
         with torch.no_grad():
-            self.embed.weight[config.pad_id].zero_()
+            for table in (self.embed, self.src_embed):
+                if table is not None:
+                    table.weight[config.pad_id].zero_()
         self._position_cache: dict = {}  # (device, dtype) -> position table, computed in float64 then cast
         # Marian's final_logits_bias (config.output_bias); a quantized model holds it in output_projection.
         self.output_bias = nn.Parameter(torch.zeros(config.vocab_size)) if config.output_bias else None
@@ -80,8 +88,12 @@ class Transformer(nn.Module):
             self._position_cache[(device, dtype)] = table
         return table[:length]
 
-    def _embed(self, tokens: Tensor, offset: int = 0) -> Tensor:
-        if self.embed is None:  # quantized: the rows of the int8 output projection (fastformer/nn/quantize.py)
+    def _embed(self, tokens: Tensor, offset: int = 0, source: bool = False) -> Tensor:
+        """The scaled embeddings of tokens (B, L) plus the positions offset .. offset + L - 1; the source's
+        table where it has its own (source=True and config.src_vocab_size)."""
+        if source and self.src_embed is not None:
+            rows = self.src_embed(tokens)
+        elif self.embed is None:  # quantized: the rows of the int8 output projection (fastformer/nn/quantize.py)
             out = self.output_projection
             rows = C.int8_embedding(tokens, out.weight, out.weight_scale, out.out_features, out.in_features)
         else:
@@ -90,18 +102,18 @@ class Transformer(nn.Module):
         x = x + self.positions(offset + tokens.shape[1], x.dtype, x.device)[offset:]
         return F.dropout(x, self.config.dropout, self.training)
 
-    def _check_tokens(self, tokens: Tensor, name: str) -> None:
+    def _check_tokens(self, tokens: Tensor, name: str, vocab_size: int) -> None:
         if not isinstance(tokens, Tensor) or tokens.dtype != torch.int64 or tokens.dim() != 2:
             raise ValueError(f"{name} must be an int64 tensor (B, L), got "
                              f"{getattr(tokens, 'dtype', type(tokens))} {tuple(getattr(tokens, 'shape', ()))}")
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
-            raise ValueError(f"{name} holds token ids outside [0, {self.config.vocab_size})")
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+            raise ValueError(f"{name} holds token ids outside [0, {vocab_size})")
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
         """src (B, S) -> memory (B, S, d) and its padding mask (B, S)."""
-        self._check_tokens(src, "src")
+        self._check_tokens(src, "src", self.config.source_vocab_size)
         src_padding = src.eq(self.config.pad_id)
-        return self.encoder(self._embed(src), src_padding), src_padding
+        return self.encoder(self._embed(src, source=True), src_padding), src_padding
 
     def decode(self, tgt_in: Tensor, memory: Tensor, memory_padding_mask: Tensor) -> Tensor:
         """Target prefix (B, T) -> logits (B, T, vocab), every position recomputed (the incremental decoder
@@ -111,7 +123,7 @@ class Transformer(nn.Module):
     def hidden(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """Decoder output states (B, T, d) before the (shared-embedding) output projection."""
         memory, src_padding = self.encode(src)  # checks src
-        self._check_tokens(tgt_in, "tgt_in")
+        self._check_tokens(tgt_in, "tgt_in", self.config.vocab_size)
         if src.shape[0] != tgt_in.shape[0]:
             raise ValueError(f"src and tgt_in batch sizes differ: {src.shape[0]} vs {tgt_in.shape[0]}")
         return self.decoder(self._embed(tgt_in), memory, src_padding)

@@ -2,7 +2,8 @@
 transformers itself, on tiny random models built in the test (``save_pretrained`` into a temporary folder,
 with real tokenizer files made from a sentencepiece model trained here; no network):
 
-- Marian (post-norm, swish, its [sin | cos] positions, final_logits_bias, decoding from pad) and M2M-100
+- Marian (post-norm, swish, its [sin | cos] positions, final_logits_bias, decoding from pad; one shared
+  vocabulary, and separate source and target vocabularies with their own embeddings) and M2M-100
   (pre-norm with final layer norms, relu, fairseq positions at offset 2, a forced target-language token):
   logits on a padded batch within the tolerance table; greedy tokens identical to ``generate(num_beams=1)``,
   on the C++ decoder step and on the Python one;
@@ -50,17 +51,30 @@ def spm_pieces(path):
     return [sp.id_to_piece(i) for i in range(3, sp.get_piece_size())]  # not its <unk> <s> </s>
 
 
-def write_marian(folder, spm_file, init_std):
+def write_marian(folder, spm_file, init_std, separate=False):
+    """A Marian folder; ``separate``: separate vocabularies (vocab.json the source's, target_vocab.json the
+    target's: the pieces in reverse order and 5 more, so that an id means another piece on each side) and
+    embeddings (share_encoder_decoder_embeddings false)."""
     vocab = {"</s>": 0, "<unk>": 1, **{p: i + 2 for i, p in enumerate(spm_pieces(spm_file))}}
     vocab["<pad>"] = len(vocab)
+    pad = len(vocab) - 1
     with open(folder / "vocab.json", "w") as f:
         json.dump(vocab, f)
-    tokenizer = transformers.MarianTokenizer(spm_file, spm_file, str(folder / "vocab.json"))
+    sizes = {"vocab_size": len(vocab)}
+    files = {}
+    if separate:
+        pieces = spm_pieces(spm_file)[::-1] + [f"\u2581filler{i}" for i in range(5)]
+        target = {"</s>": 0, "<unk>": 1, **{p: i + 2 for i, p in enumerate(pieces[: pad - 2])}, "<pad>": pad,
+                  **{p: pad + 1 + i for i, p in enumerate(pieces[pad - 2:])}}
+        with open(folder / "target_vocab.json", "w") as f:
+            json.dump(target, f)
+        sizes.update(decoder_vocab_size=len(target), share_encoder_decoder_embeddings=False)
+        files = dict(target_vocab_file=str(folder / "target_vocab.json"), separate_vocabs=True)
+    tokenizer = transformers.MarianTokenizer(spm_file, spm_file, str(folder / "vocab.json"), **files)
     tokenizer.save_pretrained(folder)
-    pad = len(vocab) - 1
-    config = transformers.MarianConfig(vocab_size=len(vocab), pad_token_id=pad, decoder_start_token_id=pad,
-                                       eos_token_id=0, forced_eos_token_id=0, activation_function="swish",
-                                       scale_embedding=True, init_std=init_std, **LAYERS)
+    config = transformers.MarianConfig(pad_token_id=pad, decoder_start_token_id=pad, eos_token_id=0,
+                                       forced_eos_token_id=0, activation_function="swish", scale_embedding=True,
+                                       init_std=init_std, **sizes, **LAYERS)
     torch.manual_seed(0)
     model = transformers.MarianMTModel(config).eval()
     with torch.no_grad():
@@ -92,6 +106,11 @@ def marian_dir(tmp_path_factory, spm_file):
 
 
 @pytest.fixture(scope="module")
+def separate_dir(tmp_path_factory, spm_file):
+    return write_marian(tmp_path_factory.mktemp("marian_separate"), spm_file, 1.0, separate=True)
+
+
+@pytest.fixture(scope="module")
 def m2m_dir(tmp_path_factory, spm_file):
     return write_m2m(tmp_path_factory.mktemp("m2m100"), spm_file, 1.0)
 
@@ -99,11 +118,13 @@ def m2m_dir(tmp_path_factory, spm_file):
 @pytest.fixture(scope="module")
 def small_weights(tmp_path_factory, spm_file):
     return {"marian": write_marian(tmp_path_factory.mktemp("marian_small"), spm_file, 0.3),
+            "marian-separate": write_marian(tmp_path_factory.mktemp("marian_separate_small"), spm_file, 0.3,
+                                            separate=True),
             "m2m": write_m2m(tmp_path_factory.mktemp("m2m100_small"), spm_file, 0.3)}
 
 
 def load_hf(family, folder):
-    cls = transformers.MarianMTModel if family == "marian" else transformers.M2M100ForConditionalGeneration
+    cls = transformers.MarianMTModel if family.startswith("marian") else transformers.M2M100ForConditionalGeneration
     return cls.from_pretrained(folder).eval()
 
 
@@ -114,10 +135,11 @@ def batch(model, tokenizer):
     return src, src.ne(cfg.pad_id)
 
 
-@pytest.mark.parametrize("family", ["marian", "m2m"])
+@pytest.mark.parametrize("family", ["marian", "marian-separate", "m2m"])
 def test_converted_logits_match_transformers(family, small_weights):
     folder = small_weights[family]
     hf, (model, tokenizer) = load_hf(family, folder), fastformer.from_transformers(folder)
+    assert (model.src_embed is not None) == (family == "marian-separate")
     src, mask = batch(model, tokenizer)
     assert not bool(mask.all()), "the batch must hold padding"
     torch.manual_seed(2)
@@ -130,18 +152,18 @@ def test_converted_logits_match_transformers(family, small_weights):
 
 
 @pytest.mark.parametrize("step", ["cpp", "python"])
-@pytest.mark.parametrize("family", ["marian", "m2m"])
-def test_converted_greedy_tokens_match_generate(family, step, marian_dir, m2m_dir):
+@pytest.mark.parametrize("family", ["marian", "marian-separate", "m2m"])
+def test_converted_greedy_tokens_match_generate(family, step, marian_dir, separate_dir, m2m_dir):
     """Greedy tokens equal transformers' generate(num_beams=1) token for token: both stop at eos or force it
     after the same number of tokens (fastformer: max_len_b tokens, then eos; transformers: max_new_tokens with
     forced_eos_token_id). M2M-100 decodes into German: its __de__ token forced first (forced_bos_token_id).
     Neither engine may produce pad or bos (transformers: bad_words_ids, as opus-mt's generation config)."""
-    folder = marian_dir if family == "marian" else m2m_dir
+    folder = {"marian": marian_dir, "marian-separate": separate_dir, "m2m": m2m_dir}[family]
     hf = load_hf(family, folder)
     model, tokenizer = fastformer.from_transformers(folder, backend="cpu" if step == "cpp" else "torch")
     cfg, limit = model.config, 24
     src, mask = batch(model, tokenizer)
-    forced = None if family == "marian" else [tokenizer.language_id("de")]
+    forced = None if family.startswith("marian") else [tokenizer.language_id("de")]
     extra = {} if forced is None else {"forced_bos_token_id": forced[0]}
     out = hf.generate(input_ids=src, attention_mask=mask, num_beams=1, do_sample=False,
                       max_new_tokens=limit + 1 + len(forced or []), forced_eos_token_id=cfg.eos_id,
@@ -200,6 +222,38 @@ def test_marian_tokenizer_matches_transformers(marian_dir):
     assert tokenizer.decode(expected[:6]) == TEXT
 
 
+def test_marian_separate_vocabularies_match_transformers(separate_dir, tmp_path):
+    """Separate vocabularies: source ids from vocab.json as transformers' MarianTokenizer gives them, target
+    ids decoded through target_vocab.json as it decodes them; the checkpoint keeps both (convert, load), and
+    the CTranslate2 export takes the source's vocabulary and embedding."""
+    model, tokenizer = fastformer.from_transformers(separate_dir)
+    hf = transformers.MarianTokenizer.from_pretrained(separate_dir)
+    assert model.config.src_vocab_size == len(hf.encoder) != model.config.vocab_size == len(hf.target_encoder)
+    assert tokenizer.encode(TEXT) == [ids[:-1] for ids in hf(TEXT).input_ids]
+    target_ids = [[hf.target_encoder[p] for p in hf.spm_target.encode(text, out_type=str)] for text in TEXT]
+    assert target_ids != tokenizer.encode(TEXT), "the two vocabularies must differ for this to test anything"
+    assert tokenizer.decode(target_ids) == hf.batch_decode(target_ids, skip_special_tokens=True) == TEXT
+    path = str(tmp_path / "separate.pt")
+    convert_main([separate_dir, "--out", path])
+    loaded, loaded_tokenizer, _ = ckpt.load_model(path)
+    assert loaded.config.src_vocab_size == model.config.src_vocab_size
+    assert torch.equal(loaded.src_embed.weight, model.src_embed.weight)
+    assert loaded_tokenizer.encode(TEXT) == tokenizer.encode(TEXT)
+    src, _ = batch(model, tokenizer)
+    assert loaded.generate(src) == model.generate(src)
+    assert fastformer.quantize(loaded, "int8").src_embed is not None  # the source's table stays float
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    from fastformer.export import ctranslate2_translate, write_ctranslate2
+
+    write_ctranslate2(model, tokenizer.pieces(), str(tmp_path / "ct2"), source_pieces=tokenizer.source_pieces())
+    translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu", intra_threads=1)
+    ids = tokenizer.encode(TEXT)
+    theirs = ctranslate2_translate(translator, tokenizer.pieces(), ids, beam_size=1, length_penalty=0.0,
+                                   source_pieces=tokenizer.source_pieces())
+    assert theirs == model.generate(collate(ids, pad_id=model.config.pad_id, eos_id=model.config.eos_id),
+                                    beam_size=1, length_penalty=0.0)
+
+
 def test_m2m_tokenizer_matches_transformers(m2m_dir):
     _, tokenizer = fastformer.from_transformers(m2m_dir)
     hf = transformers.M2M100Tokenizer.from_pretrained(m2m_dir, src_lang="en")
@@ -256,7 +310,8 @@ def test_bin_weights_are_read_with_weights_only(marian_dir, tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     ({"model_type": "bert"}, "model_type 'bert' is not supported"),
-    ({"share_encoder_decoder_embeddings": False}, "share_encoder_decoder_embeddings is false"),
+    ({"share_encoder_decoder_embeddings": False}, "the weights lack model.decoder.embed_tokens.weight"),
+    ({"decoder_vocab_size": 99}, "decoder_vocab_size 99 differs from vocab_size"),
     ({"activation_function": "gelu_new"}, "activation_function 'gelu_new' is not supported"),
     ({"decoder_attention_heads": 2}, "encoder_attention_heads 4 differs from decoder_attention_heads 2"),
     ({"tie_word_embeddings": False}, "tie_word_embeddings is false"),
@@ -274,6 +329,20 @@ def test_what_does_not_map_is_refused_by_name(marian_dir, tmp_path, change, mess
         fastformer.from_transformers(str(folder))
     with pytest.raises(SystemExit, match=message):
         convert_main([str(folder), "--out", str(tmp_path / "x.pt")])
+
+
+def test_tokenizer_and_model_must_agree_on_separate_vocabularies(separate_dir, tmp_path):
+    import shutil
+
+    folder = tmp_path / "disagree"
+    shutil.copytree(separate_dir, folder)
+    with open(folder / "tokenizer_config.json") as f:
+        config = json.load(f)
+    with open(folder / "tokenizer_config.json", "w") as f:
+        json.dump({**config, "separate_vocabs": False}, f)
+    with pytest.raises(ConversionError, match="separate_vocabs is False, config.json's "
+                                              "share_encoder_decoder_embeddings is False: they disagree"):
+        fastformer.from_transformers(str(folder))
 
 
 def test_nllb_tokenizer_follows_fairseqs_ids(m2m_dir, spm_file, tmp_path):
