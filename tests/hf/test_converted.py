@@ -348,8 +348,9 @@ def test_tokenizer_and_model_must_agree_on_separate_vocabularies(separate_dir, t
 def test_nllb_tokenizer_follows_fairseqs_ids(m2m_dir, spm_file, tmp_path):
     """An NLLB folder (no vocab.json): sentencepiece id + 1 for every piece, <s> <pad> </s> <unk> at 0 .. 3
     (sentencepiece's unk becomes 3), the language codes at the ids of tokenizer.json's added tokens, the
-    source-language code first. (transformers 5's NllbTokenizer builds its vocabulary from the sentencepiece
-    model only with protobuf installed, so this is checked against the rule, not against it.)"""
+    source-language code first: checked against the rule, and the pieces' ids against transformers'
+    NllbTokenizer read from the same sentencepiece model (its conversion, which needs protobuf, adds no
+    language codes: those are compared by the rule only)."""
     import shutil
 
     folder = tmp_path / "nllb"
@@ -371,6 +372,17 @@ def test_nllb_tokenizer_follows_fairseqs_ids(m2m_dir, spm_file, tmp_path):
         pieces = sp.encode(text)
         assert ids == [codes["eng_Latn"]] + [p + 1 if p != sp.unk_id() else 3 for p in pieces]
     assert tokenizer.decode([[codes["deu_Latn"]] + ids[1:] for ids in tokenizer.encode(TEXT)]) == TEXT
+    reference = tmp_path / "nllb-spm-only"  # transformers' own reading of the sentencepiece model
+    reference.mkdir()
+    shutil.copy(spm_file, reference / "sentencepiece.bpe.model")
+    with open(reference / "tokenizer_config.json", "w") as f:
+        json.dump({"tokenizer_class": "NllbTokenizer", "src_lang": "eng_Latn"}, f)
+    hf = transformers.AutoTokenizer.from_pretrained(str(reference))
+    assert type(hf).__name__ == "NllbTokenizer"
+    texts = TEXT + ["zebra quokka"]
+    expected = [row[1:-1] for row in hf(texts).input_ids]  # without its language token and eos
+    assert [ids[1:] for ids in tokenizer.encode(texts)] == expected
+    assert hf.batch_decode(expected, skip_special_tokens=True) == tokenizer.decode(expected)
 
 
 def test_translate_cli_takes_a_converted_m2m_checkpoint_and_target_lang(m2m_dir, tmp_path):
