@@ -50,10 +50,14 @@ probability (under 1e-5 here: the top logits are far above 0) hardly moves the o
 What is timed: one engine's whole call on the batch, source ids (CTranslate2: pieces) in, best hypotheses out,
 on 1 thread (torch.set_num_threads(1); CTranslate2 intra_threads=1, inter_threads=1), after a 0.3 s pause
 (CTranslate2's threads of the test before stop spinning), one untimed call first (the conftest's warm-up), then
-at least 3 rounds; at full size, batch 32 is timed in one round (a call takes 10-40 s on a 2-core VM). The
-engines of one batch size form one group: benchmarks/to_markdown.py prints each engine's median and
-sentences/s, and for fastformer its speed-up over each baseline (transformers sdpa, ctranslate2 float32,
-ctranslate2 int8); extra_info "ms/sentence" = median / batch.
+at least 3 rounds; at full size a baseline's batch 32 is timed in one round (a call takes 10-40 s on a 2-core
+VM). At full size fastformer is timed in alternation with the baselines (Bench's ``turns_with``): each round
+runs transformers sdpa, ctranslate2 float32 and ctranslate2 int8 in a rotating order, then fastformer, at
+least 3 rounds (batch 32 too), and its speed-ups are the baselines' medians over its median from those same
+rounds (extra_info "alternated"), so that the machine's drift over the run does not enter the ratios (a
+single round of batch 32 gave transformers 23.4 s in one run, 26.1-26.3 s in three others). The engines of one
+batch size form one group: benchmarks/to_markdown.py prints each engine's median and sentences/s, and for
+fastformer its speed-up over each baseline; extra_info "ms/sentence" = median / batch.
 
 Agreement, from the last timed call's output, against every engine of the same batch that ran before (both
 benchmarks' extra_info get it): "same tokens as" {engine: the share of sentences with the other engine's exact
@@ -76,6 +80,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import random
@@ -379,15 +384,22 @@ def test_hf_decoding(bench, ctx, suite, engine, batch, one_thread, capsys):
     run = suite.run(engine, batch)
     if not smoke:
         time.sleep(0.3)  # the engine that ran before (CTranslate2's threads) stops spinning
+    # fastformer at full size: timed in alternation with the baselines, round by round (Bench's turns_with:
+    # its speed-ups come from the same rounds, so drift over the run cancels); the baselines' own cases time
+    # them alone for their rows of the table.
+    turns_with = None
+    if not smoke and engine not in BASELINES:
+        turns_with = {b: suite.run(b, batch).call for b in BASELINES
+                      if not b.startswith("ctranslate2") or importlib.util.find_spec("ctranslate2") is not None}
     timer = bench
-    if not smoke and batch >= 32:  # 10-40 s a call: one round after the warm-up call
-        one_round = dataclasses.replace(ctx, sizes=dataclasses.replace(ctx.sizes, min_rounds=1))
-        timer = type(bench)(bench.benchmark, bench.request, one_round, bench.copy_gbps)
+    if not smoke and batch >= 32:  # 10-40 s a call: one round after the warm-up call, 3 when alternated
+        rounds = dataclasses.replace(ctx, sizes=dataclasses.replace(ctx.sizes, min_rounds=3 if turns_with else 1))
+        timer = type(bench)(bench.benchmark, bench.request, rounds, bench.copy_gbps)
     lo, hi = SOURCE_LENGTHS
     label = f"{shape.name}, batch {batch}, beam {BEAM}, {lo}-{hi} -> {shape.length} tokens, 1 thread"
     result = timer(run.call, op="hf_decoding", shape=label, pass_="float32" if engine in FLOAT32 else "int8",
                    impl=engine, group=f"hf_decoding {label}", baseline=engine in BASELINES, length=batch,
-                   per_second={"sentences/s": batch, "tokens/s": batch * shape.length})
+                   per_second={"sentences/s": batch, "tokens/s": batch * shape.length}, turns_with=turns_with)
     info = bench.benchmark.extra_info
     if not bench.benchmark.disabled:
         info["ms/sentence"] = 1e3 * bench.benchmark.stats.stats.median / batch
