@@ -6,8 +6,9 @@ input (``tests/test_export.py`` checks it), given the same search settings:
 
 - weights: the shared embedding serves the encoder's and decoder's embeddings and the output projection
   (CTranslate2 stores it once); a model with its own source vocabulary (config.src_vocab_size) gives the
-  encoder its ``src_embed`` and CTranslate2 its source vocabulary; the fused q|k|v projection of self-attention and the fused k|v projection
-  of cross-attention are CTranslate2's own layouts, copied as they are; post-norm or pre-norm as trained.
+  encoder its ``src_embed`` and CTranslate2 its source vocabulary; the fused q|k|v projection of
+  self-attention and the fused k|v projection of cross-attention are CTranslate2's own layouts, copied as
+  they are; post-norm or pre-norm as trained.
 - positions: the model's table (config.positions: the paper's sin and cos interleaved, or a converted
   model's family's layout and offset) is stored in the model, so CTranslate2 does not use its own.
 - a converted model's options: the embedding scale on or off, the output bias, the decoder's start token.

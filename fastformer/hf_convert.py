@@ -38,8 +38,9 @@ language codes from tokenizer_config.json's added tokens.
 
 What does not map is refused with ``ConversionError`` naming the field: another model_type, untied output
 weights, encoder and decoder of different widths or heads, other activations, a tokenizer whose
-separate_vocabs disagrees with the model's share_encoder_decoder_embeddings. Layer drop (M2M-100's encoder_layerdrop and
-decoder_layerdrop) is a training-time option fastformer does not have: inference is unaffected.
+separate_vocabs disagrees with the model's share_encoder_decoder_embeddings. Layer drop (M2M-100's
+encoder_layerdrop and decoder_layerdrop) is a training-time option fastformer does not have: inference is
+unaffected.
 """
 from __future__ import annotations
 

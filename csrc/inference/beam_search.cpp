@@ -97,9 +97,10 @@ class BeamSearch {
     Tensor top = at::empty({N, w}, l.options());
     Tensor top_tokens = at::empty({N, w}, l.options().dtype(at::kLong));
     const Tensor limit = at_limit();
-    cpu_kernels().inference.search_candidates(l.const_data_ptr<float>(), N, V_, l.stride(0), limit.const_data_ptr<bool>(), pad_, bos_,
-                                    eos_, w, lse.mutable_data_ptr<double>(), top.mutable_data_ptr<float>(),
-                                    top_tokens.mutable_data_ptr<int64_t>());
+    cpu_kernels().inference.search_candidates(l.const_data_ptr<float>(), N, V_, l.stride(0),
+                                              limit.const_data_ptr<bool>(), pad_, bos_, eos_, w,
+                                              lse.mutable_data_ptr<double>(), top.mutable_data_ptr<float>(),
+                                              top_tokens.mutable_data_ptr<int64_t>());
     return step_candidates(lse, top.to(at::kDouble), top_tokens);
   }
 

@@ -40,6 +40,23 @@ def test_packed_linear_splits_panels_over_threads(threads, M):
     assert_close(y, x.double() @ w.double().t() + b.double(), torch.float32, "y")
 
 
+@pytest.mark.parametrize("M", [4, 40, 128])
+def test_packed_linear_is_bit_identical_on_1_2_and_3_threads(M):
+    """The panels split over threads, each panel's arithmetic the same on any thread (128 rows: AVX2's 6-row
+    groups and the 4 + 4 split of the last 8)."""
+    x, w, b = randn(M, 256, dtype=torch.float32), randn(8001, 256, dtype=torch.float32), randn(8001,
+                                                                                              dtype=torch.float32)
+    panels, before = pack_panels(w), torch.get_num_threads()
+    try:
+        outputs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outputs.append(C.packed_linear(x, panels, b, 8001))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(outputs[0], y) for y in outputs[1:])
+
+
 def test_linear_takes_the_packed_kernel_at_any_row_count():
     layer = torch.nn.Linear(40, 70)
     with torch.no_grad():
