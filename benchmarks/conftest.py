@@ -336,7 +336,7 @@ class Bench:
                  bytes_moved: Optional[float] = None, flops: Optional[float] = None, memory_bound: bool = False,
                  per_second: Optional[dict[str, float]] = None, group: Optional[str] = None,
                  baseline: Optional[bool] = None, length: Optional[int] = None,
-                 turns_with: Optional[dict[str, Callable[[], object]]] = None):
+                 turns_with: Optional[dict[str, Callable[[], object]]] = None, min_rounds: int = 1):
         """Times ``fn`` and records in extra_info: op, shape, pass, impl, whether it is a baseline (default:
         impl is in the test module's BASELINES), and from the median time GB/s (of ``bytes_moved``),
         TFLOP/s (of ``flops``), the fraction of the copy bandwidth (``memory_bound``) and, for each
@@ -344,7 +344,9 @@ class Bench:
         op, shape and pass) are compared: each non-baseline gets its speedup over each baseline.
         ``turns_with`` {impl: call}: baselines timed in alternation with ``fn`` instead (CPU only): each
         round runs them, in an order that rotates, then ``fn``; the speedups are their medians over fn's, from
-        the same rounds, so drift over the run cancels. Returns what the last call of ``fn`` returned."""
+        the same rounds, so drift over the run cancels. ``min_rounds``: at least that many rounds (beyond the
+        size profile's own minimum) where one call outlasts the budget and the ratio sought is small. Returns
+        what the last call of ``fn`` returned."""
         ctx, benchmark = self.ctx, self.benchmark
         if baseline is None:
             baseline = impl in getattr(self.request.module, "BASELINES", ())
@@ -358,6 +360,7 @@ class Bench:
         if benchmark.disabled:
             return benchmark.pedantic(fn)  # --benchmark-disable: one call, as a smoke test
         rounds, iterations = _plan(fn, ctx)
+        rounds = max(rounds, min_rounds)
         if turns_with:
             times: dict[str, list[float]] = {name: [] for name in turns_with}
             names = list(turns_with)

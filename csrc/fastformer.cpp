@@ -27,8 +27,8 @@
 #endif
 
 // needs_fixed_stride_order: compiled code (inductor) hands each op its inputs with the strides the fake
-// kernels saw when tracing. The CPU attention kernel's outputs take its inputs' layout (csrc/cpu/attention.cpp
-// rows_like), and the fake kernels state the same rule, so the two agree only on the same input strides.
+// kernels saw when tracing. The CPU attention kernel writes its outputs in its own layout (csrc/cpu/attention.cpp
+// rows_like), and the fake kernels state the same rule.
 TORCH_LIBRARY(fastformer, m) {
   const std::vector<at::Tag> tags = {at::Tag::needs_fixed_stride_order};
 #define FASTFORMER_DEFINE(op, fwd_args, fwd_returns, bwd_args, bwd_returns)                    \

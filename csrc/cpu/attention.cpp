@@ -7,7 +7,7 @@
 // Half inputs are converted tile by tile into acc_t buffers; float and double tiles are used in place.
 // Layout: any strides with the last dim contiguous (``Rows``): a tile is rows at a row stride, which the
 // BLAS takes as its leading dimension. So q, k, v as transformers passes them (views (B, H, L, D) of
-// (B, L, H, D) projections) are read in place, and out, dq, dk, dv take that layout where q, k, v have it
+// (B, L, H, D) projections) are read in place, and out, dq, dk, dv are always written in that layout
 // (rows_like): no copy on the way in or out.
 //
 // Forward, one work item per (batch, head, tile of kBlockQ query rows), spread over threads:
@@ -325,14 +325,14 @@ void attention_bwd_kernel(const Rows<const scalar_t> dout, const Rows<const scal
   });
 }
 
-// An output shaped like x (B, H, L, D): a view of a contiguous (B, L, H, D) tensor when x is one (transformers'
-// q, k, v: out, dq, dk, dv then go back to its projections without a copy), else contiguous. The fake kernels
+// An output shaped like x (B, H, L, D), always a view of a contiguous (B, L, H, D) tensor, whatever x's strides,
+// as torch's CPU sdpa writes its output and its gradients: out goes back to the output projection without a
+// copy, and so do dq, dk, dv, even for a k or v that the model made contiguous (B, H, L, D) (transformers'
+// key/value cache concatenates them: gradients in that layout cost its decoder a copy of each per layer; with
+// (B, L, H, D) ones the Marian training step's 24 copies of 2 MiB a step are gone). The fake kernels
 // (fastformer/ops/attention.py rows_like) state the same rule: compiled code checks the strides.
 Tensor rows_like(const Tensor& x) {
-  if (x.transpose(1, 2).is_contiguous()) {
-    return at::empty({x.size(0), x.size(2), x.size(1), x.size(3)}, x.options()).transpose(1, 2);
-  }
-  return at::empty(x.sizes(), x.options());
+  return at::empty({x.size(0), x.size(2), x.size(1), x.size(3)}, x.options()).transpose(1, 2);
 }
 
 // The shape of a call; the arguments were checked by csrc/ops.h (the caller's errors); their last dims are

@@ -21,10 +21,10 @@ from fastformer.ops._registry import C, dropout_seed, out_like, seed_int
 
 def rows_like(x: Tensor) -> Tensor:
     """An output of the C++ kernels shaped like x (B, H, L, D) in their layout (csrc/cpu/attention.cpp
-    rows_like, the same rule): on the CPU, a view (B, H, L, D) of a contiguous (B, L, H, D) tensor when x is
-    one (transformers' q, k, v: its outputs and gradients then need no copy), else contiguous. The CUDA
-    kernels, and the Python backends, write contiguous outputs."""
-    if x.device.type == "cpu" and x.transpose(1, 2).is_contiguous():
+    rows_like, the same rule): on the CPU, always a view (B, H, L, D) of a contiguous (B, L, H, D) tensor, as
+    torch's CPU sdpa writes its output and gradients (transformers' projections then take out, dq, dk, dv
+    without a copy); the CUDA kernels, and the Python backends, write contiguous outputs."""
+    if x.device.type == "cpu":
         return x.new_empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3]).transpose(1, 2)
     return out_like(x)
 
