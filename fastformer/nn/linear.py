@@ -133,3 +133,33 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
+
+
+class Int8Embedding(nn.Module):
+    """A quantized model's source embedding (``Transformer.src_embed`` of a model with separate vocabularies):
+    the (num, dim) table in int8, per row, by the projections' rule and in their packed layout (``C.quantize_int8``:
+    csrc/gemm/gemm.h), as the target's rows are the int8 output projection's. A lookup dequantizes the rows
+    it reads (``C.int8_embedding``). Its state dict: ``weight`` int8 (packed) and ``weight_scale`` float32
+    (num,); no float copy. ``Int8Embedding(num, dim)`` makes an empty one for ``load_state_dict``;
+    ``Int8Embedding.quantize(weight)`` quantizes a float32 table."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        panels, scale, _ = C.quantize_int8(torch.zeros(num_embeddings, embedding_dim))
+        self.register_buffer("weight", panels)
+        self.register_buffer("weight_scale", scale)
+
+    @classmethod
+    def quantize(cls, weight: Tensor) -> "Int8Embedding":
+        num, dim = weight.shape
+        module = cls(num, dim)
+        module.weight, module.weight_scale, _ = C.quantize_int8(weight.detach().float().cpu())
+        return module
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """tokens (any shape, int64 in [0, num)) -> (*tokens.shape, dim) float32."""
+        return C.int8_embedding(tokens, self.weight, self.weight_scale, self.num_embeddings, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8"

@@ -5,9 +5,11 @@ the way CTranslate2's ``compute_type="int8"`` does.
   ``Int8Linear`` (fastformer/nn/linear.py), and the output projection (the shared embedding, transposed)
   becomes ``model.output_projection``, an ``Int8Linear`` (its bias: the output bias, if the config has one). Its rows are the embedding too: the
   lookup reads them dequantized (``C.int8_embedding``, in C++ the decoder step's ``int8_row``), and the
-  float embedding is gone (``model.embed`` is None), as CTranslate2's int8 quantizes its embeddings. The
-  LayerNorms and the biases stay float32. The rule (scale = max |W[n, :]| / 127, round half to even, clamp to
-  [-127, 127]) and the packed layout are C++'s, in one place: csrc/gemm/gemm.h, ``C.quantize_int8``.
+  float embedding is gone (``model.embed`` is None), as CTranslate2's int8 quantizes its embeddings. A model
+  with separate vocabularies quantizes its source's table (``model.src_embed``) the same way, into an
+  ``Int8Embedding`` whose lookup dequantizes the rows it reads. The LayerNorms and the biases stay float32.
+  The rule (scale = max |W[n, :]| / 127, round half to even, clamp to [-127, 127]) and the packed layout
+  are C++'s, in one place: csrc/gemm/gemm.h, ``C.quantize_int8``.
 - Activations, per call and per row, in the kernel (csrc/gemm/int8_linear.cpp, which states the arithmetic
   exactly); products in int32 with the CPU's dot-product instructions; attention, softmax, layer norm and
   the search in float32.
@@ -26,7 +28,7 @@ import copy
 
 import torch
 
-from fastformer.nn.linear import Int8Linear, Linear
+from fastformer.nn.linear import Int8Embedding, Int8Linear, Linear
 
 QUANTIZATIONS = ("int8",)
 
@@ -57,6 +59,8 @@ def prepare(model, dtype: str = "int8"):
     _replace_linears(model, lambda m: Int8Linear(m.in_features, m.out_features, m.bias is not None))
     model.output_projection = Int8Linear(model.config.d_model, model.config.vocab_size, bias=model.config.output_bias)
     model.embed = model.output_bias = None  # the lookup reads the output projection's int8 rows
+    if model.src_embed is not None:
+        model.src_embed = Int8Embedding(model.config.src_vocab_size, model.config.d_model)
     model.requires_grad_(False)
     return model.eval()
 
@@ -73,6 +77,8 @@ def quantize(model, dtype: str = "int8"):
     with torch.no_grad():
         _replace_linears(quantized, lambda m: Int8Linear.quantize(m.weight, m.bias))
         quantized.output_projection = Int8Linear.quantize(quantized.embed.weight, quantized.output_bias)
+        if quantized.src_embed is not None:
+            quantized.src_embed = Int8Embedding.quantize(quantized.src_embed.weight)
     quantized.embed = quantized.output_bias = None  # the lookup reads the output projection's int8 rows
     quantized.requires_grad_(False)
     return quantized.eval()

@@ -59,7 +59,8 @@ class Transformer(nn.Module):
         self.config, self.backend = config, backend
         self.embed = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_id)
         nn.init.normal_(self.embed.weight, mean=0.0, std=config.d_model ** -0.5)
-        self.src_embed: Optional[nn.Embedding] = None
+        # nn.Embedding; a quantized model's is an Int8Embedding (fastformer/nn/quantize.py)
+        self.src_embed: Optional[nn.Module] = None
         if config.src_vocab_size is not None:
             self.src_embed = nn.Embedding(config.src_vocab_size, config.d_model, padding_idx=config.pad_id)
             nn.init.normal_(self.src_embed.weight, mean=0.0, std=config.d_model ** -0.5)

@@ -27,6 +27,7 @@ from fastformer.convert import main as convert_main
 from fastformer.data.batching import collate
 from fastformer.hf_convert import ConversionError
 from fastformer.nn.decoding import IncrementalDecoder
+from fastformer.nn.linear import Int8Embedding
 from tolerances import assert_close
 
 TEXT = ["the quick brown fox jumps over the lazy dog", "a man a plan a canal panama",
@@ -241,7 +242,19 @@ def test_marian_separate_vocabularies_match_transformers(separate_dir, tmp_path)
     assert loaded_tokenizer.encode(TEXT) == tokenizer.encode(TEXT)
     src, _ = batch(model, tokenizer)
     assert loaded.generate(src) == model.generate(src)
-    assert fastformer.quantize(loaded, "int8").src_embed is not None  # the source's table stays float
+    # int8: the source's table quantized too (no float copy), saved and loaded as int8, the same tokens
+    quantized = fastformer.quantize(loaded, "int8")
+    assert isinstance(quantized.src_embed, Int8Embedding) and quantized.src_embed.weight.dtype == torch.int8
+    assert not any(t.is_floating_point() and t.numel() >= model.config.d_model * model.config.source_vocab_size
+                   for t in quantized.state_dict().values())
+    int8_path = str(tmp_path / "separate-int8.pt")
+    convert_main([separate_dir, "--out", int8_path, "--quantize", "int8"])
+    loaded_int8, _, state = ckpt.load_model(int8_path)
+    assert state["quantization"] == "int8" and isinstance(loaded_int8.src_embed, Int8Embedding)
+    assert loaded_int8.generate(src) == quantized.generate(src)
+    rows = torch.arange(model.config.source_vocab_size)  # the lookup: the rows dequantized
+    scale = quantized.src_embed.weight_scale[:, None]
+    assert (quantized.src_embed(rows) - model.src_embed.weight).abs().le(scale * 0.5 + 1e-7).all()
     ctranslate2 = pytest.importorskip("ctranslate2")
     from fastformer.export import ctranslate2_translate, write_ctranslate2
 
