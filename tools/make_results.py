@@ -1,6 +1,6 @@
 """Re-make every file of docs/results/ and README's results block with one command, from a clean commit.
 
-    python tools/make_results.py                                  # all five: about 75 minutes on a 2-core CPU
+    python tools/make_results.py                                  # all five: about 95 minutes on a 2-core CPU
     python tools/make_results.py --only decoding,cpu-benchmarks   # some of them
     python tools/make_results.py --dry-run                        # check the tree, print the commands
 
@@ -70,7 +70,7 @@ ALL = (Result("main-job", 35,
               "docs/results/decoding.md: benchmarks/test_decoding.py (decoding beside CTranslate2 and a plain "
               "PyTorch decoder, and its thread scaling), then benchmarks/to_markdown.py; its time is an "
               "estimate, not timed"),
-       Result("transformers", 6,
+       Result("transformers", 25,
               "docs/results/transformers.md: benchmarks/test_hf_decoding.py (an opus-mt-shaped Marian decoded "
               "by fastformer beside transformers' generate and CTranslate2) and test_hf_training_step.py "
               "(a transformers Marian training step with attn_implementation='fastformer' beside 'sdpa' and "
