@@ -4,9 +4,9 @@ beside torch.nn.Transformer of the same size.
 The batch: ``train_sentences`` random sentence pairs, source and target lengths uniform in
 [max/2, max] tokens, right-padded (the default sizes: 128 pairs of up to 32 tokens, at most 4,096 tokens a
 side, as ``python -m fastformer.train --max-tokens 4096`` batches). Both models compute the loss as
-fastformer.train does (label-smoothed cross-entropy over the non-pad target positions, only those projected
-to the vocabulary: ``loss_sums`` with fastformer's fused ``ops.cross_entropy``, ``torch_loss_sums`` with
-PyTorch's ``F.cross_entropy`` for the baseline), take its mean over the target tokens, back-propagate it
+fastformer.train does (label-smoothed cross-entropy over every target position, pad targets ignored:
+``loss_sums`` with fastformer's fused ``ops.cross_entropy``, ``torch_loss_sums`` with PyTorch's
+``F.cross_entropy`` for the baseline), take its mean over the target tokens, back-propagate it
 and take one Adam step. tokens/s counts the non-pad target tokens, as fastformer.train's log does.
 
 Precisions (``precision``, see conftest's Context.train_precisions): on CPU float32 and, where the CPU has
@@ -49,21 +49,22 @@ class TorchTransformer(nn.Module):
         x = self.embed(tokens) * math.sqrt(self.config.d_model) + self.positions[: tokens.shape[1]]
         return F.dropout(x, self.config.dropout, self.training)
 
-    def forward(self, src, tgt_in, positions=None):
-        """fastformer.nn.Transformer's interface: logits (B, T, vocab), or (n, vocab) of ``positions``."""
+    def forward(self, src, tgt_in):
+        """fastformer.nn.Transformer's interface: logits (B, T, vocab)."""
         src_padding = src.eq(self.config.pad_id)
         causal = nn.Transformer.generate_square_subsequent_mask(tgt_in.shape[1], device=src.device)
         h = self.transformer(self._embed(src), self._embed(tgt_in), tgt_mask=causal, tgt_is_causal=True,
                              src_key_padding_mask=src_padding, memory_key_padding_mask=src_padding)
-        return F.linear(h if positions is None else h[positions], self.embed.weight)
+        return F.linear(h, self.embed.weight)
 
 
 def torch_loss_sums(model, src, tgt_in, tgt_out, pad_id, label_smoothing):
-    """The baseline's ``loss_sums``: the same positions, PyTorch's F.cross_entropy (float32 under autocast)."""
-    keep = tgt_out != pad_id
-    logits = model(src, tgt_in, positions=keep)
-    loss = F.cross_entropy(logits, tgt_out[keep], label_smoothing=label_smoothing, reduction="sum")
-    return loss, None, int(keep.sum())
+    """The baseline's ``loss_sums``: every position, pad targets ignored, PyTorch's F.cross_entropy (float32
+    under autocast); the NLL is not computed (None)."""
+    logits = model(src, tgt_in)
+    loss = F.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), ignore_index=pad_id,
+                           label_smoothing=label_smoothing, reduction="sum")
+    return loss, None
 
 
 def test_training_step(bench, ctx, impl, precision):
@@ -75,18 +76,18 @@ def test_training_step(bench, ctx, impl, precision):
     model.to(ctx.device).train()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
 
+    tokens = int(tgt_out.ne(config.pad_id).sum())
+
     def step():
         optimizer.zero_grad(set_to_none=True)
         with ctx.autocast(precision):
             if impl in BASELINES:
-                loss, _, tokens = torch_loss_sums(model, src, tgt_in, tgt_out, config.pad_id, config.label_smoothing)
+                loss, _ = torch_loss_sums(model, src, tgt_in, tgt_out, config.pad_id, config.label_smoothing)
             else:
-                loss, _, tokens = loss_sums(model, src, tgt_in, tgt_out, config.pad_id, config.label_smoothing,
-                                            backend=impl)
+                loss, _ = loss_sums(model, src, tgt_in, tgt_out, config.pad_id, config.label_smoothing, backend=impl)
             (loss / tokens).backward()
         optimizer.step()
 
-    tokens = int(tgt_out.ne(config.pad_id).sum())
     bench(step, op="training_step", shape=f"{ctx.sizes.model}, {n} pairs <= {length} tokens ({tokens} target)",
           pass_=f"fwd+bwd+adam, {str(precision).removeprefix('torch.')}", impl=impl,
           per_second={"tokens/s": tokens})

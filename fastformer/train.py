@@ -73,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "around them. Costs about 30 s of compiling at the first updates. Meant for GPUs, "
                         "where the step waits for Python (not yet measured there); on a CPU it is slower "
                         "(small config, bf16, AVX-512: 0.81x eager's tokens/s)")
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="on a CUDA device, replay the training step as CUDA graphs: batches come in a few fixed "
+                        "shapes (lengths rounded up to 8, 16, 32 or 64 "
+                        "tokens, rows padded: 11 shapes and 20%% padded target positions on the default corpus), one graph is captured per "
+                        "shape and one for the optimizer update, after one eager run of each; the host then "
+                        "launches a step with a few calls. Needs --precision bf16 or fp32, one process, no "
+                        "--compile. Off by default until measured faster on a GPU (docs/training.md)")
     g.add_argument("--malloc", choices=("keep", "default"), default="keep",
                    help="keep: glibc malloc keeps freed memory for the next step instead of unmapping it (on "
                         "CPU this saves faulting in the large tensors' pages again every step), bounded by "

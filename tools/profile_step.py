@@ -50,17 +50,19 @@ def profile(name: str, model, data, config, args, device) -> str:
     baseline = isinstance(model, TorchTransformer)
     dtype = getattr(torch, args.dtype)
 
+    target_tokens = int(tgt_out.ne(config.pad_id).sum())
+
     def step():
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             if baseline:
-                loss, _, tokens = torch_loss_sums(model, src, tgt_in, tgt_out, config.pad_id, config.label_smoothing)
+                loss, _ = torch_loss_sums(model, src, tgt_in, tgt_out, config.pad_id, config.label_smoothing)
             else:
-                loss, _, tokens = loss_sums(model, src, tgt_in, tgt_out, config.pad_id, config.label_smoothing,
-                                            backend=args.backend)
-            (loss / tokens).backward()
+                loss, _ = loss_sums(model, src, tgt_in, tgt_out, config.pad_id, config.label_smoothing,
+                                    backend=args.backend)
+            (loss / target_tokens).backward()
         optimizer.step()
-        return tokens
+        return target_tokens
 
     def sync():
         if device.type == "cuda":

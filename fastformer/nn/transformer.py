@@ -52,11 +52,15 @@ class Transformer(nn.Module):
     matrix, ``src_embed``; the target's stays tied to the projection.
     Padding (config.pad_id) in src is masked from every attention; target padding must be at the end.
     ``backend`` is passed to every fastformer op (None: the dispatcher's default).
+    Token ids are checked against the vocabularies on every call (a host synchronization on a GPU);
+    ``check_token_values = False`` leaves that to the caller, as the trainer does: it checks each batch on
+    the host before the batch moves (``check_tokens``), so that its step never waits for the device.
     """
 
     def __init__(self, config: TransformerConfig, backend: Optional[str] = None):
         super().__init__()
         self.config, self.backend = config, backend
+        self.check_token_values = True
         self.embed = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_id)
         nn.init.normal_(self.embed.weight, mean=0.0, std=config.d_model ** -0.5)
         # nn.Embedding; a quantized model's is an Int8Embedding (fastformer/nn/quantize.py)
@@ -103,16 +107,22 @@ class Transformer(nn.Module):
         x = x + self.positions(offset + tokens.shape[1], x.dtype, x.device)[offset:]
         return F.dropout(x, self.config.dropout, self.training)
 
-    def _check_tokens(self, tokens: Tensor, name: str, vocab_size: int) -> None:
+    def _check_tokens(self, tokens: Tensor, name: str, vocab_size: int, values: bool = True) -> None:
         if not isinstance(tokens, Tensor) or tokens.dtype != torch.int64 or tokens.dim() != 2:
             raise ValueError(f"{name} must be an int64 tensor (B, L), got "
                              f"{getattr(tokens, 'dtype', type(tokens))} {tuple(getattr(tokens, 'shape', ()))}")
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        if values and tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
             raise ValueError(f"{name} holds token ids outside [0, {vocab_size})")
+
+    def check_tokens(self, src: Tensor, tgt: Tensor) -> None:
+        """ValueError unless src (B, S) and tgt (B, T) are int64 token ids of the source and target
+        vocabularies (a batch checked where it lies, e.g. on the host before it moves to a GPU)."""
+        self._check_tokens(src, "src", self.config.source_vocab_size)
+        self._check_tokens(tgt, "tgt_in", self.config.vocab_size)
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
         """src (B, S) -> memory (B, S, d) and its padding mask (B, S)."""
-        self._check_tokens(src, "src", self.config.source_vocab_size)
+        self._check_tokens(src, "src", self.config.source_vocab_size, self.check_token_values)
         src_padding = src.eq(self.config.pad_id)
         return self.encoder(self._embed(src, source=True), src_padding), src_padding
 
@@ -124,7 +134,7 @@ class Transformer(nn.Module):
     def hidden(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """Decoder output states (B, T, d) before the (shared-embedding) output projection."""
         memory, src_padding = self.encode(src)  # checks src
-        self._check_tokens(tgt_in, "tgt_in", self.config.vocab_size)
+        self._check_tokens(tgt_in, "tgt_in", self.config.vocab_size, self.check_token_values)
         if src.shape[0] != tgt_in.shape[0]:
             raise ValueError(f"src and tgt_in batch sizes differ: {src.shape[0]} vs {tgt_in.shape[0]}")
         return self.decoder(self._embed(tgt_in), memory, src_padding)

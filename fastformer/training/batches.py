@@ -3,19 +3,24 @@
 Epoch e's batches are ``token_batches(..., shuffle=True, seed=seed * 100_003 + e)`` (sentence pairs
 sorted by length into batches of at most --max-tokens padded tokens, in a shuffled order), dealt
 round-robin to the ranks (``Processes.shard``). A rank's position is (epoch, index into its share): with
-the RNG states, all that a rank needs to continue exactly where it stopped.
+the RNG states, all that a rank needs to continue exactly where it stopped. With ``fixed_shapes`` (CUDA
+graphs) the batches come in the few shapes of fastformer/data/batching.py's length buckets.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from fastformer.data import token_batches
+import torch
+
+from fastformer.data import collate, token_batches
+from fastformer.data.batching import batch_shape
 
 
 class BatchStream:
     def __init__(self, src_ids: list[list[int]], tgt_ids: list[list[int]], max_tokens: int, seed: int,
-                 shard: Callable[[list], list], epoch: int = 0, batch_in_epoch: int = 0):
+                 shard: Callable[[list], list], epoch: int = 0, batch_in_epoch: int = 0, fixed_shapes: bool = False):
         self.src_ids, self.tgt_ids, self.max_tokens, self.seed, self.shard = src_ids, tgt_ids, max_tokens, seed, shard
+        self.fixed_shapes = fixed_shapes
         self.seek(epoch, batch_in_epoch)
 
     def seek(self, epoch: int, batch_in_epoch: int = 0) -> None:
@@ -25,7 +30,7 @@ class BatchStream:
 
     def _epoch_batches(self, epoch: int) -> list[list[int]]:
         every = token_batches(self.src_ids, self.tgt_ids, self.max_tokens, shuffle=True,
-                              seed=self.seed * 100_003 + epoch)
+                              seed=self.seed * 100_003 + epoch, fixed_shapes=self.fixed_shapes)
         batches = self.shard(every)
         if not batches:
             raise SystemExit(f"the training data makes {len(every)} batches of --max-tokens {self.max_tokens}, "
@@ -43,3 +48,12 @@ class BatchStream:
 
     def position(self) -> dict:
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
+
+    def next_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The next batch collated on the host: src (B, S), tgt_in and tgt_out (B, T), int64; with
+        ``fixed_shapes`` padded to its bucket's shape."""
+        src, tgt = self.next()
+        shape = None
+        if self.fixed_shapes:
+            shape = batch_shape(max(len(s) for s in src + tgt) + 2, self.max_tokens)
+        return collate(src, tgt, shape=shape)

@@ -25,9 +25,11 @@ def dev_loss(model, src_ids, tgt_ids, max_tokens, pad_id, device) -> float:
     model.eval()
     total, count = 0.0, 0
     for batch in token_batches(src_ids, tgt_ids, max_tokens, shuffle=False):
-        src, tgt_in, tgt_out = (t.to(device) for t in collate([src_ids[i] for i in batch], [tgt_ids[i] for i in batch]))
-        _, nll, n = loss_sums(model, src, tgt_in, tgt_out, pad_id, 0.0, backend=model.backend)
-        total, count = total + float(nll), count + n
+        src, tgt_in, tgt_out = collate([src_ids[i] for i in batch], [tgt_ids[i] for i in batch])
+        count += int(tgt_out.ne(pad_id).sum())
+        _, nll = loss_sums(model, src.to(device), tgt_in.to(device), tgt_out.to(device), pad_id, 0.0,
+                           backend=model.backend)
+        total += float(nll)
     model.train(was_training)
     return total / max(count, 1)
 

@@ -58,11 +58,17 @@ def train(run: Run) -> None:
             time.monotonic() - last_save >= args.checkpoint_minutes * 60
         stop, save = procs.main_decides(out_of_budget(), save_due)
         if state["step"] % args.log_every == 0 or stop:
-            tok_s = window_tokens / max(window_seconds, 1e-9)
+            # The one read-back of the device: it waits for the queued steps, so its wait counts as training
+            # time (on a GPU the steps only queue kernels, the host running ahead).
+            waited = time.monotonic()
+            loss_sum, nll_sum = procs.sum(*update["sums"].tolist())
+            waited = time.monotonic() - waited
+            state["train_seconds"] += waited
+            tok_s = window_tokens / max(window_seconds + waited, 1e-9)
             window_tokens, window_seconds = 0, 0.0
             record = {"kind": "train", "step": state["step"], "epoch": run.batches.epoch,
-                      "loss": round(update["loss_sum"] / update["tokens"], 4),
-                      "nll": round(update["nll_sum"] / update["tokens"], 4), "lr": update["lr"],
+                      "loss": round(loss_sum / update["tokens"], 4),
+                      "nll": round(nll_sum / update["tokens"], 4), "lr": update["lr"],
                       "tokens_per_s": round(tok_s, 1), "train_minutes": round(state["train_seconds"] / 60, 2)}
             run.log.write(record)
             bar.set_postfix(upd=state["step"], loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:.0f}",

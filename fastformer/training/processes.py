@@ -57,17 +57,20 @@ class Processes:
             dist.barrier()
 
     def sum(self, *values: float) -> list[float]:
-        """Each value summed over all ranks (float64)."""
+        """Each value summed over all ranks (float64); a single process's own values, not via the device."""
+        if self.world == 1:
+            return [float(v) for v in values]
         totals = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if self.world > 1:
-            dist.all_reduce(totals)
+        dist.all_reduce(totals)
         return totals.tolist()
 
     def main_decides(self, *flags: bool) -> list[bool]:
-        """The main process's flags, on every rank (a rank's own clock or budget must not decide alone)."""
+        """The main process's flags, on every rank (a rank's own clock or budget must not decide alone); a
+        single process's own, without a round trip through the device (the host must not wait for it)."""
+        if self.world == 1:
+            return [bool(f) for f in flags]
         values = torch.tensor([float(f) for f in flags], device=self.device)
-        if self.world > 1:
-            dist.broadcast(values, 0)
+        dist.broadcast(values, 0)
         return [bool(v) for v in values.tolist()]
 
     def gather(self, obj) -> list:

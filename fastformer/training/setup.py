@@ -41,6 +41,9 @@ class Run:
     amp_dtype: torch.dtype | None
     batches: BatchStream
     log: RunLog
+    sums: torch.Tensor          # (loss, nll) summed over the current update's micro-batches, on the device
+    grad_scale: torch.Tensor    # world / target tokens of the current update, on the device
+    graphs: object = None       # fastformer.training.graphs.CudaGraphs with --cuda-graphs
     state: dict = field(default_factory=lambda: {"step": 0, "tokens": 0, "train_seconds": 0.0})
     last_dev_step: int = -1
     malloc_trims: int = 0  # updates after which --max-rss-gib handed free heap pages back (this process)
@@ -128,15 +131,25 @@ def setup(args: argparse.Namespace, procs: Processes) -> Run:
     config = model_config(args, tokenizer.vocab_size, ids)
     torch.manual_seed(args.seed)
     model = Transformer(config, backend=args.backend).to(procs.device)
+    model.check_token_values = False  # train_step checks each batch on the host before it moves
     amp_dtype = autocast_dtype(args.precision, procs.device)
+    if args.cuda_graphs:
+        from fastformer.training.graphs import refusal
+        reason = refusal(args, procs.device, procs.world)
+        if reason:
+            usage_error(PROG, reason)
     run = Run(args=args, procs=procs, run_dir=run_dir, corpus=corpus, data_info=data_info, data_name=data_name,
               tokenizer=tokenizer, ids=ids, config=config, model=model, train_model=model,
-              # fused: one multi-tensor kernel per step on CUDA instead of a few per parameter
+              # fused on CUDA: one multi-tensor kernel per step instead of a few per parameter, its step count
+              # kept on the device (the unfused Adam reads it back with .item()); capturable: --cuda-graphs
               optimizer=torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9,
-                                         fused=procs.device.type == "cuda"),
+                                         fused=procs.device.type == "cuda", capturable=bool(args.cuda_graphs)),
               scaler=torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16), amp_dtype=amp_dtype,
-              batches=BatchStream(*ids["train"], args.max_tokens, args.seed, procs.shard),
-              log=RunLog(os.path.join(run_dir, "log.jsonl"), enabled=procs.main))
+              batches=BatchStream(*ids["train"], args.max_tokens, args.seed, procs.shard,
+                                  fixed_shapes=bool(args.cuda_graphs)),
+              log=RunLog(os.path.join(run_dir, "log.jsonl"), enabled=procs.main),
+              sums=torch.zeros(2, dtype=torch.float32, device=procs.device),
+              grad_scale=torch.ones((), dtype=torch.float32, device=procs.device))
     if args.resume:
         resume.restore(run)
     else:
@@ -146,6 +159,9 @@ def setup(args: argparse.Namespace, procs: Processes) -> Run:
         model.encoder.compile(dynamic=True)
         model.decoder.compile(dynamic=True)
     run.train_model = procs.wrap(model)
+    if args.cuda_graphs:
+        from fastformer.training.graphs import CudaGraphs
+        run.graphs = CudaGraphs(run)
     procs.say(f"{args.config} model, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, vocab "
               f"{config.vocab_size}, device {procs.device}, backend {args.backend or 'default'}, precision "
               f"{str(amp_dtype or torch.float32).removeprefix('torch.')}, {procs.world} process(es); data "

@@ -1,6 +1,14 @@
 """One update of the paper's recipe (Vaswani et al., 2017, section 5): the inverse-square-root learning
 rate with linear warmup, label-smoothed cross-entropy over the target tokens, batches accumulated until
---update-tokens target tokens (over all ranks), the gradient averaged per target token, Adam."""
+--update-tokens target tokens (over all ranks), the gradient averaged per target token, Adam.
+
+The step never waits for the device: batches are collated, checked and counted on the host before they
+move (pinned memory, non-blocking copies); the loss covers every target position, padding excluded by
+``ignore_index`` (no boolean selection, whose size the host would have to read back); the loss sums stay
+device tensors until the loop logs them; the gradient's scale and the learning rate reach a graph-captured
+optimizer as device tensors. So on a GPU the host runs ahead of the kernels, and with --cuda-graphs
+(fastformer/training/graphs.py) the micro-batch and the update replay as CUDA graphs.
+"""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -8,7 +16,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from fastformer import ops
-from fastformer.data import collate
 
 if TYPE_CHECKING:
     from fastformer.training.setup import Run
@@ -21,50 +28,92 @@ def learning_rate(step: int, d_model: int, warmup: int, factor: float) -> float:
 
 
 def loss_sums(model, src, tgt_in, tgt_out, pad_id: int, label_smoothing: float,
-              backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Label-smoothed cross-entropy and plain NLL summed over the non-pad target tokens, and their count.
+              backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Label-smoothed cross-entropy and plain NLL summed over the non-pad target tokens (0-dim float32
+    tensors; the token count is the caller's, from its host copy of tgt_out).
 
-    Only non-pad positions go through the output projection (the largest matmul); both losses come from one
-    fused pass over their logits, ``ops.cross_entropy`` on ``backend`` (the model's): smoothed = (1 - e) nll
-    + e mean_c(-log p_c), as torch's cross_entropy(label_smoothing=e) defines it, without log-probabilities
-    in memory (the logits stay in the autocast dtype; the kernels accumulate in float32)."""
-    keep = tgt_out != pad_id
-    logits = model(src, tgt_in, positions=keep)  # (n, V)
-    loss, nll = ops.cross_entropy(logits, tgt_out[keep], label_smoothing=label_smoothing, return_nll=True,
-                                  backend=backend)
-    return loss.sum(), nll.detach().sum(), int(keep.sum())
+    Every position goes through the output projection and one fused pass of ``ops.cross_entropy`` on
+    ``backend`` (the model's), pad targets ignored (``ignore_index``: loss and gradient 0): smoothed = (1 - e)
+    nll + e mean_c(-log p_c), as torch's cross_entropy(label_smoothing=e) defines it, without
+    log-probabilities in memory (the logits stay in the autocast dtype; the kernels accumulate in float32).
+    Projecting the pad positions too costs their share of the largest matmul (a few percent with
+    length-sorted batches), and keeps the shapes, and so the step, free of host synchronization."""
+    logits = model(src, tgt_in)  # (B, T, V)
+    loss, nll = ops.cross_entropy(logits, tgt_out, label_smoothing=label_smoothing, ignore_index=pad_id,
+                                  return_nll=True, backend=backend)
+    return loss.sum(), nll.detach().sum()
+
+
+def to_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Host tensors on ``device``; to a GPU from pinned memory without blocking the host."""
+    if device.type != "cuda":
+        return tuple(t.to(device) for t in batch)
+    return tuple(t.pin_memory().to(device, non_blocking=True) for t in batch)
+
+
+def micro_batch(run: Run, src, tgt_in, tgt_out, sync: bool) -> None:
+    """Forward and backward of one batch (on the device): the gradient accumulates into .grad and the
+    loss sums into ``run.sums`` (loss, nll); DDP all-reduces at the backward only when ``sync``."""
+    config = run.config
+    with run.procs.gradient_sync(run.train_model, sync=sync), \
+            torch.autocast(run.procs.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype is not None):
+        loss, nll = loss_sums(run.train_model, src, tgt_in, tgt_out, config.pad_id, config.label_smoothing,
+                              backend=run.model.backend)
+        run.scaler.scale(loss).backward()
+    run.sums.add_(torch.stack([loss.detach(), nll]))
+
+
+def optimizer_update(run: Run) -> None:
+    """The gradient scaled by ``run.grad_scale`` (world / target tokens: the mean over every target token
+    of the update, DDP having averaged over ranks), clipped to --clip-norm, and the optimizer's step."""
+    grads = [p.grad for p in run.model.parameters() if p.grad is not None]
+    run.scaler.unscale_(run.optimizer)
+    torch._foreach_mul_(grads, run.grad_scale)
+    if run.args.clip_norm > 0:
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.args.clip_norm)
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Each group's learning rate: in place where it is a device tensor (a captured optimizer reads it there)."""
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
 
 
 def train_step(run: Run) -> dict:
-    """One optimizer update; returns its learning rate, target tokens and loss sums over all ranks.
+    """One optimizer update; returns its learning rate, its target tokens over all ranks (an int) and its
+    loss sums (``sums``: a device tensor (loss, nll) of this rank, read only when the loop logs).
 
     Each rank takes batches from its stream until its share (1/N) of --update-tokens target tokens; only
     the last micro-batch's backward all-reduces (DDP averages over ranks), and the gradient is rescaled to
     the mean over every target token of the update."""
     args, procs, config = run.args, run.procs, run.config
     lr = learning_rate(run.state["step"] + 1, config.d_model, args.warmup, args.lr_factor)
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
-    run.optimizer.zero_grad(set_to_none=True)
-    tokens = loss_sum = nll_sum = 0.0
+    set_learning_rate(run.optimizer, lr)
+    if run.graphs is None:
+        run.optimizer.zero_grad(set_to_none=True)
+    run.sums.zero_()
+    tokens = 0
     while True:
-        src, tgt_in, tgt_out = (t.to(procs.device) for t in collate(*run.batches.next()))
-        last = tokens + int((tgt_out != config.pad_id).sum()) >= args.update_tokens / procs.world
-        with procs.gradient_sync(run.train_model, sync=last), \
-                torch.autocast(procs.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype is not None):
-            loss, nll, n = loss_sums(run.train_model, src, tgt_in, tgt_out, config.pad_id, config.label_smoothing,
-                                     backend=run.model.backend)
-            run.scaler.scale(loss).backward()
-        tokens, loss_sum, nll_sum = tokens + n, loss_sum + float(loss.detach()), nll_sum + float(nll)
+        batch = run.batches.next_tensors()
+        run.model.check_tokens(*batch[:2])  # on the host: the model's own check would wait for the device
+        n = int(batch[2].ne(config.pad_id).sum())
+        last = tokens + n >= args.update_tokens / procs.world
+        if run.graphs is not None:
+            run.graphs.micro_batch(*batch)
+        else:
+            micro_batch(run, *to_device(batch, procs.device), sync=last)
+        tokens += n
         if last:
             break
-    tokens, loss_sum, nll_sum = procs.sum(tokens, loss_sum, nll_sum)
-    run.scaler.unscale_(run.optimizer)
-    for p in run.model.parameters():  # DDP averaged over ranks; make it the mean over all target tokens
-        if p.grad is not None:
-            p.grad.mul_(procs.world / tokens)
-    if args.clip_norm > 0:
-        torch.nn.utils.clip_grad_norm_(run.model.parameters(), args.clip_norm)
-    run.scaler.step(run.optimizer)
-    run.scaler.update()
-    return {"lr": lr, "tokens": int(tokens), "loss_sum": loss_sum, "nll_sum": nll_sum}
+    tokens = int(procs.sum(tokens)[0]) if procs.world > 1 else tokens
+    run.grad_scale.fill_(procs.world / tokens)
+    if run.graphs is not None:
+        run.graphs.update()
+    else:
+        optimizer_update(run)
+    return {"lr": lr, "tokens": tokens, "sums": run.sums}

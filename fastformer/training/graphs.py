@@ -1,0 +1,112 @@
+"""--cuda-graphs: the training step replayed as CUDA graphs, one per batch shape plus one for the update.
+
+On a GPU a Transformer step at the paper's sizes is host-bound: launching its ~1,000 kernels from Python
+takes longer than running them (docs/gpu-report.md). A CUDA graph records the launches once and replays them
+with one call. What makes the step capturable (fastformer/training/step.py): no host synchronization in
+forward, backward or the update; batches in a small fixed set of shapes (fastformer/data/batching.py's
+length buckets: rows x columns fixed per bucket, all-pad rows added); dropout seeds drawn on the device from
+torch's CUDA generator, whose Philox offset advances on every replay (fastformer/ops/_registry.py); the
+learning rate and the gradient's scale in device tensors; a fused, capturable Adam.
+
+Per batch shape (B, L): the first batch of that shape is copied into static input buffers and run eagerly on
+a side stream (real work: it trains, and it warms up lazy initialisation, Triton's compilation and
+autotuning, the allocator), then the micro-batch (forward, backward into the persistent .grad tensors, loss
+sums into ``run.sums``) is captured; later batches of that shape are copied into the buffers and replayed.
+The update (gradient scale, clipping, Adam, gradient zeroing) is run eagerly once, then captured and
+replayed. All graphs share one memory pool: they replay one at a time on one stream, and what outlives a
+replay (gradients, sums, optimizer state, parameters) lives outside the pool.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from fastformer.training.step import loss_sums, optimizer_update
+
+if TYPE_CHECKING:
+    from fastformer.training.setup import Run
+
+
+def refusal(args, device: torch.device, world: int) -> str | None:
+    """Why --cuda-graphs cannot run with these settings, or None."""
+    if device.type != "cuda":
+        return f"--cuda-graphs needs a CUDA device (the device is {device})"
+    if world > 1:
+        return "--cuda-graphs runs in a single process (DistributedDataParallel's hooks are not captured here)"
+    if args.precision == "fp16" or (args.precision == "auto" and not torch.cuda.is_bf16_supported()):
+        return ("--cuda-graphs needs --precision bf16 or fp32: fp16's loss scaling reads the overflow flag on "
+                "the host every update")
+    if args.compile:
+        return "--cuda-graphs and --compile are two ways of removing the host from the step; choose one"
+    return None
+
+
+class CudaGraphs:
+    """The captured micro-batches (one graph per batch shape) and the captured update of one run."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.device = run.procs.device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.micro: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        self.update_graph: torch.cuda.CUDAGraph | None = None
+        # Persistent gradients, zeroed by the update: captured backward passes accumulate into them.
+        self.params = [p for p in run.model.parameters() if p.requires_grad]
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+        for group in run.optimizer.param_groups:  # a captured Adam reads the learning rate from the device
+            group["capturable"] = True
+            if not isinstance(group["lr"], torch.Tensor):
+                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=self.device)
+
+    @property
+    def shapes(self) -> list[tuple]:
+        """The batch shapes captured so far, as (B, S, T)."""
+        return sorted(self.micro)
+
+    def _micro_body(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> None:
+        run = self.run
+        # autocast's weight cache would hold casts made during capture past it: off under graphs
+        with torch.autocast("cuda", dtype=run.amp_dtype, enabled=run.amp_dtype is not None, cache_enabled=False):
+            loss, nll = loss_sums(run.model, src, tgt_in, tgt_out, run.config.pad_id, run.config.label_smoothing,
+                                  backend=run.model.backend)
+        loss.backward()
+        run.sums.add_(torch.stack([loss.detach(), nll]))
+
+    def _update_body(self) -> None:
+        optimizer_update(self.run)
+        torch._foreach_zero_([p.grad for p in self.params])
+
+    def _warm_and_capture(self, body, *inputs) -> torch.cuda.CUDAGraph:
+        """Runs ``body(*inputs)`` once eagerly on a side stream (its real work), then captures it."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            body(*inputs)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            body(*inputs)
+        return graph
+
+    def micro_batch(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> None:
+        """Forward and backward of one host batch (int64 (B, S), (B, T), (B, T)): replayed when its shape has
+        a graph, else run and captured."""
+        key = (*src.shape, tgt_in.shape[1])
+        entry = self.micro.get(key)
+        if entry is None:
+            static = tuple(t.to(self.device) for t in (src, tgt_in, tgt_out))
+            self.micro[key] = (self._warm_and_capture(self._micro_body, *static), static)
+            return
+        graph, static = entry
+        for buffer, t in zip(static, (src, tgt_in, tgt_out)):
+            buffer.copy_(t.pin_memory(), non_blocking=True)
+        graph.replay()
+
+    def update(self) -> None:
+        """The optimizer update of the accumulated gradient (run.grad_scale and the learning rate already set)."""
+        if self.update_graph is None:
+            self.update_graph = self._warm_and_capture(self._update_body)
+        else:
+            self.update_graph.replay()

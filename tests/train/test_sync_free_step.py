@@ -1,0 +1,120 @@
+"""The training step issues no host synchronization, so a GPU can run it as a CUDA graph (issue 44).
+
+On the CPU a dispatch mode sees every ATen call of the device part of the step: the micro-batch (forward,
+backward, loss sums) and the optimizer update, exactly what fastformer/training/graphs.py captures. It
+fails on the calls that make a GPU's host wait: reading a scalar back (``_local_scalar_dense``, ``item``,
+``is_nonzero``), ops whose output shape depends on the data (``nonzero``, ``masked_select``, boolean
+indexing: the host must learn the size), and copies from a device to the CPU. (Syncs inside C++ kernels,
+such as a range check's ``.item()`` on CUDA tensors, are invisible here: tests/gpu runs the captured step
+under ``torch.cuda.set_sync_debug_mode("error")``, which sees those.) The batch is prepared, checked and
+counted on the host before it moves, outside the part observed.
+"""
+import torch
+import pytest
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fastformer.train import build_parser
+from fastformer.training.processes import Processes
+from fastformer.training.setup import setup
+from fastformer.training.step import micro_batch, optimizer_update, to_device, train_step
+
+from train_helpers import tiny_run_args
+
+aten = torch.ops.aten
+SCALAR_READS = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default}
+DATA_DEPENDENT_SHAPES = {aten.nonzero.default, aten.masked_select.default, aten.unique_consecutive.default,
+                         aten._unique2.default}
+
+
+class SyncDetector(TorchDispatchMode):
+    """Records every ATen call that would make the host wait for a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in SCALAR_READS or func in DATA_DEPENDENT_SHAPES:
+            self.syncs.append(str(func))
+        elif func is aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
+            self.syncs.append("aten.index.Tensor with a boolean index")
+        elif func in (aten._to_copy.default, aten.copy_.default):
+            source = args[1] if func is aten.copy_.default else args[0]
+            target_device = kwargs.get("device") if func is aten._to_copy.default else args[0].device
+            if source.device.type != "cpu" and target_device is not None and torch.device(target_device).type == "cpu":
+                self.syncs.append(f"{func}: device to host")
+        return func(*args, **kwargs)
+
+
+def make_run(tmp_path, *extra):
+    """A tiny run on the CPU with the optimizer fastformer.train uses on CUDA: Adam, fused (on the CPU the
+    trainer keeps torch's default Adam, whose step count is a host tensor read back with .item())."""
+    args = build_parser().parse_args(tiny_run_args(tmp_path / "run", "--dropout", "0.1", "--clip-norm", "1.0",
+                                                   "--precision", "fp32", *extra))
+    run = setup(args, Processes.start("cpu"))
+    run.optimizer = torch.optim.Adam(run.model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=True)
+    return run
+
+
+def device_part(run, batch):
+    """What a captured step holds: the micro-batch on the device and the update (the token count, and so
+    the gradient's scale, come from the host batch)."""
+    micro_batch(run, *to_device(batch, run.procs.device), sync=True)
+    optimizer_update(run)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_training_step_has_no_host_sync(tmp_path, precision):
+    run = make_run(tmp_path, "--precision", precision)
+    run.model.train()
+    for _ in range(2):  # the first update creates Adam's state: both it and a later one are checked
+        batch = run.batches.next_tensors()
+        run.optimizer.zero_grad(set_to_none=True)
+        run.grad_scale.fill_(1.0 / int(batch[2].ne(run.config.pad_id).sum()))
+        with SyncDetector() as detector:
+            device_part(run, batch)
+        assert detector.syncs == [], detector.syncs
+    assert torch.isfinite(run.sums).all() and run.sums[0] > 0
+
+
+def test_the_detector_sees_what_the_step_avoids(tmp_path):
+    """The model's own token check (kept for users; the trainer checks on the host instead) and the boolean
+    selection of pad positions (the old loss) are host syncs on a GPU: the detector reports both."""
+    run = make_run(tmp_path)
+    src, tgt_in, tgt_out = run.batches.next_tensors()
+    run.model.check_token_values = True
+    with SyncDetector() as detector:
+        run.model(src, tgt_in)
+    assert any("_local_scalar_dense" in s for s in detector.syncs), detector.syncs
+    run.model.check_token_values = False
+    with SyncDetector() as detector:
+        hidden = run.model.hidden(src, tgt_in)
+        hidden[tgt_out != run.config.pad_id]
+    assert detector.syncs == ["aten.index.Tensor with a boolean index"], detector.syncs
+
+
+def test_train_step_reports_device_sums_and_host_token_counts(tmp_path):
+    """train_step: the tokens of the update counted on the host (an int), the loss sums left on the device
+    until the loop logs them, and a loss over every position equal to one over the non-pad positions only."""
+    run = make_run(tmp_path, "--dropout", "0")
+    update = train_step(run)
+    assert isinstance(update["tokens"], int) and update["tokens"] >= run.args.update_tokens
+    assert update["sums"].device.type == "cpu" and update["sums"].shape == (2,)
+    src, tgt_in, tgt_out = run.batches.next_tensors()
+    run.model.eval()
+    with torch.no_grad():
+        logits = run.model(src, tgt_in)
+        keep = tgt_out != run.config.pad_id
+        expected = torch.nn.functional.cross_entropy(logits[keep].double(), tgt_out[keep], reduction="sum",
+                                                     label_smoothing=run.config.label_smoothing)
+        from fastformer.training.step import loss_sums
+        loss, _ = loss_sums(run.model, src, tgt_in, tgt_out, run.config.pad_id, run.config.label_smoothing)
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_bad_token_ids_are_refused_on_the_host(tmp_path):
+    run = make_run(tmp_path)
+    src, tgt_in, _ = run.batches.next_tensors()
+    with pytest.raises(ValueError, match="outside"):
+        run.model.check_tokens(src, tgt_in.masked_fill(tgt_in == tgt_in[0, 0], run.config.vocab_size))
