@@ -174,9 +174,15 @@ inline void check_layer_norm_residual(const Tensor& x, const Tensor& residual, c
   check_dropout(dropout_p, op);
 }
 
+// Whether the current stream of a (CUDA) device is capturing a CUDA graph. Set at load by the CUDA part of
+// fastformer._C (csrc/cuda/cross_entropy.cu); null in a build without CUDA kernels.
+inline bool (*stream_is_capturing)(const at::Device& device) = nullptr;
+
 // logits (..., V) with V > 0; target (...) int64, each entry in [0, V) or ignore_index. The targets' range
 // is checked here, once per call (on a GPU that costs a reduction and a sync), so that no kernel is ever
 // asked for a logit that is not there; the kernels still never read one (an out-of-range target gives NaN).
+// While a CUDA graph is being captured the GPU check is left out (a captured step cannot wait for the host:
+// fastformer.train checks its batches on the host, before they move); an out-of-range target then gives NaN.
 inline void check_cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing,
                                 int64_t ignore_index) {
   check_given(logits, "cross_entropy", "logits");
@@ -207,6 +213,7 @@ inline void check_cross_entropy(const Tensor& logits, const Tensor& target, doub
     }
     return;
   }
+  if (stream_is_capturing != nullptr && stream_is_capturing(target.device())) return;
   const Tensor bad = target.ne(ignore_index).logical_and_(target.lt(0).logical_or_(target.ge(V)));
   if (bad.any().item<bool>()) out_of_range(target.masked_select(bad).slice(0, 0, 1).cpu().item<int64_t>());
 }

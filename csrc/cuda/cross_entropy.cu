@@ -83,4 +83,14 @@ Tensor cross_entropy_bwd(const Tensor& dloss, const Tensor& dnll, const Tensor& 
 #include <torch/library.h>
 
 TORCH_LIBRARY_IMPL(fastformer, CUDA, m) { FASTFORMER_IMPL_OP(m, fastformer::cuda, cross_entropy); }
+
+namespace {
+// csrc/ops.h stream_is_capturing: the range check of check_cross_entropy stays off a captured graph.
+bool current_stream_is_capturing(const at::Device& device) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device.index()).stream(), &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+[[maybe_unused]] const bool kCaptureQueryInstalled = (fastformer::stream_is_capturing = &current_stream_is_capturing, true);
+}  // namespace
 #endif

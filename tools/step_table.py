@@ -1,0 +1,200 @@
+"""The training step's speed, fastformer beside PyTorch: one batch, one process, one table (issue 44).
+
+Every row trains the same model size on the same batch (random sentence pairs, lengths uniform in
+[max/2, max], right-padded: tools/profile_step.py's batch) with Adam (fused) and the same loss (label-smoothed
+cross-entropy over every target position, pad ignored), and reports target tokens/s over ``--steps`` timed
+steps after ``--warmup`` untimed ones, its ratio to nn.Transformer eager and the peak device memory:
+
+- ``fastformer <backend> eager``: fastformer.train's own step code (fastformer/training/step.py
+  ``micro_batch`` + ``optimizer_update``: no host synchronization);
+- ``fastformer <backend> graphs``: the same step replayed as CUDA graphs (fastformer/training/graphs.py,
+  ``--cuda-graphs``);
+- ``nn.Transformer eager``, ``torch.compile(nn.Transformer)`` and its ``mode="reduce-overhead"`` (CUDA
+  graphs of its own): the baseline of benchmarks/test_training_step.py.
+
+A row that cannot run here (graphs on a CPU, a backend not built) says why instead of a figure. The timed
+steps of all rows alternate in ``--rounds`` rounds (the machine's load drifts), each row's tokens/s is over
+all its rounds:
+
+    python tools/step_table.py --device cuda --out docs/results/gpu-step.md      # base, 390 pairs <= 64, bf16
+    python tools/step_table.py --device cpu --config tiny --vocab 64 --pairs 4 --max-len 8 --steps 2  # smoke
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # the baseline model and its loss
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+from fastformer.cli import HelpFormatter  # noqa: E402
+from fastformer.nn import Transformer, TransformerConfig  # noqa: E402
+from fastformer.training.step import micro_batch, optimizer_update, to_device  # noqa: E402
+from profile_step import batch  # noqa: E402
+from test_training_step import TorchTransformer, torch_loss_sums  # noqa: E402
+
+BASELINE = "nn.Transformer eager"
+
+
+def fastformer_step(config, backend, graphs: bool, data, dtype, device, tokens):
+    """A step function of fastformer.train's step code on a stand-in for its Run."""
+    torch.manual_seed(0)
+    model = Transformer(config, backend=backend).to(device).train()
+    model.check_token_values = False
+    amp = None if dtype == torch.float32 else dtype
+    run = SimpleNamespace(
+        model=model, train_model=model, config=config, amp_dtype=amp,
+        optimizer=torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
+                                   fused=device.type == "cuda", capturable=graphs),
+        scaler=torch.amp.GradScaler(device.type, enabled=False), args=SimpleNamespace(clip_norm=0.0),
+        sums=torch.zeros(2, device=device), grad_scale=torch.full((), 1.0 / tokens, device=device),
+        procs=SimpleNamespace(device=device, world=1, gradient_sync=lambda *a, **k: contextlib.nullcontext()))
+    host = tuple(t.cpu() for t in data)
+    if graphs:
+        from fastformer.training.graphs import CudaGraphs
+        run.graphs = CudaGraphs(run)
+
+        def step():
+            run.sums.zero_()
+            run.graphs.micro_batch(*host)
+            run.graphs.update()
+    else:
+        def step():
+            run.optimizer.zero_grad(set_to_none=True)
+            run.sums.zero_()
+            micro_batch(run, *to_device(host, device), sync=True)
+            optimizer_update(run)
+    return step
+
+
+def torch_step(config, mode: str | None, data, dtype, device, tokens):
+    """A step function of the nn.Transformer baseline, eager or under torch.compile(mode=...)."""
+    torch.manual_seed(0)
+    model = TorchTransformer(config).to(device).train()
+    forward = model if mode is None else torch.compile(model, mode=None if mode == "default" else mode)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=device.type == "cuda")
+    src, tgt_in, tgt_out = data
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss, _ = torch_loss_sums(forward, src, tgt_in, tgt_out, config.pad_id, config.label_smoothing)
+            (loss / tokens).backward()
+        optimizer.step()
+    return step
+
+
+def rows_wanted(device: torch.device) -> list[tuple[str, callable]]:
+    """(name, factory(config, data, dtype, device, tokens) -> step) of every row, in table order."""
+    import fastformer
+    rows = []
+    backends = ["cuda", "triton"] if device.type == "cuda" else ["cpu"]
+    for backend in backends:
+        rows.append((f"fastformer {backend} eager",
+                     lambda c, d, t, dev, n, b=backend: fastformer_step(c, b, False, d, t, dev, n)))
+        rows.append((f"fastformer {backend} graphs",
+                     lambda c, d, t, dev, n, b=backend: fastformer_step(c, b, True, d, t, dev, n)))
+    rows.append((BASELINE, lambda c, d, t, dev, n: torch_step(c, None, d, t, dev, n)))
+    rows.append(("torch.compile(nn.Transformer)", lambda c, d, t, dev, n: torch_step(c, "default", d, t, dev, n)))
+    rows.append(("torch.compile(nn.Transformer, mode=\"reduce-overhead\")",
+                 lambda c, d, t, dev, n: torch_step(c, "reduce-overhead", d, t, dev, n)))
+    available = fastformer.backends()
+    return [(name, make) for name, make in rows
+            if not name.startswith("fastformer") or available.get(name.split()[1], False)]
+
+
+def refusal(name: str, device: torch.device) -> str | None:
+    if "graphs" in name and device.type != "cuda":
+        return "CUDA graphs need a CUDA device"
+    if "compile" in name and device.type != "cuda":
+        return "left out on the CPU (minutes of compiling; the GPU's row)"
+    return None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where every row runs (default: cuda when a GPU is visible, else cpu)")
+    parser.add_argument("--config", default="base", choices=("tiny", "small", "base", "big"), help="TransformerConfig")
+    parser.add_argument("--vocab", type=int, default=37000, help="vocabulary size (the paper's: 37,000)")
+    parser.add_argument("--pairs", type=int, default=390, help="sentence pairs per batch")
+    parser.add_argument("--max-len", type=int, default=64, help="longest source / target sentence (tokens)")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                        help="autocast dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per row first (compiling, capture)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per row and round")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of timed steps, the rows alternating")
+    parser.add_argument("--out", default=None, help="write the markdown here too")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    if min(args.warmup, args.steps - 1, args.rounds - 1, args.pairs - 1, args.max_len - 1) < 0:
+        parser.error("--warmup >= 0, --steps, --rounds, --pairs and --max-len >= 1")
+    config = getattr(TransformerConfig, args.config)(vocab_size=args.vocab, max_positions=max(args.max_len, 256))
+    torch.manual_seed(0)
+    data = tuple(t.to(device) for t in batch(config, args.pairs, args.max_len, "cpu"))
+    tokens = int(data[2].ne(config.pad_id).sum())
+    cuda = device.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    steps, notes, peak, seconds = {}, {}, {}, {}
+    for name, make in rows_wanted(device):
+        why = refusal(name, device)
+        if why:
+            notes[name] = why
+            continue
+        try:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            step = make(config, data, dtype, device, tokens)
+            for _ in range(args.warmup):
+                step()
+            sync()
+            steps[name], seconds[name] = step, 0.0
+            if cuda:
+                peak[name] = torch.cuda.max_memory_allocated(device) / 2**30
+        except Exception as exc:  # a row that fails says why; the others still run
+            notes[name] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            sync()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            sync()
+            seconds[name] += time.perf_counter() - start
+    speed = {name: tokens * args.steps * args.rounds / s for name, s in seconds.items()}
+    base = speed.get(BASELINE)
+    lines = [f"Training step, {args.config} config, vocabulary {args.vocab:,}, {args.pairs} pairs <= {args.max_len} "
+             f"tokens ({tokens:,} target tokens), {str(dtype).removeprefix('torch.')}, on "
+             f"{torch.cuda.get_device_name(device) if cuda else 'the CPU'}; {args.rounds} rounds of {args.steps} "
+             f"steps per row after {args.warmup} warm-up steps (`python tools/step_table.py "
+             f"{' '.join(argv if argv is not None else sys.argv[1:])}`)", "",
+             "| model | target tokens/s | vs nn.Transformer eager | peak memory |", "|---|---:|---:|---:|"]
+    for name, _ in rows_wanted(device):
+        if name in speed:
+            ratio = f"{speed[name] / base:.2f}x" if base else "-"
+            memory = f"{peak[name]:.2f} GiB" if name in peak else "-"
+            lines.append(f"| {name} | {speed[name]:,.0f} | {ratio} | {memory} |")
+        else:
+            lines.append(f"| {name} | {notes.get(name, 'not run')} | | |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
