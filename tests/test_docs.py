@@ -14,7 +14,7 @@ PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./{},<>-]*[\w}>])" % "|".join(re.esca
 from fastformer.ops import OPS  # the op list of csrc/ops.h: `<op>` in a doc's path stands for each
 # Made by the build or by a tool, named on purpose: the extension, the shipped sources, the GPU report
 # (tools/gpu_check.sh writes it on a GPU machine).
-BUILT = {"fastformer/_C.so", "fastformer/_csrc", "docs/gpu-report.md"}
+BUILT = {"fastformer/_C.so", "fastformer/_csrc", "docs/gpu-report.md", "docs/results/gpu.md"}
 
 
 def tracked(*suffixes):
