@@ -458,6 +458,7 @@ def _session_info(config) -> dict:
             "backends": fastformer_backends(ctx)}
     if ctx.cuda:
         info["gpu"] = torch.cuda.get_device_name(ctx.device)
+        info["compute capability"] = "%d.%d" % torch.cuda.get_device_capability(ctx.device)
     if _COPY_GBPS in config.stash:
         info["copy GB/s"] = config.stash[_COPY_GBPS]
     return info

@@ -122,11 +122,16 @@ def _device_ok(name: str, device: torch.device) -> tuple[bool, str]:
                                  f"{os.environ.get('TRITON_INTERPRET', '0')}), got {device.type} tensors")
 
 
-def _gpu_order(device: torch.device) -> list[str]:
-    """The available GPU backends for ``device`` in order of preference: triton first on compute
-    capability 8.0 and newer, cuda first before."""
-    major, _ = torch.cuda.get_device_capability(device)
-    return [n for n in (("triton", "cuda") if major >= 8 else ("cuda", "triton")) if status(n)[0]]
+def _gpu_order(device: torch.device, op: str | None = None, dtype: torch.dtype | None = None) -> list[str]:
+    """The available GPU backends for ``device`` in order of preference: as measured for its compute
+    capability, ``op`` and ``dtype`` where fastformer/ops/gpu_table.py has them (tools/gpu_choice.py writes it
+    from a GPU run's op benchmarks), else the rule of thumb: triton first on 8.0 and newer, cuda first before."""
+    from fastformer.ops.gpu_table import TABLE
+    major, minor = torch.cuda.get_device_capability(device)
+    dtype_name = str(dtype).removeprefix("torch.")
+    measured = TABLE.get(f"{major}.{minor}", {}).get(op, {}).get(dtype_name)
+    order = measured[0] if measured else (("triton", "cuda") if major >= 8 else ("cuda", "triton"))
+    return [n for n in order if status(n)[0]]
 
 
 def _automatic(device: torch.device) -> str:
@@ -183,9 +188,9 @@ def kernel(op: str, phase: str, backend: str, *, eager: bool = False) -> Callabl
     return lambda *args: overload(*args, backend)
 
 
-def _gpu_automatic(op: str, device: torch.device, eager: bool) -> Callable:
+def _gpu_automatic(op: str, device: torch.device, dtype: torch.dtype, eager: bool) -> Callable:
     """Forward of ``op`` on a CUDA device: the preferred GPU backend whose limits hold for the call, else torch."""
-    candidates = [(n, kernel(op, "fwd", n, eager=eager)) for n in _gpu_order(device)]
+    candidates = [(n, kernel(op, "fwd", n, eager=eager)) for n in _gpu_order(device, op, dtype)]
     fallback = kernel(op, "fwd", "torch", eager=eager)
 
     def run(*args):
@@ -214,7 +219,7 @@ def forward(op: str, backend: str | None, x) -> Callable:
             raise ValueError(f"fastformer {op}: expected a torch.Tensor, got {type(x).__name__}")
         explicit = requested if requested is not None else _env
         if explicit is None and x.device.type == "cuda":
-            entry = (_gpu_automatic(op, x.device, True), _gpu_automatic(op, x.device, False))
+            entry = (_gpu_automatic(op, x.device, x.dtype, True), _gpu_automatic(op, x.device, x.dtype, False))
         else:
             name = resolve(op, explicit, x.device, x.dtype)
             entry = (kernel(op, "fwd", name, eager=True), kernel(op, "fwd", name))

@@ -107,16 +107,64 @@ def test_automatic_gpu_choice_respects_each_backends_limits(monkeypatch):
     monkeypatch.setattr(_dispatch, "status", lambda name: (name in ("triton", "cuda", "torch"), ""))
     monkeypatch.setattr(_dispatch, "kernel", lambda op, phase, name, eager=False: lambda *args: name)
 
-    attention = _dispatch._gpu_automatic("attention", torch.device("cuda"), True)
+    attention = _dispatch._gpu_automatic("attention", torch.device("cuda"), torch.float16, True)
     assert attention(torch.empty(1, 1, 4, 64)) == "triton"
     assert attention(torch.empty(1, 1, 4, 160)) == "torch"
-    lnr = _dispatch._gpu_automatic("layer_norm_residual", torch.device("cuda"), True)
+    lnr = _dispatch._gpu_automatic("layer_norm_residual", torch.device("cuda"), torch.float16, True)
     assert lnr(torch.empty(2, 512)) == "triton"
     assert lnr(torch.empty(2, MAX_N + 1)) == "cuda"
     # cross_entropy has no row limit on either GPU backend: triton loops over any vocabulary.
-    assert _dispatch._gpu_automatic("cross_entropy", torch.device("cuda"), True)(torch.empty(2, 256000)) == "triton"
+    assert _dispatch._gpu_automatic("cross_entropy", torch.device("cuda"), torch.float16, True)(torch.empty(2, 256000)) == "triton"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (6, 0))
-    assert _dispatch._gpu_automatic("softmax", torch.device("cuda"), True)(torch.empty(2, 8)) == "cuda"
+    assert _dispatch._gpu_automatic("softmax", torch.device("cuda"), torch.float16, True)(torch.empty(2, 8)) == "cuda"
+
+
+def test_automatic_gpu_choice_follows_the_measured_table(monkeypatch, tmp_path):
+    """tools/gpu_choice.py turns a GPU run's op benchmarks into fastformer/ops/gpu_table.py's rows (the faster
+    backend per capability, op and dtype, forward+backward); the dispatcher follows a row where one exists
+    and the rule of thumb elsewhere. A synthetic benchmark JSON, read by the tool, written to a copy."""
+    import json
+    import sys
+
+    import torch
+
+    from fastformer import _dispatch
+    from fastformer.ops import gpu_table
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tools"))
+    import gpu_choice
+
+    def entry(op, shape, impl, seconds):
+        return {"extra_info": {"op": op, "shape": shape, "pass": "fwd+bwd", "impl": impl}, "stats": {"median": seconds}}
+
+    bench = {"fastformer": {"device": "cuda", "compute capability": "9.0", "dtype": "bfloat16", "gpu": "H200",
+                            "command": "pytest benchmarks/test_softmax.py"},
+             "benchmarks": [entry("softmax", "a", "cuda", 1.0), entry("softmax", "a", "triton", 2.0),
+                            entry("softmax", "b", "cuda", 1.0), entry("softmax", "b", "triton", 1.5),
+                            entry("attention", "a", "cuda", 3.0), entry("attention", "a", "triton", 1.0),
+                            entry("attention", "b", "cuda", 3.0),  # one backend only: not compared
+                            entry("attention", "a", "sdpa", 0.5)]}
+    rows = gpu_choice.choices(bench)
+    assert rows["9.0"]["softmax"]["bfloat16"][0] == ("cuda", "triton")
+    assert rows["9.0"]["attention"]["bfloat16"][0] == ("triton", "cuda")
+    assert rows["9.0"]["attention"]["bfloat16"][1]["shapes"] == 1
+    assert abs(rows["9.0"]["softmax"]["bfloat16"][1]["speedup"] - 3 ** 0.5) < 1e-3  # geometric mean of 2 and 1.5
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(bench))
+    monkeypatch.setattr(gpu_choice, "TABLE", str(tmp_path / "gpu_table.py"))
+    (tmp_path / "gpu_table.py").write_text("TABLE = {'8.0': {'softmax': {'float16': (('triton', 'cuda'), {})}}}\n")
+    assert gpu_choice.main([str(path), "--write"]) == 0
+    namespace = {}
+    exec((tmp_path / "gpu_table.py").read_text(), namespace)
+    assert set(namespace["TABLE"]) == {"8.0", "9.0"}  # earlier rows of another capability kept
+
+    monkeypatch.setattr(gpu_table, "TABLE", namespace["TABLE"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(_dispatch, "status", lambda name: (name in ("triton", "cuda", "torch"), ""))
+    monkeypatch.setattr(_dispatch, "kernel", lambda op, phase, name, eager=False: lambda *args: name)
+    softmax = _dispatch._gpu_automatic("softmax", torch.device("cuda"), torch.bfloat16, True)
+    assert softmax(torch.empty(2, 8)) == "cuda"  # measured: cuda first, against the rule (triton on 9.0)
+    assert _dispatch._gpu_automatic("softmax", torch.device("cuda"), torch.float16, True)(torch.empty(2, 8)) == "triton"
 
 
 def test_package_docstring_names_every_op():

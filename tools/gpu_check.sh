@@ -73,6 +73,10 @@ except ImportError:
   echo
   echo "## Figures"
   echo
+  if [[ -s $(logfile "backend table") ]]; then
+    echo "- backend table (\`python tools/gpu_choice.py BENCH --write\`, fastformer/ops/gpu_table.py):"
+    sed 's/^/  - /' "$(logfile "backend table")"
+  fi
   for name in tests/gpu memcheck "extension and CPU-level tests"; do
     line=$(last_line "$(logfile "$name")" "passed|failed|error|ERROR SUMMARY")
     [[ -n $line ]] && echo "- $name: $line"
@@ -160,6 +164,8 @@ if ((GPU)); then
     # shellcheck disable=SC2086  # one word per file
     step "benchmarks" 100 python -m pytest $op_benchmarks --bench-sizes paper -k "fwdbwd" --benchmark-only -q \
       -p no:cacheprovider --benchmark-json "$LOGS/bench.json"
+    # The measured backend choice (fastformer/ops/gpu_table.py, read by the dispatcher): commit it.
+    step "backend table" 20 python tools/gpu_choice.py "$LOGS/bench.json" --write
   else
     ROWS+=("| benchmarks | skipped: fastformer does not import, so its op list is unknown | 0 s | |")
   fi
