@@ -56,9 +56,8 @@ class CudaGraphs:
         for p in self.params:
             p.grad = torch.zeros_like(p)
         for group in run.optimizer.param_groups:  # a captured Adam reads the learning rate from the device
-            group["capturable"] = True
-            if not isinstance(group["lr"], torch.Tensor):
-                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=self.device)
+            group["capturable"] = True  # (a resumed optimizer's may be a CPU tensor: always a new one here)
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=self.device)
 
     @property
     def shapes(self) -> list[tuple]:
