@@ -42,6 +42,14 @@ def refusal(args, device: torch.device, world: int) -> str | None:
     return None
 
 
+def capture(body, inputs: tuple, pool) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``body(*inputs)`` (captured, not run), its memory from ``pool``."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        body(*inputs)
+    return graph
+
+
 class CudaGraphs:
     """The captured micro-batches (one graph per batch shape) and the captured update of one run."""
 
@@ -84,10 +92,7 @@ class CudaGraphs:
         with torch.cuda.stream(side):
             body(*inputs)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            body(*inputs)
-        return graph
+        return capture(body, inputs, self.pool)
 
     def micro_batch(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> None:
         """Forward and backward of one host batch (int64 (B, S), (B, T), (B, T)): replayed when its shape has
@@ -100,7 +105,7 @@ class CudaGraphs:
             return
         graph, static = entry
         for buffer, t in zip(static, (src, tgt_in, tgt_out)):
-            buffer.copy_(t.pin_memory(), non_blocking=True)
+            buffer.copy_(t.pin_memory() if buffer.is_cuda else t, non_blocking=True)
         graph.replay()
 
     def update(self) -> None:

@@ -118,3 +118,63 @@ def test_bad_token_ids_are_refused_on_the_host(tmp_path):
     src, tgt_in, _ = run.batches.next_tensors()
     with pytest.raises(ValueError, match="outside"):
         run.model.check_tokens(src, tgt_in.masked_fill(tgt_in == tgt_in[0, 0], run.config.vocab_size))
+
+
+class ReplayedBody:
+    """A stand-in for a captured CUDA graph on the CPU: replay() runs the captured body again on the same
+    (static) input tensors, which is what a graph's replay does on a GPU."""
+    captures = replays = 0
+
+    def __init__(self, body, inputs):
+        self.body, self.inputs = body, inputs
+        ReplayedBody.captures += 1
+
+    def replay(self):
+        ReplayedBody.replays += 1
+        self.body(*self.inputs)
+
+
+def test_graph_logic_gives_the_eager_losses(tmp_path, monkeypatch):
+    """fastformer/training/graphs.py's control flow on the CPU, CUDA's stream and capture calls replaced by
+    stand-ins: one capture per batch shape and one of the update, the first batch of a shape trained eagerly,
+    later ones copied into the static buffers and replayed, gradients kept and zeroed by the update, the
+    learning rate and gradient scale read from tensors. Same fixed-shape batches, no dropout: the same
+    losses and weights as the eager step. (tests/gpu/test_cuda_graph_step.py runs the real capture.)"""
+    from fastformer.training import graphs
+
+    class Stream:
+        def __init__(self, *args):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(graphs, "capture", lambda body, inputs, pool: ReplayedBody(body, inputs))
+
+    def fixed_shape_run(name):
+        torch.manual_seed(0)
+        run = make_run(tmp_path / name, "--dropout", "0", "--clip-norm", "0.5")
+        run.optimizer = torch.optim.Adam(run.model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=True)
+        run.batches.fixed_shapes = True
+        run.batches.seek(0)
+        return run
+
+    eager, graphed = fixed_shape_run("eager"), fixed_shape_run("graphed")
+    graphed.graphs = graphs.CudaGraphs(graphed)
+    ReplayedBody.captures = ReplayedBody.replays = 0
+    expected, got = [], []
+    for _ in range(8):
+        for run, out in ((eager, expected), (graphed, got)):
+            update = train_step(run)
+            out.append(update["sums"][0].item() / update["tokens"])
+    shapes = len(graphed.graphs.shapes)
+    assert ReplayedBody.captures == shapes + 1  # one per shape met, one of the update
+    assert ReplayedBody.replays >= 7 + 4, ReplayedBody.replays  # the later updates, and micro-batches
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-5)
+    for p, q in zip(eager.model.parameters(), graphed.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert all(q.grad is not None and not q.grad.any() for q in graphed.model.parameters())  # zeroed, kept
