@@ -1,5 +1,6 @@
-"""The tools: tools/profile_step.py (the GPU report's training-step profile) on tiny sizes on the CPU, both
-models profiled and reported, so the GPU session that runs it at the paper's sizes gets both tables;
+"""The tools: tools/profile_step.py (the GPU report's training-step profile) and tools/step_table.py (its
+step table) on tiny sizes on the CPU, both models profiled and reported, so the GPU session that runs them at
+the paper's sizes gets every table;
 tools/translation_report.py; tools/make_results.py's checks and plan (its measurements take an hour); tools/pack_corpus.py."""
 import importlib.util
 import json
@@ -28,6 +29,22 @@ def test_profile_step_reports_both_models(tmp_path):
     # Each profile is of its own step: the fused loss in fastformer's, PyTorch's in the baseline's.
     assert "fastformer::cross_entropy_fwd" in ours and "fastformer::" not in theirs
     assert "aten::cross_entropy_loss" in theirs
+
+
+def test_step_table_times_every_row_it_can_and_says_why_not(tmp_path):
+    """tools/step_table.py (the GPU check's first figure) on tiny sizes on the CPU: fastformer's eager step
+    (the trainer's own step code) beside nn.Transformer's, with a ratio; the rows that need a GPU say so."""
+    spec = importlib.util.spec_from_file_location("step_table", ROOT / "tools" / "step_table.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "steps.md"
+    assert tool.main(["--device", "cpu", "--config", "tiny", "--vocab", "64", "--pairs", "3", "--max-len", "6",
+                      "--warmup", "1", "--steps", "1", "--rounds", "1", "--out", str(out)]) == 0
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in out.read_text().splitlines() if line.startswith("| ")}
+    assert rows["nn.Transformer eager"].split(" | ")[2] == "1.00x"
+    assert rows["fastformer cpu eager"].split(" | ")[2].endswith("x")
+    assert "need a CUDA device" in rows["fastformer cpu graphs"]
+    assert "left out on the CPU" in rows["torch.compile(nn.Transformer)"]
 
 
 def test_translation_report_scores_every_engine(tmp_path):

@@ -85,18 +85,24 @@ def profile(name: str, model, data, config, args, device) -> str:
             f"{tokens / seconds:,.0f} target tokens/s (under the profiler)\n\n```\n{table}\n```\n")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=HelpFormatter)
+def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
+    """The device, model size, batch and dtype of a training-step measurement (this tool's and
+    tools/step_table.py's)."""
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="where both models run (default: cuda when a GPU is visible, else cpu)")
+                        help="where the models run (default: cuda when a GPU is visible, else cpu)")
     parser.add_argument("--config", default="base", choices=("tiny", "small", "base", "big"),
-                        help="TransformerConfig of both models")
+                        help="TransformerConfig of the models")
     parser.add_argument("--vocab", type=int, default=37000, help="vocabulary size (the paper's: 37,000)")
     parser.add_argument("--pairs", type=int, default=390, help="sentence pairs per batch")
     parser.add_argument("--max-len", type=int, default=64, help="longest source / target sentence (tokens)")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="autocast dtype (default: bfloat16 on CUDA, float32 on CPU)")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=HelpFormatter)
+    add_batch_arguments(parser)
     parser.add_argument("--backend", default=None, help="fastformer backend (default: the automatic choice)")
     parser.add_argument("--warmup", type=int, default=3, help="unprofiled steps first (allocator, autotuning)")
     parser.add_argument("--steps", type=int, default=3, help="profiled steps per model")

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 from fastformer.cli import HelpFormatter  # noqa: E402
 from fastformer.nn import Transformer, TransformerConfig  # noqa: E402
 from fastformer.training.step import micro_batch, optimizer_update, to_device  # noqa: E402
-from profile_step import batch  # noqa: E402
+from profile_step import add_batch_arguments, batch  # noqa: E402
 from test_training_step import TorchTransformer, torch_loss_sums  # noqa: E402
 
 BASELINE = "nn.Transformer eager"
@@ -120,14 +120,7 @@ def refusal(name: str, device: torch.device) -> str | None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="where every row runs (default: cuda when a GPU is visible, else cpu)")
-    parser.add_argument("--config", default="base", choices=("tiny", "small", "base", "big"), help="TransformerConfig")
-    parser.add_argument("--vocab", type=int, default=37000, help="vocabulary size (the paper's: 37,000)")
-    parser.add_argument("--pairs", type=int, default=390, help="sentence pairs per batch")
-    parser.add_argument("--max-len", type=int, default=64, help="longest source / target sentence (tokens)")
-    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                        help="autocast dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    add_batch_arguments(parser)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per row first (compiling, capture)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per row and round")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of timed steps, the rows alternating")
