@@ -177,7 +177,7 @@ def core_extension():
     if want_cuda() and not cuda_sources:
         print("fastformer: CUDA requested but csrc/cuda/ holds no .cu sources yet; building the CPU kernels only")
     sources = ["csrc/fastformer.cpp", "csrc/cpu_levels.cpp", "csrc/gemm/gemm.cpp", "csrc/inference/decoder.cpp",
-               "csrc/inference/beam_search.cpp"]
+               "csrc/inference/beam_search.cpp", "csrc/triton/plans.cpp"]
     sources = unity_sources("core", sources + sorted(glob.glob("csrc/autograd/*.cpp")))
     cxx = ["-O3", NO_DEBUG_INFO, f'-DFASTFORMER_TORCH_VERSION="{torch.__version__}"', kernel_table_digest()]
     include_dirs = [os.path.join(ROOT, "csrc")]

@@ -21,6 +21,7 @@
 #include "cpu_levels.h"
 #include "gemm/gemm.h"
 #include "ops.h"
+#include "triton/plans.h"
 
 #ifndef FASTFORMER_TORCH_VERSION
 #define FASTFORMER_TORCH_VERSION "unknown"
@@ -256,6 +257,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The inference room (csrc/inference/inference.h).
   fastformer::bind_decoder(m);
   fastformer::bind_beam_search(m);
+  // The triton backend's launch plans (csrc/triton/plans.cpp).
+  fastformer::bind_triton_plans(m);
 #ifdef FASTFORMER_WITH_CUDA
   m.attr("WITH_CUDA") = true;
 #else

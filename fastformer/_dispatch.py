@@ -178,13 +178,16 @@ def kernel(op: str, phase: str, backend: str, *, eager: bool = False) -> Callabl
     for the others. ``eager=True`` gives a C++ entry that skips the OpOverload's Python frame: for the cpu and
     cuda forward ``fastformer._C.EAGER_FWD[op]`` (the dispatcher's typed call, without the JIT's argument
     matching and boxing; anything unusual goes to the OpOverload: csrc/fastformer.cpp), else
-    ``OpOverload._op``. torch.compile traces the OpOverload itself."""
+    ``OpOverload._op`` (bound to the backend's name by functools.partial). torch.compile traces the
+    OpOverload itself."""
     if eager and phase == "fwd" and backend in ("cpu", "cuda"):
         return _ext.extension().EAGER_FWD[op]
     packet = getattr(torch.ops.fastformer, f"{op}_{phase}" + ("" if backend in ("cpu", "cuda") else "_py"))
     overload = packet.default._op if eager else packet.default
     if backend in ("cpu", "cuda"):
         return overload
+    if eager:  # a partial, not a lambda: no Python frame between the caller and the op (tests/gpu)
+        return functools.partial(overload, backend=backend)
     return lambda *args: overload(*args, backend)
 
 

@@ -1,0 +1,684 @@
+// Launch plans: the triton backend's calls on CUDA tensors replayed from C++, with no Python per call.
+//
+// A Triton call (fastformer/triton/<op>.py) is Python: it allocates the outputs and launches one or more
+// compiled kernels through Triton's launcher (and, for attention, its autotuner). What it does depends only
+// on the call's configuration: the op and phase, every tensor argument's dtype, device, sizes, strides and
+// whether its address is 16-byte aligned (Triton specializes its kernels on that), which tensor arguments
+// are the same tensor, which optional ones are None, and every scalar argument's value. So the first call of
+// a configuration runs the Python implementation under a recorder (fastformer/triton/plans.py) that notes
+// each allocation (torch.empty and its kin: sizes, strides, dtype), each view and each kernel launch (the
+// compiled function, grid, block, shared memory, and every parameter: a pointer into an input or an
+// allocation at a byte offset, or a scalar's bits), and the outputs (an allocation or a view of one). That
+// list is the configuration's plan, stored here under a key made from the configuration (KeyBuilder). Every
+// later call with that key is replayed in C++: allocate (at::empty_strided on the inputs' device, the caching
+// allocator), pack the parameters (addresses read from this call's tensors), launch each kernel with
+// cuLaunchKernel on the current stream, and return the outputs. No host synchronization, no host memory, no
+// Python: a replay can be captured in a CUDA graph.
+//
+// A configuration whose Python run does anything else (any other ATen op: a copy, a fill, a reduction in
+// torch; a launch the recorder cannot describe) is refused: it keeps running in Python, correct by
+// construction, and triton_plans_stats() counts it and names the reason. A recording during which Triton's
+// autotuner benchmarked (its launches are not the call's) is discarded and the next call records again.
+//
+// Where this runs: fastformer::<op>_<phase>_py's kernel for the CUDA dispatch key (registered below, in the
+// CUDA build): for backend "triton" it checks and prepares the arguments as the C++ backends' adapters do
+// (csrc/ops.h: the same checks, the same layout rule) and replays or records; any other backend (torch on
+// CUDA tensors) goes to the Python implementation (the CompositeExplicitAutograd kernel), as before.
+// Under TRITON_INTERPRET=1, triton_plans_on_cpu(true) registers the same kernel for the CPU key: the
+// interpreter's kernels are then recorded and replayed through a Python callback per launch (test equipment:
+// it checks everything here but cuLaunchKernel on CPU tensors in CI).
+#include "triton/plans.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/library.h>
+#include <torch/python.h>
+
+#include <array>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "ops.h"
+
+#ifdef FASTFORMER_WITH_CUDA
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#endif
+
+namespace fastformer::triton_plans {
+
+// The entry points' signatures (csrc/op_entry_points.h), declared here only for their types.
+namespace signatures {
+using at::Tensor;
+#include "op_entry_points.h"
+}  // namespace signatures
+
+namespace {
+
+namespace py = pybind11;
+using at::Tensor;
+
+// ---- the op list (csrc/ops.h) by index ----
+
+constexpr const char* kOpNames[] = {
+#define FASTFORMER_PLAN_NAME(op, ...) #op,
+    FASTFORMER_OPS(FASTFORMER_PLAN_NAME)
+#undef FASTFORMER_PLAN_NAME
+};
+constexpr int kNumOps = static_cast<int>(sizeof(kOpNames) / sizeof(kOpNames[0]));
+constexpr const char* kPhaseNames[] = {"fwd", "bwd"};
+
+constexpr bool same_name(const char* a, const char* b) { return *a == *b && (*a == '\0' || same_name(a + 1, b + 1)); }
+constexpr int op_index(const char* name, int i = 0) {
+  return i == kNumOps ? -1 : same_name(kOpNames[i], name) ? i : op_index(name, i + 1);
+}
+
+// ---- a plan ----
+
+// One kernel parameter as the replay packs it: a pointer into input argument `index` or allocation `index`
+// plus a byte offset, a scalar's bits (`value`, little-endian in `size` bytes), or a null pointer (Triton's
+// trailing scratch parameters when the kernel needs no scratch).
+struct Param {
+  enum Kind : uint8_t { kInput = 0, kAlloc = 1, kValue = 2, kNull = 3 };
+  Kind kind;
+  uint8_t size;     // bytes the function reads (from the kernel's PTX; cuFuncGetParamInfo agrees)
+  int32_t index;    // kInput: argument position; kAlloc: allocation
+  uint64_t value;   // kInput/kAlloc: byte offset (two's complement); kValue: the bits
+};
+
+// A compiled kernel (the CUfunction Triton loaded on the recording's device, kept alive by
+// fastformer/triton/plans.py) or, under the interpreter, the id of a kernel that plans.py runs.
+struct Kernel {
+  uint64_t function = 0;
+  int64_t interpreted = -1;
+  uint32_t threads = 0;  // 32 x num_warps
+  uint32_t shared = 0;   // dynamic shared memory, bytes
+  std::string name;
+};
+
+struct Launch {
+  Kernel kernel;
+  std::array<uint32_t, 3> grid{};
+  std::vector<Param> params;
+};
+
+struct Alloc {
+  std::vector<int64_t> sizes, strides;
+  at::ScalarType dtype;
+};
+
+// An output: allocation `alloc` itself (whole) or its view at sizes, strides and storage offset.
+struct Output {
+  int32_t alloc;
+  bool whole;
+  std::vector<int64_t> sizes, strides;
+  int64_t offset;
+};
+
+struct Plan {
+  std::vector<Alloc> allocs;
+  std::vector<Launch> launches;
+  std::vector<Output> outputs;
+};
+
+constexpr size_t kMaxParams = 64;
+
+// ---- the key: everything of a call that the Python run's choices depend on ----
+
+class KeyBuilder {
+ public:
+  KeyBuilder(int op, int phase, c10::Device device, c10::DeviceIndex current) {
+    bytes_.reserve(256);  // attention's backward: 11 arguments, about 220 bytes
+    put(static_cast<int8_t>(op));
+    put(static_cast<int8_t>(phase));
+    put(static_cast<int8_t>(device.type()));
+    put(static_cast<int8_t>(current));  // the current device: Triton launches there
+  }
+
+  void add(const Tensor& t) {
+    if (!t.defined()) {
+      put('U');
+      return;
+    }
+    put('T');
+    put(static_cast<int8_t>(t.scalar_type()));
+    put(static_cast<int8_t>(t.device().index()));
+    put(static_cast<int8_t>(t.dim()));
+    for (int64_t s : t.sizes()) put(s);
+    for (int64_t s : t.strides()) put(s);
+    put(static_cast<int8_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0));
+    int8_t alias = -1;  // the first earlier argument that is this tensor (the recorder maps it there)
+    for (size_t i = 0; i < impls_.size() && alias < 0; ++i) {
+      if (impls_[i] == t.unsafeGetTensorImpl()) alias = static_cast<int8_t>(i);
+    }
+    put(alias);
+    impls_.push_back(t.unsafeGetTensorImpl());
+  }
+  void add(const std::optional<Tensor>& t) {
+    if (t.has_value()) {
+      add(*t);
+    } else {
+      put('N');
+    }
+  }
+  void add(double v) {
+    put('D');
+    put(v);
+  }
+  void add(bool v) {
+    put('B');
+    put(static_cast<int8_t>(v));
+  }
+  void add(int64_t v) {
+    put('I');
+    put(v);
+  }
+  void add(at::ScalarType v) {
+    put('S');
+    put(static_cast<int8_t>(v));
+  }
+
+  const std::string& bytes() const { return bytes_; }
+
+ private:
+  template <typename T>
+  void put(T v) {
+    bytes_.append(reinterpret_cast<const char*>(&v), sizeof(T));
+  }
+  std::string bytes_;
+  std::vector<const c10::TensorImpl*> impls_;
+};
+
+// ---- the cache and the counters ----
+
+// A configuration: its plan once recorded, or refused (it runs in Python for the rest of the process).
+struct Configuration {
+  std::shared_ptr<const Plan> plan;
+  int attempts = 0;  // recordings discarded because the autotuner benchmarked during them
+  bool refused = false;
+};
+
+constexpr int kMaxAttempts = 3;
+constexpr size_t kMaxEntries = 20000;  // past this, new configurations run in Python (counted)
+
+struct Counters {
+  std::atomic<int64_t> replays{0}, python{0}, recorded{0}, refused{0};
+};
+
+struct State {
+  std::shared_mutex mutex;
+  std::unordered_map<std::string, Configuration> entries;
+  std::map<std::string, int64_t> reasons;  // refused configurations by reason
+  Counters counters[kNumOps][2];
+  std::atomic<bool> enabled{std::getenv("FASTFORMER_TRITON_PLANS") == nullptr ||
+                            std::string(std::getenv("FASTFORMER_TRITON_PLANS")) != "0"};
+};
+
+State& state() {
+  static State* s = new State();  // lives as long as the process (plans may be used at exit)
+  return *s;
+}
+
+// What a call does: replay `plan`, or run Python, recording when `record`.
+struct Lookup {
+  std::shared_ptr<const Plan> plan;
+  bool record = false;
+};
+
+Lookup lookup(const std::string& key) {
+  State& s = state();
+  std::shared_lock<std::shared_mutex> lock(s.mutex);
+  const auto it = s.entries.find(key);
+  if (it == s.entries.end()) return {nullptr, s.entries.size() < kMaxEntries};
+  return {it->second.plan, !it->second.plan && !it->second.refused && it->second.attempts < kMaxAttempts};
+}
+
+void refuse(const std::string& key, const std::string& reason, Counters& counters) {
+  State& s = state();
+  std::unique_lock<std::shared_mutex> lock(s.mutex);
+  Configuration& e = s.entries[key];
+  if (e.refused || e.plan) return;
+  e.refused = true;
+  ++s.reasons[reason];
+  ++counters.refused;
+}
+
+// ---- the Python side (fastformer/triton/plans.py), looked up once with the GIL held ----
+
+struct Python {
+  py::object run;              // _run(op, phase, record, args) -> (outputs, status, plan or reason)
+  py::object run_interpreted;  // _run_interpreted(kernel id, grid, parameter bits)
+};
+
+std::atomic<Python*> g_python{nullptr};
+
+const Python& python() {  // the GIL is held
+  Python* p = g_python.load();
+  if (p == nullptr) {
+    py::module_ m = py::module_::import("fastformer.triton.plans");
+    p = new Python{m.attr("_run"), m.attr("_run_interpreted")};  // kept for the process, as the module is
+    g_python.store(p);
+  }
+  return *p;
+}
+
+// ---- launching ----
+
+#ifdef FASTFORMER_WITH_CUDA
+// The driver entry points, from libcuda (already loaded by torch's CUDA runtime), so that _C needs no
+// -lcuda: cuLaunchKernel, cuCtxGetCurrent, cuGetErrorString, and cuFuncGetParamInfo (driver 12.4+; without
+// it the plan's parameter layout is not cross-checked against the function).
+struct Driver {
+  decltype(&cuLaunchKernel) launch = nullptr;
+  decltype(&cuCtxGetCurrent) current_context = nullptr;
+  decltype(&cuGetErrorString) error_string = nullptr;
+  CUresult (*param_info)(CUfunction, size_t, size_t*, size_t*) = nullptr;
+  std::string error;
+};
+
+const Driver& driver() {
+  static const Driver d = [] {
+    Driver d;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      d.error = std::string("cannot load libcuda.so.1: ") + dlerror();
+      return d;
+    }
+    d.launch = reinterpret_cast<decltype(d.launch)>(dlsym(lib, "cuLaunchKernel"));
+    d.current_context = reinterpret_cast<decltype(d.current_context)>(dlsym(lib, "cuCtxGetCurrent"));
+    d.error_string = reinterpret_cast<decltype(d.error_string)>(dlsym(lib, "cuGetErrorString"));
+    d.param_info = reinterpret_cast<decltype(d.param_info)>(dlsym(lib, "cuFuncGetParamInfo"));
+    if (d.launch == nullptr || d.current_context == nullptr || d.error_string == nullptr) {
+      d.error = "libcuda.so.1 lacks cuLaunchKernel, cuCtxGetCurrent or cuGetErrorString";
+    }
+    return d;
+  }();
+  return d;
+}
+
+std::string cu_error(CUresult r) {
+  const char* text = nullptr;
+  if (driver().error_string != nullptr) driver().error_string(r, &text);
+  return text != nullptr ? text : "CUresult " + std::to_string(static_cast<int>(r));
+}
+
+// A compiled kernel's parameter sizes against the function's own (cuFuncGetParamInfo): "" when they agree
+// or the driver cannot tell, else what differs. A plan that disagrees is refused.
+std::string check_params(const Launch& launch) {
+  const Driver& d = driver();
+  if (!d.error.empty()) return d.error;
+  if (d.param_info == nullptr) return "";
+  const auto f = reinterpret_cast<CUfunction>(launch.kernel.function);
+  for (size_t i = 0; i <= launch.params.size(); ++i) {
+    size_t offset = 0, size = 0;
+    const CUresult r = d.param_info(f, i, &offset, &size);
+    if (i == launch.params.size()) {
+      if (r == CUDA_SUCCESS) return launch.kernel.name + " takes more than the " + std::to_string(i) + " parameters recorded";
+    } else if (r != CUDA_SUCCESS || size != launch.params[i].size) {
+      return launch.kernel.name + "'s parameter " + std::to_string(i) + " is " +
+             (r == CUDA_SUCCESS ? std::to_string(size) + " bytes" : cu_error(r)) + ", recorded " +
+             std::to_string(launch.params[i].size);
+    }
+  }
+  return "";
+}
+
+// cuLaunchKernel on the current stream of `device` (the current device: the key holds it). A thread that has
+// not used CUDA yet gets the primary context first, as torch's jit kernels do.
+void launch_compiled(const Launch& launch, void** params, c10::Device device) {
+  const Driver& d = driver();
+  TORCH_CHECK(d.error.empty(), "fastformer triton: ", d.error);
+  CUcontext context = nullptr;
+  CUresult r = d.current_context(&context);
+  if (r == CUDA_SUCCESS && context == nullptr) C10_CUDA_CHECK(cudaFree(nullptr));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  r = d.launch(reinterpret_cast<CUfunction>(launch.kernel.function), launch.grid[0], launch.grid[1], launch.grid[2],
+               launch.kernel.threads, 1, 1, launch.kernel.shared, reinterpret_cast<CUstream>(stream), params, nullptr);
+  TORCH_CHECK(r == CUDA_SUCCESS, "fastformer triton: launching ", launch.kernel.name, " (grid ", launch.grid[0], " x ",
+              launch.grid[1], " x ", launch.grid[2], ", ", launch.kernel.threads, " threads, ", launch.kernel.shared,
+              " bytes of shared memory) failed: ", cu_error(r));
+}
+#endif
+
+// One launch of a replay; `bits` holds each parameter's value, `params` points at them.
+void launch(const Launch& launch, const uint64_t* bits, void** params, c10::Device device) {
+  if (launch.kernel.interpreted >= 0) {
+    py::gil_scoped_acquire gil;
+    py::list values;
+    for (size_t i = 0; i < launch.params.size(); ++i) values.append(py::int_(bits[i]));
+    python().run_interpreted(launch.kernel.interpreted, py::make_tuple(launch.grid[0], launch.grid[1], launch.grid[2]),
+                             values);
+    return;
+  }
+#ifdef FASTFORMER_WITH_CUDA
+  launch_compiled(launch, params, device);
+#else
+  (void)params;
+  (void)device;
+  TORCH_CHECK(false, "fastformer triton: this fastformer._C was built without CUDA; it cannot launch ",
+              launch.kernel.name);
+#endif
+}
+
+// ---- replay ----
+
+std::vector<Tensor> replay(const Plan& plan, const Tensor* const* inputs, c10::Device device) {
+  std::vector<Tensor> allocs;
+  allocs.reserve(plan.allocs.size());
+  const auto options = at::TensorOptions().device(device);
+  for (const Alloc& a : plan.allocs) allocs.push_back(at::empty_strided(a.sizes, a.strides, options.dtype(a.dtype)));
+  uint64_t bits[kMaxParams];
+  void* params[kMaxParams];
+  for (const Launch& l : plan.launches) {
+    if (static_cast<uint64_t>(l.grid[0]) * l.grid[1] * l.grid[2] == 0) continue;  // as Triton's launcher
+    for (size_t i = 0; i < l.params.size(); ++i) {
+      const Param& p = l.params[i];
+      switch (p.kind) {
+        case Param::kInput:
+          bits[i] = reinterpret_cast<uint64_t>(inputs[p.index]->data_ptr()) + p.value;
+          break;
+        case Param::kAlloc:
+          bits[i] = reinterpret_cast<uint64_t>(allocs[p.index].data_ptr()) + p.value;
+          break;
+        case Param::kValue:
+          bits[i] = p.value;
+          break;
+        case Param::kNull:
+          bits[i] = 0;
+          break;
+      }
+      params[i] = &bits[i];  // the function reads p.size bytes: the low ones (little-endian)
+    }
+    launch(l, bits, params, device);
+  }
+  std::vector<Tensor> outputs;
+  outputs.reserve(plan.outputs.size());
+  for (const Output& o : plan.outputs) {
+    outputs.push_back(o.whole ? allocs[o.alloc] : allocs[o.alloc].as_strided(o.sizes, o.strides, o.offset));
+  }
+  return outputs;
+}
+
+// ---- the recorder's description -> Plan ----
+
+std::vector<int64_t> int_list(py::handle h) { return h.cast<std::vector<int64_t>>(); }
+
+// The plan described by fastformer/triton/plans.py (its docstring gives the tuples), or a reason to refuse.
+std::shared_ptr<Plan> parse(py::handle description, const std::vector<bool>& is_tensor, size_t n_outputs,
+                            std::string& reason) {
+  auto plan = std::make_shared<Plan>();
+  const py::tuple d = description.cast<py::tuple>();
+  for (py::handle a : d[0]) {
+    const py::tuple t = a.cast<py::tuple>();
+    plan->allocs.push_back({int_list(t[0]), int_list(t[1]), t[2].cast<at::ScalarType>()});
+  }
+  for (py::handle item : d[1]) {
+    const py::tuple t = item.cast<py::tuple>();
+    Launch l;
+    const py::tuple k = t[0].cast<py::tuple>();
+    l.kernel = {k[0].cast<uint64_t>(), k[1].cast<int64_t>(), k[2].cast<uint32_t>(), k[3].cast<uint32_t>(),
+                k[4].cast<std::string>()};
+    const py::tuple g = t[1].cast<py::tuple>();
+    for (int i = 0; i < 3; ++i) {
+      const int64_t v = g[i].cast<int64_t>();
+      if (v < 0 || v > static_cast<int64_t>(UINT32_MAX)) {
+        reason = "a grid dimension outside 32 bits";
+        return nullptr;
+      }
+      l.grid[i] = static_cast<uint32_t>(v);
+    }
+    for (py::handle p : t[2]) {
+      const py::tuple q = p.cast<py::tuple>();
+      Param param{static_cast<Param::Kind>(q[0].cast<int>()), q[3].cast<uint8_t>(), q[1].cast<int32_t>(),
+                  q[2].cast<uint64_t>()};
+      const bool bad_input = param.kind == Param::kInput &&
+                             (param.index < 0 || static_cast<size_t>(param.index) >= is_tensor.size() ||
+                              !is_tensor[param.index]);
+      const bool bad_alloc = param.kind == Param::kAlloc &&
+                             (param.index < 0 || static_cast<size_t>(param.index) >= plan->allocs.size());
+      TORCH_CHECK(param.kind <= Param::kNull && !bad_input && !bad_alloc && param.size >= 1 && param.size <= 8,
+                  "fastformer triton: the recorder described a parameter of ", l.kernel.name, " wrongly");
+      l.params.push_back(param);
+    }
+    if (l.params.size() > kMaxParams) {
+      reason = l.kernel.name + " takes more than " + std::to_string(kMaxParams) + " parameters";
+      return nullptr;
+    }
+#ifdef FASTFORMER_WITH_CUDA
+    if (l.kernel.interpreted < 0) {
+      reason = check_params(l);
+      if (!reason.empty()) return nullptr;
+    }
+#endif
+    plan->launches.push_back(std::move(l));
+  }
+  for (py::handle o : d[2]) {
+    const py::tuple t = o.cast<py::tuple>();
+    Output out{t[0].cast<int32_t>(), t[1].cast<bool>(), int_list(t[2]), int_list(t[3]), t[4].cast<int64_t>()};
+    TORCH_CHECK(out.alloc >= 0 && static_cast<size_t>(out.alloc) < plan->allocs.size(),
+                "fastformer triton: the recorder described an output wrongly");
+    plan->outputs.push_back(std::move(out));
+  }
+  if (plan->outputs.size() != n_outputs) {
+    reason = "the Python run returned " + std::to_string(plan->outputs.size()) + " tensors, the op " +
+             std::to_string(n_outputs);
+    return nullptr;
+  }
+  return plan;
+}
+
+// ---- the entry points: key, then replay or Python ----
+
+inline const Tensor* tensor_of(const Tensor& t) { return t.defined() ? &t : nullptr; }
+inline const Tensor* tensor_of(const std::optional<Tensor>& t) { return t.has_value() && t->defined() ? &*t : nullptr; }
+template <typename T>
+const Tensor* tensor_of(const T&) {
+  return nullptr;
+}
+
+template <typename R>
+struct Result;
+template <>
+struct Result<Tensor> {
+  static constexpr size_t size = 1;
+  static Tensor make(std::vector<Tensor>& v) { return std::move(v[0]); }
+};
+template <typename... T>
+struct Result<std::tuple<T...>> {
+  static constexpr size_t size = sizeof...(T);
+  static std::tuple<T...> make(std::vector<Tensor>& v) { return make(v, std::index_sequence_for<T...>{}); }
+  template <size_t... I>
+  static std::tuple<T...> make(std::vector<Tensor>& v, std::index_sequence<I...>) {
+    return {std::move(v[I])...};
+  }
+};
+
+c10::DeviceIndex current_device(c10::Device device) {
+  return device.is_cpu() ? -1 : c10::impl::VirtualGuardImpl(device.type()).getDevice().index();
+}
+
+// fastformer/triton/<op>.py's <op>_<phase> for this call: replayed from its plan, else run in Python (and
+// recorded when the configuration is new, or its last recording was discarded).
+template <typename R, typename... A>
+R run(int op, int phase, const A&... args) {
+  const std::array<const Tensor*, sizeof...(A)> inputs{tensor_of(args)...};
+  const Tensor* first = nullptr;
+  for (const Tensor* t : inputs) {
+    if (first == nullptr) first = t;
+  }
+  TORCH_INTERNAL_ASSERT(first != nullptr);
+  const c10::Device device = first->device();
+  const c10::DeviceIndex current = current_device(device);
+  KeyBuilder key(op, phase, device, current);
+  (key.add(args), ...);
+  Counters& counters = state().counters[op][phase];
+  const Lookup found = lookup(key.bytes());
+  if (found.plan) {
+    ++counters.replays;
+    std::vector<Tensor> outputs = replay(*found.plan, inputs.data(), device);
+    return Result<R>::make(outputs);
+  }
+  ++counters.python;
+  const bool record = found.record && current == device.index();  // Triton launches on the current device
+  py::gil_scoped_acquire gil;
+  const py::tuple result = python().run(kOpNames[op], kPhaseNames[phase], record, py::make_tuple(args...));
+  R outputs = result[0].cast<R>();
+  const int status = result[1].cast<int>();
+  if (status < 0) return outputs;  // not recorded
+  if (status == 2) {  // the autotuner benchmarked during the recording: try again next call
+    State& s = state();
+    std::unique_lock<std::shared_mutex> lock(s.mutex);
+    if (++s.entries[key.bytes()].attempts >= kMaxAttempts) {
+      lock.unlock();
+      refuse(key.bytes(), "autotuning did not settle in " + std::to_string(kMaxAttempts) + " calls", counters);
+    }
+    return outputs;
+  }
+  std::string reason = status == 1 ? result[2].cast<std::string>() : "";
+  std::shared_ptr<Plan> plan;
+  if (status == 0) {
+    std::vector<bool> is_tensor;
+    for (const Tensor* t : inputs) is_tensor.push_back(t != nullptr);
+    plan = parse(result[2], is_tensor, Result<R>::size, reason);
+  }
+  if (!plan) {
+    refuse(key.bytes(), reason, counters);
+    return outputs;
+  }
+  State& s = state();
+  std::unique_lock<std::shared_mutex> lock(s.mutex);
+  Configuration& e = s.entries[key.bytes()];
+  if (!e.plan && !e.refused) {
+    e.plan = std::move(plan);
+    ++counters.recorded;
+  }
+  return outputs;
+}
+
+// The triton entry point of an op and phase, with the signature of csrc/op_entry_points.h (Sig).
+template <int Op, int Phase, typename Sig>
+struct Entry;
+template <int Op, int Phase, typename R, typename... A>
+struct Entry<Op, Phase, R(A...)> {
+  static R call(A... args) { return run<R>(Op, Phase, args...); }
+};
+
+// ---- the kernel of fastformer::<op>_<phase>_py for a device key ----
+
+std::atomic<bool> g_on_cpu{false};
+
+const Tensor* first_tensor(const torch::jit::Stack& stack, size_t n) {
+  for (size_t i = stack.size() - n; i < stack.size(); ++i) {
+    if (stack[i].isTensor()) return &stack[i].toTensor();
+  }
+  return nullptr;
+}
+
+// Boxed: the last argument is the backend. "triton" (plans on, for this device type) -> Adapter, the
+// csrc/ops.h adapter over the triton entry point above; anything else -> the Python implementation.
+template <auto Adapter>
+void py_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  static const c10::KernelFunction triton = c10::KernelFunction::makeFromUnboxedFunction(c10::CompileTimeFunctionPointer<
+      std::remove_pointer_t<decltype(Adapter)>, Adapter>());
+  const size_t n = op.schema().arguments().size();
+  const Tensor* t = first_tensor(*stack, n);
+  const bool on = state().enabled.load(std::memory_order_relaxed) && stack->back().toStringRef() == "triton" &&
+                  t != nullptr && (t->is_cuda() || (t->is_cpu() && g_on_cpu.load(std::memory_order_relaxed)));
+  if (!on) {
+    op.callBoxedForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd, *stack);
+    return;
+  }
+  stack->pop_back();  // the backend: the adapter takes the C++ op's arguments
+  triton.callBoxed(op, keys, stack);
+}
+
+#define FASTFORMER_PLAN_KERNELS(op, ...)                                                                            \
+  m.impl(#op "_fwd_py",                                                                                             \
+         torch::CppFunction::makeFromBoxedFunction<&py_kernel<&::fastformer::op##_fwd_op<                           \
+             &Entry<op_index(#op), 0, decltype(signatures::op##_fwd)>::call>>>());                          \
+  m.impl(#op "_bwd_py",                                                                                             \
+         torch::CppFunction::makeFromBoxedFunction<&py_kernel<&::fastformer::op##_bwd_op<                           \
+             &Entry<op_index(#op), 1, decltype(signatures::op##_bwd)>::call>>>());
+
+void register_kernels(torch::Library& m) { FASTFORMER_OPS(FASTFORMER_PLAN_KERNELS) }
+
+std::unique_ptr<torch::Library> g_cpu_library;  // the CPU registration while triton_plans_on_cpu(true)
+
+void set_on_cpu(bool on) {
+  if (on && !g_cpu_library) {
+    g_cpu_library =
+        std::make_unique<torch::Library>(torch::Library::IMPL, "fastformer", c10::DispatchKey::CPU, __FILE__, __LINE__);
+    register_kernels(*g_cpu_library);
+  } else if (!on && g_cpu_library) {
+    g_cpu_library.reset();
+  }
+  g_on_cpu = on;
+}
+
+py::dict stats() {
+  State& s = state();
+  std::shared_lock<std::shared_mutex> lock(s.mutex);
+  py::dict out, reasons;
+  for (int op = 0; op < kNumOps; ++op) {
+    for (int phase = 0; phase < 2; ++phase) {
+      const Counters& c = s.counters[op][phase];
+      py::dict d;
+      d["replays"] = c.replays.load();
+      d["python"] = c.python.load();
+      d["recorded"] = c.recorded.load();
+      d["refused"] = c.refused.load();
+      out[py::str(std::string(kOpNames[op]) + "_" + kPhaseNames[phase])] = d;
+    }
+  }
+  for (const auto& [reason, count] : s.reasons) reasons[py::str(reason)] = count;
+  out["refused_reasons"] = reasons;
+  out["configurations"] = s.entries.size();
+  return out;
+}
+
+void clear() {
+  State& s = state();
+  std::unique_lock<std::shared_mutex> lock(s.mutex);
+  s.entries.clear();
+  s.reasons.clear();
+  for (auto& per_op : s.counters) {
+    for (Counters& c : per_op) c.replays = c.python = c.recorded = c.refused = 0;
+  }
+}
+
+}  // namespace
+}  // namespace fastformer::triton_plans
+
+#ifdef FASTFORMER_WITH_CUDA
+TORCH_LIBRARY_IMPL(fastformer, CUDA, m) { fastformer::triton_plans::register_kernels(m); }
+#endif
+
+void fastformer::bind_triton_plans(pybind11::module_& m) {
+  namespace tp = fastformer::triton_plans;
+  m.def("triton_plans_stats", &tp::stats,
+        "per op and phase: calls replayed from C++, calls run in Python, configurations recorded and refused; "
+        "the reasons of the refusals; the number of configurations seen (csrc/triton/plans.cpp)");
+  m.def("triton_plans_clear", &tp::clear, "forgets every plan and counter (the next calls record again)");
+  m.def("triton_plans_set_enabled", [](bool on) { tp::state().enabled = on; },
+        "replays on (the default; FASTFORMER_TRITON_PLANS=0 starts with them off) or off (every triton call runs "
+        "its Python implementation)");
+  m.def("triton_plans_enabled", [] { return tp::state().enabled.load(); }, "whether plans are replayed");
+  m.def("triton_plans_on_cpu", &tp::set_on_cpu, py::arg("on"),
+        "registers (True) or removes (False) the plan kernel for CPU tensors: with TRITON_INTERPRET=1, the "
+        "interpreter's kernels are then recorded and replayed through Python (test equipment)");
+}

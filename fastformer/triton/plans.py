@@ -1,0 +1,455 @@
+"""Launch plans: the triton backend's calls replayed from C++ with no Python per call, and their recorder.
+
+How a call reaches its kernels (csrc/triton/plans.cpp has the C++ half): ``fastformer::<op>_<phase>_py``
+with backend "triton" on CUDA tensors runs a C++ kernel that checks and prepares the arguments as the C++
+backends do (csrc/ops.h), computes the call's configuration key (op, phase; each tensor's dtype, device,
+sizes, strides, 16-byte alignment and which earlier argument it is; None-ness; every scalar's value) and
+
+- replays the configuration's plan when it has one: allocations, kernel launches (cuLaunchKernel on the
+  current stream, the parameters packed in C++), outputs; no Python;
+- else calls ``_run`` below, which runs ``fastformer.triton.<op>.<op>_<phase>`` in Python, recording what it
+  does the first time a configuration is seen (and again after a recording the autotuner disturbed).
+
+What is recorded (``_Recording``), while the Python implementation runs:
+- ATen ops, through a TorchDispatchMode: allocations (``torch.empty``, ``empty_like``, ``new_empty``,
+  ``empty_strided``, ``new_empty_strided``: sizes, strides, dtype) and views (which tensor each is a view
+  of). Any other ATen op (a copy, a fill, a sum, ``.contiguous()`` that copies, an ``.item()``) makes the
+  configuration refused: it runs in Python for the rest of the process, as before, and ``stats()`` counts
+  it under that reason.
+- Kernel launches, by wrapping Triton's launcher (``CompiledKernel.run``, the same in Triton 3.6 and 3.8):
+  the CUfunction Triton loaded (kept alive here), threads (32 x num_warps), dynamic shared memory, the grid,
+  and each parameter: a pointer into an input or an allocation at a byte offset (views resolved to their
+  root), a scalar's bits by the kernel signature's type (i32, i64, fp32, ...), or a null pointer for
+  Triton's trailing scratch parameters, whose count and sizes come from the kernel's PTX (``.entry``
+  parameter list) and are checked in C++ against cuFuncGetParamInfo. Kernels that need scratch memory, more
+  than one CTA per cluster, cooperative or PDL launches, tensor descriptors or 16-bit scalars are refused.
+- Triton's autotuner: a recording during which it filled its cache (it benchmarked candidates, whose
+  launches are not the call's) is discarded; the next call records again.
+
+Under TRITON_INTERPRET=1 (CPU tensors, CI) ``on_cpu(True)`` registers the same C++ kernel for CPU tensors;
+the interpreter's launches are then recorded by wrapping ``InterpretedFunction.run`` and replayed through
+``_run_interpreted``, one Python call per launch: test equipment for everything but cuLaunchKernel.
+
+The description handed to C++ (``_Recording.result``): ``(allocs, launches, outputs)`` with
+``allocs`` [(sizes, strides, dtype)], ``launches`` [((function, interpreted id or -1, threads, shared bytes,
+name), (gx, gy, gz), [(kind, index, value, size)])] where kind is INPUT (index: argument position, value:
+byte offset), ALLOC (index: allocation, value: byte offset), VALUE (value: the bits) or NULL, and
+``outputs`` [(alloc, whole, sizes, strides, storage offset)].
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import inspect
+import re
+import struct
+import threading
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fastformer import _dispatch
+from fastformer._ext import C
+from fastformer.triton import INTERPRET
+
+# _run's status: a plan, a refusal (reason), a recording to retry (reason), or no recording asked for.
+PLAN, REFUSED, RETRY, NOT_RECORDED = 0, 1, 2, -1
+# Parameter kinds (csrc/triton/plans.cpp Param::Kind).
+INPUT, ALLOC, VALUE, NULL = 0, 1, 2, 3
+
+_ALLOCATIONS = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
+                          torch.ops.aten.new_empty.default, torch.ops.aten.empty_strided.default,
+                          torch.ops.aten.new_empty_strided.default})
+_INT_BYTES = {"i1": 1, "i8": 1, "i16": 2, "i32": 4, "i64": 8, "u1": 1, "u8": 1, "u16": 2, "u32": 4, "u64": 8}
+_MASK64 = (1 << 64) - 1
+
+
+def stats() -> dict:
+    """Per op and phase (``"attention_fwd"``, ...): ``replays`` (calls replayed from C++), ``python`` (calls
+    run in Python: a configuration's first, and every call of a refused one), ``recorded`` and ``refused``
+    (configurations); ``refused_reasons`` {reason: configurations}; ``configurations`` seen."""
+    return C.triton_plans_stats()
+
+
+def clear() -> None:
+    """Forgets every plan and counter: the next call of each configuration records again."""
+    C.triton_plans_clear()
+
+
+def set_enabled(on: bool) -> None:
+    """Replays on (the default) or off: every triton call then runs its Python implementation, as
+    FASTFORMER_TRITON_PLANS=0 in the environment does from the start."""
+    C.triton_plans_set_enabled(bool(on))
+
+
+def enabled() -> bool:
+    return C.triton_plans_enabled()
+
+
+def on_cpu(on: bool) -> None:
+    """Records and replays the interpreter's kernels on CPU tensors (TRITON_INTERPRET=1): test equipment."""
+    if on and not INTERPRET:
+        raise RuntimeError("fastformer triton plans on CPU tensors need TRITON_INTERPRET=1 (set before import)")
+    C.triton_plans_on_cpu(bool(on))
+
+
+# ---- what C++ calls ----
+
+def _run(op: str, phase: str, record: bool, args: tuple):
+    """``fastformer.triton.<op>.<op>_<phase>(*args)`` (the arguments as csrc/ops.h's adapter prepared them),
+    with autocast off as for every Python-written backend; recorded when ``record``. Returns (outputs,
+    status, the plan's description or a reason)."""
+    fn = _dispatch.implementation(op, phase, "triton")
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    autocast = torch.autocast(device.type, enabled=False) if torch.is_autocast_enabled(device.type) else None
+    with autocast or contextlib.nullcontext():
+        if not record:
+            return fn(*args), NOT_RECORDED, None
+        _install_hooks()
+        recording = _Recording(args, device)
+        _local.recording = recording
+        try:
+            with _Watch(recording):
+                out = fn(*args)
+        finally:
+            _local.recording = None
+    status, payload = recording.result(out)
+    return out, status, payload
+
+
+def _run_interpreted(kernel: int, grid: tuple, bits: list) -> None:
+    """One launch of a replayed plan under the interpreter: the recorded kernel and constexprs, each
+    parameter rebuilt from its bits (a pointer as a one-element tensor at that address, which is all the
+    interpreter reads of it)."""
+    fn, names, constexprs, types = _interpreted[kernel]
+    values, params = [], iter(zip(bits, types))
+    for name in names:
+        if name in constexprs:
+            values.append(constexprs[name])
+            continue
+        value, kind = next(params)
+        values.append(_at(value, kind) if isinstance(kind, torch.dtype) else _decode(value, kind))
+    fn.run(*values, grid=grid, warmup=False)
+
+
+# ---- the recorder ----
+
+_local = threading.local()  # .recording: the _Recording of this thread's call, if one is being recorded
+_compiled: dict[int, object] = {}  # CUfunction -> its CompiledKernel: plans launch it, so it stays loaded
+_interpreted: list[tuple] = []  # interpreted kernel id -> (function, argument names, constexprs, parameter types)
+
+
+class _Recording:
+    """What one Python run of a triton call does (see the module docstring)."""
+
+    def __init__(self, args: tuple, device: torch.device):
+        self.device = device
+        # id(tensor) -> (INPUT, position) or (ALLOC, index); an argument passed twice maps to its first
+        # position, as the C++ key's alias rule does.
+        self.roots: dict[int, tuple[int, int]] = {}
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and id(a) not in self.roots:
+                self.roots[id(a)] = (INPUT, i)
+        self.views: dict[int, torch.Tensor] = {}  # id(view) -> the tensor it is a view of
+        self.keep: list = [args]  # every tensor whose id is held above stays alive while recording
+        self.allocs: list[tuple] = []
+        self.alloc_tensors: list[torch.Tensor] = []
+        self.launches: list[tuple] = []
+        self.refusal: str | None = None
+        self.retry: str | None = None
+        self.launching = False  # inside a launch: the launcher's own ATen ops (interpreter) are not the call's
+
+    def refuse(self, reason: str) -> None:
+        if self.refusal is None:
+            self.refusal = reason
+
+    def on_aten(self, func, args, out) -> None:
+        if self.launching:
+            return
+        if func in _ALLOCATIONS:
+            if out.device != self.device or out.layout != torch.strided:
+                self.refuse(f"allocates a {out.layout} tensor on {out.device}")
+                return
+            self.roots[id(out)] = (ALLOC, len(self.allocs))
+            self.allocs.append((tuple(out.shape), tuple(out.stride()), out.dtype))
+            self.alloc_tensors.append(out)
+            self.keep.append(out)
+        elif func.is_view:
+            for view in out if isinstance(out, (list, tuple)) else (out,):
+                self.views[id(view)] = args[0]
+                self.keep.append(view)
+        else:
+            self.refuse(f"runs {func} in torch")
+
+    def locate(self, t: torch.Tensor):
+        """((INPUT or ALLOC, index), byte offset of t's data from that root's), or (None, 0)."""
+        obj = t
+        while obj is not None:
+            root = self.roots.get(id(obj))
+            if root is not None:
+                return root, t.data_ptr() - obj.data_ptr()
+            obj = self.views.get(id(obj))
+        return None, 0
+
+    def pointer(self, t, name: str):
+        """A pointer parameter (INPUT or ALLOC, index, offset, 8), or None after refusing."""
+        if not isinstance(t, torch.Tensor):
+            self.refuse(f"{name} receives a {type(t).__name__} as a pointer")
+            return None
+        root, offset = self.locate(t)
+        if root is None:
+            self.refuse(f"{name} receives a tensor that is neither an argument nor allocated by the call")
+            return None
+        return (root[0], root[1], offset & _MASK64, 8)
+
+    def on_compiled(self, kernel, grid: tuple, args: tuple) -> None:
+        name = kernel.name
+        problem = _unsupported(kernel)
+        if problem:
+            self.refuse(f"{name} {problem}")
+            return
+        signature = list(kernel.src.signature.values())
+        sizes = _ptx_param_sizes(kernel.asm.get("ptx", ""), name)
+        if len(signature) != len(args) or sizes is None:
+            self.refuse(f"{name}: its signature, arguments and PTX parameters do not line up")
+            return
+        params, expected = [], []  # expected: each parameter's size by its type (None: the PTX's, for i1/u1)
+        for (arg_name, ty), value in zip(kernel.src.signature.items(), args):
+            if ty == "constexpr":
+                continue
+            if not isinstance(ty, str):
+                self.refuse(f"{name} takes a tuple argument ({arg_name})")
+                return
+            if ty.startswith("*"):
+                param = (NULL, 0, 0, 8) if value is None else self.pointer(value, f"{name}.{arg_name}")
+                expected.append(8)
+            elif ty in _INT_BYTES or ty in ("fp32", "f32", "fp64"):
+                param = (VALUE, 0, _bits(ty, value), 8)
+                expected.append(None if ty in ("i1", "u1") else _INT_BYTES.get(ty, 8 if ty == "fp64" else 4))
+            else:
+                self.refuse(f"{name} takes a {ty} argument ({arg_name})")
+                return
+            if param is None:
+                return
+            params.append(param)
+        # Triton appends hidden pointer parameters (global and profile scratch, null when unused).
+        hidden = sizes[len(params):]
+        if len(sizes) < len(params) or any(s != 8 for s in hidden) or any(
+                e is not None and e != s for e, s in zip(expected, sizes)):
+            self.refuse(f"{name}: its PTX parameters ({sizes} bytes) do not match its signature")
+            return
+        params = [(kind, index, value, s) for (kind, index, value, _), s in zip(params, sizes)]
+        params += [(NULL, 0, 0, 8)] * len(hidden)
+        _compiled.setdefault(kernel.function, kernel)
+        threads = kernel.metadata.num_warps * kernel.metadata.target.warp_size
+        self.launches.append(((kernel.function, -1, threads, kernel.metadata.shared, name), grid, params))
+
+    def on_interpreted(self, fn, args: tuple, kwargs: dict, grid) -> None:
+        names = list(inspect.signature(fn.fn).parameters)
+        bound = inspect.signature(fn.fn).bind(*args, **{k: v for k, v in kwargs.items() if k in names})
+        bound.apply_defaults()
+        values = bound.arguments
+        constexprs = {n for n, ann in inspect.get_annotations(fn.fn).items() if _is_constexpr(ann)}
+        grid = tuple(grid(dict(values)) if callable(grid) else grid)
+        params, types = [], []
+        for n in names:
+            v = values[n]
+            if n in constexprs:
+                continue
+            if isinstance(v, torch.Tensor):
+                param = self.pointer(v, f"{fn.fn.__name__}.{n}")
+                if param is None:
+                    return
+                params.append(param)
+                types.append(v.dtype)
+            elif isinstance(v, (bool, int, float)):
+                ty = _interpreter_type(v)
+                params.append((VALUE, 0, _bits(ty, v), _INT_BYTES.get(ty, 4)))
+                types.append(ty)
+            else:
+                self.refuse(f"{fn.fn.__name__} takes a {type(v).__name__} argument ({n})")
+                return
+        _interpreted.append((fn, names, {n: values[n] for n in constexprs}, types))
+        self.launches.append(((0, len(_interpreted) - 1, 0, 0, fn.fn.__name__), grid + (1,) * (3 - len(grid)),
+                              params))
+
+    def result(self, out):
+        if self.retry:
+            return RETRY, self.retry
+        if self.refusal:
+            return REFUSED, self.refusal
+        outputs = []
+        for o in out if isinstance(out, tuple) else (out,):
+            root, _ = self.locate(o) if isinstance(o, torch.Tensor) else (None, 0)
+            if root is None or root[0] != ALLOC:
+                return REFUSED, "returns a tensor that it did not allocate"
+            outputs.append((root[1], o is self.alloc_tensors[root[1]], tuple(o.shape), tuple(o.stride()),
+                            o.storage_offset()))
+        return PLAN, (self.allocs, self.launches, outputs)
+
+
+class _Watch(TorchDispatchMode):
+    """The ATen ops of a recorded run, handed to its _Recording (run unchanged)."""
+
+    def __init__(self, recording: _Recording):
+        super().__init__()
+        self.recording = recording
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.recording.on_aten(func, args, out)
+        return out
+
+
+def _unsupported(kernel) -> str:
+    """Why a compiled kernel's launch cannot be replayed by cuLaunchKernel with these parameters, or ""."""
+    meta = kernel.metadata
+    if getattr(meta, "num_ctas", 1) != 1 or tuple(getattr(meta, "cluster_dims", (1, 1, 1)) or (1, 1, 1)) != (1, 1, 1):
+        return "runs clusters of CTAs"
+    if getattr(meta, "launch_cooperative_grid", False) or getattr(meta, "launch_pdl", False):
+        return "needs a cooperative or PDL launch"
+    if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
+        return "needs scratch memory"
+    if getattr(meta, "tensordesc_meta", None):
+        return "takes tensor descriptors"
+    if not hasattr(kernel.src, "signature"):
+        return "has no signature (not compiled from a @triton.jit function)"
+    return ""
+
+
+_ENTRY = r"\.entry\s+{}\s*\((?P<params>[^)]*)\)"
+_PARAM_TYPE = re.compile(r"\.[bsuf](\d+)\b")
+_ARRAY = re.compile(r"\[(\d+)\]\s*$")
+
+
+def _ptx_param_sizes(ptx: str, name: str) -> list[int] | None:
+    """The byte size of each parameter of kernel ``name`` in its PTX (``.param .u64 .ptr ... x_param_0``,
+    ``.param .align 64 .b8 x_param_3[128]``), in order; None when the entry is not found."""
+    entry = re.search(_ENTRY.format(re.escape(name)), ptx)
+    if entry is None:
+        return None
+    sizes = []
+    for decl in entry.group("params").split(","):
+        if not decl.strip():
+            continue
+        ty = _PARAM_TYPE.search(decl)
+        count = _ARRAY.search(decl)
+        if ty is None:
+            return None
+        sizes.append(int(ty.group(1)) // 8 * (int(count.group(1)) if count else 1))
+    return sizes
+
+
+def _bits(ty: str, value) -> int:
+    """A scalar parameter's bits as Triton's launcher packs it (little-endian, the low bytes used)."""
+    if ty in ("fp32", "f32"):
+        return struct.unpack("<I", struct.pack("<f", float(value)))[0]
+    if ty == "fp64":
+        return struct.unpack("<Q", struct.pack("<d", float(value)))[0]
+    return int(value) & _MASK64
+
+
+def _decode(bits: int, ty: str):
+    """The Python value of a scalar parameter's bits (the inverse of _bits)."""
+    if ty in ("fp32", "f32"):
+        return struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0]
+    if ty == "fp64":
+        return struct.unpack("<d", struct.pack("<Q", bits))[0]
+    if ty == "i1":
+        return bool(bits & 1)
+    width = 8 * _INT_BYTES[ty]
+    value = bits & ((1 << width) - 1)
+    return value - (1 << width) if ty.startswith("i") and value >> (width - 1) else value
+
+
+def _interpreter_type(v) -> str:
+    """The type the interpreter gives a Python scalar argument (triton/runtime/interpreter.py _implicit_cvt)."""
+    if isinstance(v, bool):
+        return "i1"
+    if isinstance(v, float):
+        return "fp32"
+    if -2**31 <= v < 2**31:
+        return "i32"
+    if 2**31 <= v < 2**32:
+        return "u32"
+    return "i64" if -2**63 <= v < 2**63 else "u64"
+
+
+def _is_constexpr(annotation) -> bool:
+    import triton.language as tl
+    return annotation is tl.constexpr or (isinstance(annotation, str) and annotation.strip().endswith("constexpr"))
+
+
+def _at(address: int, dtype: torch.dtype) -> torch.Tensor:
+    """A one-element CPU tensor of ``dtype`` at ``address``: a pointer parameter for the interpreter."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer((ctypes.c_char * size).from_address(address), dtype=dtype)
+
+
+_hooks_installed = False
+_hooks_lock = threading.Lock()
+
+
+def _install_hooks() -> None:
+    """Wraps Triton's launcher (CompiledKernel.run, or InterpretedFunction.run under the interpreter) and
+    Autotuner.run, once: outside a recording (this thread's _local.recording) they behave as before."""
+    global _hooks_installed
+    with _hooks_lock:
+        if _hooks_installed:
+            return
+        from triton.runtime.autotuner import Autotuner
+
+        if INTERPRET:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            interpreted_run = InterpretedFunction.run
+
+            @functools.wraps(interpreted_run)
+            def run_interpreted(self, *args, grid, warmup, **kwargs):
+                recording = getattr(_local, "recording", None)
+                if recording is None or warmup:
+                    return interpreted_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+                recording.on_interpreted(self, args, kwargs, grid)
+                recording.launching = True
+                try:
+                    return interpreted_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+                finally:
+                    recording.launching = False
+
+            InterpretedFunction.run = run_interpreted
+        else:
+            from triton.compiler.compiler import CompiledKernel
+
+            launcher = CompiledKernel.__dict__["run"]  # a property: the kernel's launcher
+
+            def recorded_launch(recording, kernel, run, gx, gy, gz, stream, function, *rest):
+                # rest: packed metadata, launch metadata, enter hook, exit hook, then the kernel's arguments
+                recording.on_compiled(kernel, (gx, gy, gz), rest[4:])
+                recording.launching = True
+                try:
+                    return run(gx, gy, gz, stream, function, *rest)
+                finally:
+                    recording.launching = False
+
+            def run_property(self):
+                run = launcher.fget(self)
+                recording = getattr(_local, "recording", None)
+                return run if recording is None else functools.partial(recorded_launch, recording, self, run)
+
+            CompiledKernel.run = property(run_property)
+
+        autotuner_run = Autotuner.run
+
+        @functools.wraps(autotuner_run)
+        def run_autotuner(self, *args, **kwargs):
+            recording = getattr(_local, "recording", None)
+            tuned = len(self.cache)
+            try:
+                return autotuner_run(self, *args, **kwargs)
+            finally:
+                if recording is not None and len(self.cache) != tuned:
+                    recording.retry = "the autotuner benchmarked during the recording"
+
+        Autotuner.run = run_autotuner
+        _hooks_installed = True
