@@ -328,7 +328,9 @@ std::string check_params(const Launch& launch) {
     size_t offset = 0, size = 0;
     const CUresult r = d.param_info(f, i, &offset, &size);
     if (i == launch.params.size()) {
-      if (r == CUDA_SUCCESS) return launch.kernel.name + " takes more than the " + std::to_string(i) + " parameters recorded";
+      if (r == CUDA_SUCCESS) {
+        return launch.kernel.name + " takes more than the " + std::to_string(i) + " parameters recorded";
+      }
     } else if (r != CUDA_SUCCESS || size != launch.params[i].size) {
       return launch.kernel.name + "'s parameter " + std::to_string(i) + " is " +
              (r == CUDA_SUCCESS ? std::to_string(size) + " bytes" : cu_error(r)) + ", recorded " +
@@ -582,9 +584,10 @@ struct Entry<Op, Phase, R(A...)> {
 
 std::atomic<bool> g_on_cpu{false};
 
+// The first defined tensor among the op's n arguments on the stack (its device picks the path).
 const Tensor* first_tensor(const torch::jit::Stack& stack, size_t n) {
   for (size_t i = stack.size() - n; i < stack.size(); ++i) {
-    if (stack[i].isTensor()) return &stack[i].toTensor();
+    if (stack[i].isTensor() && stack[i].toTensor().defined()) return &stack[i].toTensor();
   }
   return nullptr;
 }
@@ -593,8 +596,7 @@ const Tensor* first_tensor(const torch::jit::Stack& stack, size_t n) {
 // csrc/ops.h adapter over the triton entry point above; anything else -> the Python implementation.
 template <auto Adapter>
 void py_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-  static const c10::KernelFunction triton = c10::KernelFunction::makeFromUnboxedFunction(c10::CompileTimeFunctionPointer<
-      std::remove_pointer_t<decltype(Adapter)>, Adapter>());
+  static const c10::KernelFunction triton = c10::KernelFunction::makeFromUnboxedFunction(TORCH_FN(Adapter));
   const size_t n = op.schema().arguments().size();
   const Tensor* t = first_tensor(*stack, n);
   const bool on = state().enabled.load(std::memory_order_relaxed) && stack->back().toStringRef() == "triton" &&
@@ -607,13 +609,11 @@ void py_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::j
   triton.callBoxed(op, keys, stack);
 }
 
-#define FASTFORMER_PLAN_KERNELS(op, ...)                                                                            \
-  m.impl(#op "_fwd_py",                                                                                             \
-         torch::CppFunction::makeFromBoxedFunction<&py_kernel<&::fastformer::op##_fwd_op<                           \
-             &Entry<op_index(#op), 0, decltype(signatures::op##_fwd)>::call>>>());                          \
-  m.impl(#op "_bwd_py",                                                                                             \
-         torch::CppFunction::makeFromBoxedFunction<&py_kernel<&::fastformer::op##_bwd_op<                           \
-             &Entry<op_index(#op), 1, decltype(signatures::op##_bwd)>::call>>>());
+#define FASTFORMER_PLAN_KERNELS(op, ...)                                                       \
+  m.impl(#op "_fwd_py", torch::CppFunction::makeFromBoxedFunction<&py_kernel<&::fastformer::op##_fwd_op< \
+                            &Entry<op_index(#op), 0, decltype(signatures::op##_fwd)>::call>>>());        \
+  m.impl(#op "_bwd_py", torch::CppFunction::makeFromBoxedFunction<&py_kernel<&::fastformer::op##_bwd_op< \
+                            &Entry<op_index(#op), 1, decltype(signatures::op##_bwd)>::call>>>());
 
 void register_kernels(torch::Library& m) { FASTFORMER_OPS(FASTFORMER_PLAN_KERNELS) }
 

@@ -278,8 +278,8 @@ def compiled_kernel(tmp_path_factory):
     meta = SimpleNamespace(num_warps=info["num_warps"], shared=info["shared"], num_ctas=info["num_ctas"],
                            global_scratch_size=info["global_scratch_size"],
                            profile_scratch_size=info["profile_scratch_size"], target=SimpleNamespace(warp_size=32))
-    return SimpleNamespace(name=info["name"], asm={"ptx": info["ptx"]}, src=SimpleNamespace(signature=info["signature"]),
-                           metadata=meta, function=0x1234)
+    return SimpleNamespace(name=info["name"], asm={"ptx": info["ptx"]},
+                           src=SimpleNamespace(signature=info["signature"]), metadata=meta, function=0x1234)
 
 
 def test_compiled_launch_description(compiled_kernel):
