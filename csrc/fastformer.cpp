@@ -293,6 +293,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         "checks ops.cross_entropy's arguments");
   m.def("check_attention_bwd", &fastformer::check_attention_bwd, "checks attention_bwd's arguments");
+  m.def("check_seed",
+        [](const OptTensor& seed, double dropout_p, const at::Tensor& ref, const std::string& op) {
+          fastformer::check_seed(seed, dropout_p, ref, op.c_str());
+        },
+        "checks the dropout seed of attention or layer_norm_residual: a 0-dim int64 tensor on ref's device");
   m.def("check_softmax_bwd", &fastformer::check_softmax_bwd, "checks softmax_bwd's arguments");
   m.def("check_layer_norm_residual_bwd", &fastformer::check_layer_norm_residual_bwd,
         "checks layer_norm_residual_bwd's arguments");

@@ -2,16 +2,19 @@
 // this file inside namespace fastformer::cpu, csrc/cuda/cuda_ops.h inside fastformer::cuda (so it has
 // no include guard, on purpose: no #pragma once). The includer provides ATen, c10::optional, <tuple> and `using at::Tensor`.
 // Half types' statistics (lse, mean, rstd) are float32; float64 inputs (cpu only) keep float64.
+// seed (attention, layer_norm_residual): the dropout seed, a 0-dim int64 tensor on the inputs' device (csrc/ops.h
+// check_seed), given when dropout_p > 0; the CUDA kernels read it from device memory, the CPU ones on the host.
 
 // attention: q (B, H, Lq, D), k/v (B, H, Lk, D), key_padding_mask (B, Lk) bool.
 // Returns out (B, H, Lq, D) and the row logsumexp lse (B, H, Lq) in the accumulation dtype.
 std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
                                          const c10::optional<Tensor>& key_padding_mask, bool causal,
-                                         double dropout_p, double scale, int64_t seed);
+                                         double dropout_p, double scale, const c10::optional<Tensor>& seed);
 std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                  const Tensor& v, const Tensor& out, const Tensor& lse,
                                                  const c10::optional<Tensor>& key_padding_mask, bool causal,
-                                                 double dropout_p, double scale, int64_t seed);
+                                                 double dropout_p, double scale,
+                                                 const c10::optional<Tensor>& seed);
 
 // softmax over the last dim of x (..., N); mask is bool and broadcastable to x.
 Tensor softmax_fwd(const Tensor& x, const c10::optional<Tensor>& mask, double scale);
@@ -20,11 +23,13 @@ Tensor softmax_bwd(const Tensor& dy, const Tensor& y, double scale);
 // layer_norm_residual over the last dim of (..., N): returns y, s = residual + dropout(x), mean, rstd.
 std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd(const Tensor& x, const Tensor& residual,
                                                                    const Tensor& weight, const Tensor& bias,
-                                                                   double eps, double dropout_p, int64_t seed);
+                                                                   double eps, double dropout_p,
+                                                                   const c10::optional<Tensor>& seed);
 std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor& dy, const c10::optional<Tensor>& ds,
                                                                    const Tensor& s, const Tensor& weight,
                                                                    const Tensor& mean, const Tensor& rstd,
-                                                                   double dropout_p, int64_t seed);
+                                                                   double dropout_p,
+                                                                   const c10::optional<Tensor>& seed);
 
 // cross_entropy over the last dim of logits (..., V) for int64 target (...): returns per-row loss (label-
 // smoothed), nll and the row logsumexp lse, shaped like target, in the accumulation dtype; a row whose

@@ -293,8 +293,25 @@ inline void check_cross_entropy_bwd(const Tensor& dloss, const Tensor& dnll, con
   check_stats(lse, "lse", target.sizes(), logits, op);
 }
 
-// The dropout seed a caller drew (a 0-dim int64 tensor), or 0 when there is none (no dropout).
-inline int64_t seed_value(const OptTensor& seed) { return seed.has_value() ? seed->item<int64_t>() : 0; }
+// The dropout seed (attention, layer_norm_residual): a 0-dim int64 tensor on the inputs' device (a CPU tensor
+// for CPU inputs), drawn per call by the public functions (fastformer/ops/_registry.py dropout_seed); needed
+// when dropout_p > 0, unused otherwise. It reaches every backend as that tensor: the GPU kernels (CUDA and
+// Triton, and cuda_sim's CPU run of the CUDA ones) read it from memory, so a call never reads it on the
+// host (a sync on a GPU) and a captured CUDA graph, whose replays rewrite the tensor in place (torch's CUDA
+// generator), draws a new mask on every replay; the CPU kernels read its value on the host (no sync there).
+// A seed on another device or of another dtype or shape is refused, not moved: a copy to the device would
+// be a host-driven step of every call, and a CPU value copied during graph capture is frozen into the graph.
+inline void check_seed(const OptTensor& seed, double dropout_p, const Tensor& ref, const char* op) {
+  if (!seed.has_value()) {
+    TORCH_CHECK_VALUE(!(dropout_p > 0.0), "fastformer ", op, ": dropout_p = ", dropout_p,
+                      " needs a seed, a 0-dim int64 tensor on ", ref.device(), "; got None");
+    return;
+  }
+  TORCH_CHECK_VALUE(seed->dim() == 0 && seed->scalar_type() == at::kLong && seed->device() == ref.device(),
+                    "fastformer ", op, ": seed must be a 0-dim int64 tensor on ", ref.device(),
+                    " (the inputs' device), got dtype ", seed->scalar_type(), ", shape ", seed->sizes(), " on ",
+                    seed->device());
+}
 
 inline OptTensor contiguous(const OptTensor& t) {
   return t.has_value() ? OptTensor(t->contiguous()) : std::nullopt;
@@ -311,16 +328,18 @@ inline Tensor attention_layout(const Tensor& t) {
 }
 
 // ---- adapters: registered op -> entry points of a backend (csrc/op_entry_points.h) ----
-// Each checks the caller's arguments, makes the tensors contiguous (a no-op when they are; attention:
-// attention_layout), resolves the defaults (scale, seed) and calls the backend's function Impl.
+// Each checks the caller's arguments (the dropout seed: check_seed), makes the tensors contiguous (a no-op
+// when they are; attention: attention_layout), resolves the default scale and calls the backend's function
+// Impl.
 
 template <auto Impl>
 std::tuple<Tensor, Tensor> attention_fwd_op(const Tensor& q, const Tensor& k, const Tensor& v,
                                             const OptTensor& key_padding_mask, bool causal, double dropout_p,
                                             std::optional<double> scale, const OptTensor& seed) {
   check_attention(q, k, v, key_padding_mask, dropout_p);
+  check_seed(seed, dropout_p, q, "attention");
   return Impl(attention_layout(q), attention_layout(k), attention_layout(v), contiguous(key_padding_mask), causal,
-              dropout_p, attention_scale(scale, q), seed_value(seed));
+              dropout_p, attention_scale(scale, q), seed);
 }
 
 template <auto Impl>
@@ -329,9 +348,10 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_op(const Tensor& dout, const Te
                                                     const OptTensor& key_padding_mask, bool causal, double dropout_p,
                                                     std::optional<double> scale, const OptTensor& seed) {
   check_attention_bwd(dout, q, k, v, out, lse, key_padding_mask, dropout_p);
+  check_seed(seed, dropout_p, q, "attention");
   return Impl(attention_layout(dout), attention_layout(q), attention_layout(k), attention_layout(v),
               attention_layout(out), lse.contiguous(), contiguous(key_padding_mask), causal, dropout_p,
-              attention_scale(scale, q), seed_value(seed));
+              attention_scale(scale, q), seed);
 }
 
 template <auto Impl>
@@ -352,8 +372,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd_op(const Tens
                                                                       double eps, double dropout_p,
                                                                       const OptTensor& seed) {
   check_layer_norm_residual(x, residual, weight, bias, eps, dropout_p);
-  return Impl(x.contiguous(), residual.contiguous(), weight.contiguous(), bias.contiguous(), eps, dropout_p,
-              seed_value(seed));
+  check_seed(seed, dropout_p, x, "layer_norm_residual");
+  return Impl(x.contiguous(), residual.contiguous(), weight.contiguous(), bias.contiguous(), eps, dropout_p, seed);
 }
 
 template <auto Impl>
@@ -362,8 +382,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd_op(const Tens
                                                                       const Tensor& mean, const Tensor& rstd,
                                                                       double dropout_p, const OptTensor& seed) {
   check_layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p);
+  check_seed(seed, dropout_p, s, "layer_norm_residual");
   return Impl(dy.contiguous(), contiguous(ds), s.contiguous(), weight.contiguous(), mean.contiguous(),
-              rstd.contiguous(), dropout_p, seed_value(seed));
+              rstd.contiguous(), dropout_p, seed);
 }
 
 template <auto Impl>

@@ -2,7 +2,8 @@
 // fastformer/ops/reference.py and in Triton by tl.randint4x): all of them draw the same mask.
 //
 // Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11), with
-//   key     = (seed_lo, seed_hi)              the 64-bit seed drawn from torch's generator per call
+//   key     = (seed_lo, seed_hi)              the 64-bit seed drawn per call by torch's generator of the
+//                                             inputs' device into a 0-dim int64 tensor (csrc/ops.h check_seed)
 //   counter = (i >> 2 low, i >> 2 high, 0, 0) i = the element's flat index in the dropped tensor
 //   word    = (i & 3)                         one Philox call feeds four consecutive elements.
 // The 32-bit word becomes a uniform in [0, 1) exactly as Triton's tl.rand does it

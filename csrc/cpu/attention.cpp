@@ -345,7 +345,7 @@ AttnDims dims(const Tensor& q, const Tensor& k, bool causal) {
 
 std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
                                          const c10::optional<Tensor>& key_padding_mask, bool causal,
-                                         double dropout_p, double scale, int64_t seed) {
+                                         double dropout_p, double scale, const c10::optional<Tensor>& seed) {
   const AttnDims s = dims(q, k, causal);
   Tensor out = rows_like(q);
   Tensor lse = at::empty({s.B, s.H, s.Lq}, q.options().dtype(at::toOpMathType(q.scalar_type())));
@@ -356,7 +356,7 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "fastformer_attention_fwd_cpu", [&] {
     attention_fwd_kernel<scalar_t>(rows_of<const scalar_t>(q), rows_of<const scalar_t>(k), rows_of<const scalar_t>(v),
                                    kpm, rows_of<scalar_t>(out), lse.data_ptr<at::opmath_type<scalar_t>>(), s,
-                                   dropout_p, scale, static_cast<uint64_t>(seed));
+                                   dropout_p, scale, seed_value(seed));
   });
   return {out, lse};
 }
@@ -364,7 +364,8 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const
 std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                  const Tensor& v, const Tensor& out, const Tensor& lse,
                                                  const c10::optional<Tensor>& key_padding_mask, bool causal,
-                                                 double dropout_p, double scale, int64_t seed) {
+                                                 double dropout_p, double scale,
+                                                 const c10::optional<Tensor>& seed) {
   const AttnDims s = dims(q, k, causal);
   Tensor dq = rows_like(q), dk = rows_like(k), dv = rows_like(v);
   if (q.numel() == 0 || k.numel() == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
@@ -374,7 +375,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
                                    rows_of<const scalar_t>(k), rows_of<const scalar_t>(v),
                                    rows_of<const scalar_t>(out), lse.data_ptr<at::opmath_type<scalar_t>>(), kpm,
                                    rows_of<scalar_t>(dq), rows_of<scalar_t>(dk), rows_of<scalar_t>(dv), s, dropout_p,
-                                   scale, static_cast<uint64_t>(seed));
+                                   scale, seed_value(seed));
   });
   return {dq, dk, dv};
 }

@@ -23,6 +23,12 @@ using at::Tensor;
 
 #include "op_entry_points.h"
 
+// The dropout seed's value, read on the host from the 0-dim int64 CPU tensor (csrc/ops.h check_seed; no
+// sync on the CPU), for the kernels that take it by value; 0 without a seed (no dropout).
+inline uint64_t seed_value(const c10::optional<Tensor>& seed) {
+  return seed.has_value() ? static_cast<uint64_t>(*seed->const_data_ptr<int64_t>()) : 0;
+}
+
 // Work buffers of the kernels: std::vector with storage aligned to 64 bytes (a cache line, one AVX-512
 // vector), so that a work item sees the same buffer alignment whichever thread runs it. malloc gives each
 // thread's arena its own offsets modulo 64, and the BLAS the attention's tile products call may pick its

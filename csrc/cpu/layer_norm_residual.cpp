@@ -174,7 +174,8 @@ void layer_norm_residual_bwd_kernel(const scalar_t* dy, const scalar_t* ds_in, c
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd(const Tensor& x, const Tensor& residual,
                                                                    const Tensor& weight, const Tensor& bias,
-                                                                   double eps, double dropout_p, int64_t seed) {
+                                                                   double eps, double dropout_p,
+                                                                   const c10::optional<Tensor>& seed) {
   const int64_t N = x.size(-1), R = x.numel() / N;
   auto stat_shape = x.sizes().vec();
   stat_shape.pop_back();
@@ -187,7 +188,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd(const Tensor&
     layer_norm_residual_fwd_kernel<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
                                              weight.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(),
                                              y.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(), mean.data_ptr<acc_t>(),
-                                             rstd.data_ptr<acc_t>(), R, N, eps, dropout_p, static_cast<uint64_t>(seed));
+                                             rstd.data_ptr<acc_t>(), R, N, eps, dropout_p, seed_value(seed));
   });
   return {y, s, mean, rstd};
 }
@@ -200,7 +201,8 @@ void layer_norm_residual_rows(const float* x, const float* residual, const float
 std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor& dy, const c10::optional<Tensor>& ds,
                                                                    const Tensor& s, const Tensor& weight,
                                                                    const Tensor& mean, const Tensor& rstd,
-                                                                   double dropout_p, int64_t seed) {
+                                                                   double dropout_p,
+                                                                   const c10::optional<Tensor>& seed) {
   const int64_t N = s.size(-1), R = s.numel() / N;
   Tensor dx = at::empty_like(s), dres = at::empty_like(s);
   Tensor dweight = at::empty_like(weight), dbias = at::empty_like(weight);
@@ -214,8 +216,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor&
       layer_norm_residual_bwd_kernel<scalar_t>(
           dy.data_ptr<scalar_t>(), ds.has_value() ? ds->data_ptr<scalar_t>() : nullptr, s.data_ptr<scalar_t>(),
           weight.data_ptr<scalar_t>(), mean.data_ptr<acc_t>(), rstd.data_ptr<acc_t>(), dx.data_ptr<scalar_t>(),
-          dres.data_ptr<scalar_t>(), partial_dw.data(), partial_db.data(), R, N, dropout_p,
-          static_cast<uint64_t>(seed));
+          dres.data_ptr<scalar_t>(), partial_dw.data(), partial_db.data(), R, N, dropout_p, seed_value(seed));
     }
     // Second stage: the chunk partials summed in a fixed order (chunk 0 first), whatever the thread count.
     using Vec = at::vec::Vectorized<acc_t>;

@@ -86,7 +86,7 @@ int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
                                          const c10::optional<Tensor>& key_padding_mask, bool causal,
-                                         double dropout_p, double scale, int64_t seed) {
+                                         double dropout_p, double scale, const c10::optional<Tensor>& seed) {
   const AttnDims s = check_limits(q, k, v, key_padding_mask);
   Tensor out = at::empty_like(q);
   Tensor lse = at::empty({s.B, s.H, s.Lq}, q.options().dtype(at::kFloat));
@@ -113,7 +113,7 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const
     p.vec8 = vector_aligned(s.D, 8, 16, {p.q, p.k, p.v, p.out});
     p.dropout_p = static_cast<float>(dropout_p);
     p.dropout_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
-    p.seed = static_cast<uint64_t>(seed);
+    p.seed = seed_pointer(seed);
     dispatch_head_dim(s.D, [&](auto d_max) {
       constexpr int D_MAX = decltype(d_max)::value;
       const unsigned bh = static_cast<unsigned>(s.B * s.H);
@@ -136,7 +136,8 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const
 std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                  const Tensor& v, const Tensor& out, const Tensor& lse,
                                                  const c10::optional<Tensor>& key_padding_mask, bool causal,
-                                                 double dropout_p, double scale, int64_t seed) {
+                                                 double dropout_p, double scale,
+                                                 const c10::optional<Tensor>& seed) {
   const AttnDims s = check_limits(q, k, v, key_padding_mask);
   check_input(dout, "dout");
   check_input(out, "out");
@@ -170,7 +171,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
     p.vec8 = vector_aligned(s.D, 8, 16, {p.q, p.k, p.v, p.out, p.dout, p.dq, p.dk, p.dv});
     p.dropout_p = static_cast<float>(dropout_p);
     p.dropout_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
-    p.seed = static_cast<uint64_t>(seed);
+    p.seed = seed_pointer(seed);
     const int64_t delta_blocks = std::min(ceil_div64(s.B * s.H * s.Lq, kDeltaThreads / kWarpSize), kMaxDeltaBlocks);
     launch(attention_bwd_delta_kernel<T>, dim3(static_cast<unsigned>(delta_blocks)), dim3(kDeltaThreads), p);
     dispatch_head_dim(s.D, [&](auto d_max) {

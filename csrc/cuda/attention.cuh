@@ -64,7 +64,8 @@
 //
 // Dropout: element (b, h, i, j) of the probability matrix is kept iff the Philox draw of flat index
 // ((b H + h) Lq + i) Lk + j (csrc/philox.h) is >= p, the same stream as every other backend, regenerated
-// in the backward. Kept probabilities are scaled by 1/(1-p); l (and so lse) uses the undropped ones.
+// in the backward; the seed is read from device memory at each Philox call (common.cuh load_seed). Kept
+// probabilities are scaled by 1/(1-p); l (and so lse) uses the undropped ones.
 #pragma once
 #include "common.cuh"
 
@@ -88,7 +89,8 @@ struct AttentionFwdParams {
                                  // (read by the tensor-core kernels of attention_mma.cuh only)
   float dropout_p;               // probability of dropping an attention probability (0: no dropout)
   float dropout_scale;           // 1 / (1 - dropout_p)
-  uint64_t seed;                 // Philox key of the dropout stream
+  const int64_t* seed;           // () Philox key of the dropout stream, in device memory (load_seed);
+                                 // nullptr without dropout
 };
 
 // Backward: pointers and sizes shared by the three backward kernels of one call.
@@ -112,7 +114,7 @@ struct AttentionBwdParams {
   bool vec8;
   float dropout_p;
   float dropout_scale;
-  uint64_t seed;
+  const int64_t* seed;
 };
 
 constexpr int kRowsPerWarp = 4;        // owned rows per warp: the 4 components of the float4 buffers
@@ -372,7 +374,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdConfig<D_MAX>::kThreads)
       pd[r] = pr;
       if (p.dropout_p > 0.0f) {
         const uint64_t idx = (static_cast<uint64_t>(bh) * p.Lq + i) * p.Lk + j;
-        pd[r] *= dropout_factor(p.seed, idx, p.dropout_p, p.dropout_scale);
+        pd[r] *= dropout_factor(load_seed(p.seed), idx, p.dropout_p, p.dropout_scale);
       }
     }
     p_s[warp * kTileRows + lane] = make4(pd[0], pd[1], pd[2], pd[3]);
@@ -488,7 +490,8 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
     dot_rows4(do_s + lane * kQStride, v_s + warp * kRowsPerWarp * D_MAX, D_MAX, n4, dp);
     float4 f = make4(1.0f, 1.0f, 1.0f, 1.0f);
     if (p.dropout_p > 0.0f) {
-      f = dropout_factors4(p.seed, static_cast<uint64_t>(row) * p.Lk + jw, p.dropout_p, p.dropout_scale);
+      f = dropout_factors4(load_seed(p.seed), static_cast<uint64_t>(row) * p.Lk + jw, p.dropout_p,
+                           p.dropout_scale);
     }
     float pd[kRowsPerWarp], ds[kRowsPerWarp];
 #pragma unroll
@@ -587,7 +590,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
       float fr = 1.0f;
       if (p.dropout_p > 0.0f) {
         const uint64_t idx = (static_cast<uint64_t>(bh) * p.Lq + i) * p.Lk + j;
-        fr = dropout_factor(p.seed, idx, p.dropout_p, p.dropout_scale);
+        fr = dropout_factor(load_seed(p.seed), idx, p.dropout_p, p.dropout_scale);
       }
       ds[r] = visible ? pr * (dp[r] * fr - delta[r]) : 0.0f;
     }

@@ -239,6 +239,8 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdMmaConfig<D_MAX>::kThreads)
   const bool* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.Lk : nullptr;
   const int64_t kv_off = static_cast<int64_t>(bh) * p.Lk * p.D;
   const float neg_inf = -ff_inf();
+  __shared__ uint64_t seed_s;  // the dropout seed (common.cuh load_seed), read by thread 0 for the block
+  if (threadIdx.x == 0 && p.dropout_p > 0.0f) seed_s = load_seed(p.seed);  // seen after the first barrier
 
   stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(q_s, p.q + (static_cast<int64_t>(bh) * p.Lq + i0) * p.D, p.Lq - i0,
                                                p.D, p.vec8);
@@ -293,7 +295,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdMmaConfig<D_MAX>::kThreads)
               l[h] += pr;
               if (p.dropout_p > 0.0f) {
                 const uint64_t idx = (static_cast<uint64_t>(bh) * p.Lq + i) * p.Lk + (j0 + nb * 8 + 2 * t + e);
-                pr *= dropout_factor(p.seed, idx, p.dropout_p, p.dropout_scale);
+                pr *= dropout_factor(seed_s, idx, p.dropout_p, p.dropout_scale);
               }
               s[nb][2 * h + e] = pr;
             }
@@ -336,6 +338,8 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdMmaConfig<D_MAX>::kThreads)
   const int64_t q_off = (static_cast<int64_t>(bh) * p.Lq + i0) * p.D;
   const int64_t kv_off = static_cast<int64_t>(bh) * p.Lk * p.D;
   const float neg_inf = -ff_inf();
+  __shared__ uint64_t seed_s;  // the dropout seed (common.cuh load_seed), read by thread 0 for the block
+  if (threadIdx.x == 0 && p.dropout_p > 0.0f) seed_s = load_seed(p.seed);  // seen after the first barrier
 
   stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(q_s, p.q + q_off, p.Lq - i0, p.D, p.vec8);
   stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(do_s, p.dout + q_off, p.Lq - i0, p.D, p.vec8);
@@ -377,7 +381,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdMmaConfig<D_MAX>::kThreads)
               float fr = 1.0f;
               if (p.dropout_p > 0.0f) {
                 const uint64_t idx = (static_cast<uint64_t>(bh) * p.Lq + i) * p.Lk + j;
-                fr = dropout_factor(p.seed, idx, p.dropout_p, p.dropout_scale);
+                fr = dropout_factor(seed_s, idx, p.dropout_p, p.dropout_scale);
               }
               s[nb][2 * h + e] = visible ? pr * (dp[nb][2 * h + e] * fr - delta[h]) : 0.0f;  // dS
             }
@@ -412,6 +416,8 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdMmaConfig<D_MAX>::kThreads)
   const bool* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.Lk : nullptr;
   const int64_t kv_off = (static_cast<int64_t>(bh) * p.Lk + j_blk) * p.D;
   const float neg_inf = -ff_inf();
+  __shared__ uint64_t seed_s;  // the dropout seed (common.cuh load_seed), read by thread 0 for the block
+  if (threadIdx.x == 0 && p.dropout_p > 0.0f) seed_s = load_seed(p.seed);  // seen after the first barrier
 
   stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(k_s, p.k + kv_off, p.Lk - j_blk, p.D, p.vec8);
   stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(v_s, p.v + kv_off, p.Lk - j_blk, p.D, p.vec8);
@@ -455,7 +461,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdMmaConfig<D_MAX>::kThreads)
               const bool visible = key_ok[h] && i < p.Lq && lse_i != neg_inf && (!p.causal || j <= i + p.Lk - p.Lq);
               const float pr = visible ? expf(s[nb][2 * h + e] * p.scale - lse_i) : 0.0f;
               float fr = 1.0f;
-              if (p.dropout_p > 0.0f) fr = dropout_factor(p.seed, static_cast<uint64_t>(row) * p.Lk + j, p.dropout_p,
+              if (p.dropout_p > 0.0f) fr = dropout_factor(seed_s, static_cast<uint64_t>(row) * p.Lk + j, p.dropout_p,
                                                           p.dropout_scale);
               s[nb][2 * h + e] = pr * fr;                                                      // (P r)^T
               dp[nb][2 * h + e] = visible ? pr * (dp[nb][2 * h + e] * fr - delta_i) : 0.0f;  // dS^T

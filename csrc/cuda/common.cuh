@@ -150,6 +150,18 @@ FF_DEVICE void warp_row_store(T* row, int n, int lane, int width, const float (&
   }
 }
 
+// The dropout seed of a launch, read from memory: the call's 0-dim int64 seed tensor (launch.h seed_pointer),
+// never a launch argument, since a replayed CUDA graph repeats its launches' arguments while torch's
+// generator writes a new seed into the tensor on every replay. Read only with dropout on (without, the
+// pointer may be null). The SIMT and row kernels call it at each Philox evaluation: a volatile 8-byte load
+// (a cache hit, beside a Philox call's ~60 integer operations) that keeps the compiler from holding the
+// seed, and the round keys it derives from it, in registers through the kernel; so they take no more
+// registers than with the seed as a launch argument (docs/kernels.md). The tensor-core kernels
+// (attention_mma.cuh) read it once per block into shared memory: there a read per call spilled.
+FF_DEVICE uint64_t load_seed(const int64_t* seed) {
+  return static_cast<uint64_t>(*static_cast<const volatile int64_t*>(seed));
+}
+
 // Keep-factors of elements i and i + 1 for an even i (csrc/philox.h dropout_factor of each): both words
 // come from the one Philox call of counter i >> 2.
 FF_DEVICE float2 dropout_factor2(uint64_t seed, uint64_t i, float p, float inv_keep) {
@@ -160,30 +172,34 @@ FF_DEVICE float2 dropout_factor2(uint64_t seed, uint64_t i, float p, float inv_k
 }
 
 // Keep-factors (csrc/philox.h dropout_factor: 1/(1-p) kept, 0 dropped) of a lane's kPerLane values in the
-// warp-row layout, value i being element base + warp_row_col(i) of the dropped tensor. One Philox call
-// yields the words of 4 consecutive elements: runs of 4 or more (base and the runs' columns are multiples
-// of 4 then) take one call per 4 values, pairs one call per pair, single values one call each.
+// warp-row layout, value i being element base + warp_row_col(i) of the dropped tensor, under the seed at
+// `seed` (load_seed at each Philox call). One Philox call yields the words of 4 consecutive elements: runs
+// of 4 or more (base and the runs' columns are multiples of 4 then) take one call per 4 values, pairs one
+// call per pair, single values one call each.
 template <int kPerLane>
-FF_DEVICE void warp_row_dropout(uint64_t seed, int64_t base, int lane, int width, float p, float inv_keep,
+FF_DEVICE void warp_row_dropout(const int64_t* seed, int64_t base, int lane, int width, float p, float inv_keep,
                                 float (&r)[kPerLane]) {
   if (width >= 4) {
 #pragma unroll
     for (int i = 0; i < kPerLane; i += 4) {
-      const Philox4 w = philox4x32_10(seed, static_cast<uint64_t>(base + warp_row_col(i, lane, width)) >> 2);
+      const Philox4 w =
+          philox4x32_10(load_seed(seed), static_cast<uint64_t>(base + warp_row_col(i, lane, width)) >> 2);
 #pragma unroll
       for (int k = 0; k < 4; ++k) r[i + k] = philox_uniform(w.w[k]) >= p ? inv_keep : 0.0f;
     }
   } else if (width == 2) {
 #pragma unroll
     for (int i = 0; i < kPerLane; i += 2) {
-      const float2 f = dropout_factor2(seed, static_cast<uint64_t>(base + warp_row_col(i, lane, 2)), p, inv_keep);
+      const float2 f =
+          dropout_factor2(load_seed(seed), static_cast<uint64_t>(base + warp_row_col(i, lane, 2)), p, inv_keep);
       r[i] = f.x;
       r[i + 1] = f.y;
     }
   } else {
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
-      r[i] = dropout_factor(seed, static_cast<uint64_t>(base + warp_row_col(i, lane, 1)), p, inv_keep);
+      r[i] = dropout_factor(load_seed(seed), static_cast<uint64_t>(base + warp_row_col(i, lane, 1)), p,
+                            inv_keep);
     }
   }
 }

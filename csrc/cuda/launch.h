@@ -52,6 +52,16 @@ inline void check_input(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), "fastformer ", kBackend, " backend: ", name, " must be contiguous");
 }
 
+// The dropout seed as the kernels take it: a pointer to the 0-dim int64 tensor of the call (csrc/ops.h
+// check_seed), on this backend's device; nullptr without one (no dropout). The kernels read it themselves
+// (common.cuh load_seed); the host never does: that would be a sync, and a value passed at launch would be
+// frozen into a captured CUDA graph, whose replays rewrite the tensor instead.
+inline const int64_t* seed_pointer(const c10::optional<at::Tensor>& seed) {
+  if (!seed.has_value()) return nullptr;
+  check_input(*seed, "seed");
+  return seed->const_data_ptr<int64_t>();
+}
+
 // float32 and float16 everywhere; bfloat16 on sm_80 and newer (and in the CPU model, which plays sm_80).
 inline void check_dtype(const at::Tensor& t, const char* name) {
   const auto d = t.scalar_type();

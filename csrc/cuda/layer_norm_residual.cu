@@ -36,7 +36,8 @@ std::vector<int64_t> stat_shape(const Tensor& t) {
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd(const Tensor& x, const Tensor& residual,
                                                                    const Tensor& weight, const Tensor& bias,
-                                                                   double eps, double dropout_p, int64_t seed) {
+                                                                   double eps, double dropout_p,
+                                                                   const c10::optional<Tensor>& seed) {
   check_inputs({{&x, "x"}, {&residual, "residual"}, {&weight, "weight"}, {&bias, "bias"}});
   check_dtype(x, "x");
   const int64_t N = x.size(-1), R = x.numel() / N;
@@ -62,7 +63,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd(const Tensor&
     p.eps = static_cast<float>(eps);
     p.dropout_p = static_cast<float>(dropout_p);
     p.inv_keep = 1.0f / (1.0f - p.dropout_p);
-    p.seed = static_cast<uint64_t>(seed);
+    p.seed = seed_pointer(seed);
     p.vec2 = N % 2 == 0 && aligned2(x) && aligned2(residual) && aligned2(weight) && aligned2(bias) && aligned2(y) &&
              aligned2(s);
     p.packs = N % kPack<T> == 0 && aligned16(x) && aligned16(residual) && aligned16(weight) && aligned16(bias) &&
@@ -83,7 +84,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd(const Tensor&
 std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor& dy, const c10::optional<Tensor>& ds,
                                                                    const Tensor& s, const Tensor& weight,
                                                                    const Tensor& mean, const Tensor& rstd,
-                                                                   double dropout_p, int64_t seed) {
+                                                                   double dropout_p,
+                                                                   const c10::optional<Tensor>& seed) {
   check_inputs({{&dy, "dy"}, {&s, "s"}, {&weight, "weight"}, {&mean, "mean"}, {&rstd, "rstd"}});
   if (ds.has_value()) check_input(*ds, "ds");
   check_dtype(s, "s");
@@ -120,7 +122,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor&
     p.chunk_rows = chunk_rows;
     p.dropout_p = static_cast<float>(dropout_p);
     p.inv_keep = 1.0f / (1.0f - p.dropout_p);
-    p.seed = static_cast<uint64_t>(seed);
+    p.seed = seed_pointer(seed);
     p.vec2 = N % 2 == 0 && aligned2(dy) && (!ds.has_value() || aligned2(*ds)) && aligned2(s) && aligned2(weight) &&
              aligned2(dx) && aligned2(dres);
     p.packs = N % kPack<T> == 0 && aligned16(dy) && (!ds.has_value() || aligned16(*ds)) && aligned16(s) &&

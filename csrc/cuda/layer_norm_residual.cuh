@@ -61,7 +61,7 @@ struct LnrFwdParams {
   float eps;
   float dropout_p;    // p in [0, 1); 0 = no dropout
   float inv_keep;     // 1 / (1 - p)
-  uint64_t seed;      // dropout seed
+  const int64_t* seed;  // () dropout seed in device memory (load_seed); nullptr without dropout
   bool vec2;          // N even and every row pointer 2-element aligned: half2/float2 pairs
   bool packs;         // N a multiple of kPack<T> and every pointer 16-byte aligned (warp layout)
 };
@@ -83,7 +83,7 @@ struct LnrBwdParams {
   int64_t chunk_rows;   // rows per chunk (the last chunk may be shorter); P = gridDim.x chunks
   float dropout_p;
   float inv_keep;
-  uint64_t seed;
+  const int64_t* seed;  // () as in LnrFwdParams
   bool vec2;            // N even and every row pointer 2-element aligned
   bool packs;           // N a multiple of kPack<T> and every pointer 16-byte aligned (warp layout)
 };
@@ -284,7 +284,8 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_fwd_block_kerne
       float2 xv = load2(x + col);
       const float2 rv = load2(res + col);
       if (drop) {
-        const float2 r = dropout_factor2(p.seed, static_cast<uint64_t>(base + col), p.dropout_p, p.inv_keep);
+        const float2 r =
+            dropout_factor2(load_seed(p.seed), static_cast<uint64_t>(base + col), p.dropout_p, p.inv_keep);
         xv.x *= r.x;
         xv.y *= r.y;
       }
@@ -296,7 +297,9 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_fwd_block_kerne
   } else {
     for (int col = t; col < n; col += kLnrThreads) {
       float xv = to_float(x[col]);
-      if (drop) xv *= dropout_factor(p.seed, static_cast<uint64_t>(base + col), p.dropout_p, p.inv_keep);
+      if (drop) {
+        xv *= dropout_factor(load_seed(p.seed), static_cast<uint64_t>(base + col), p.dropout_p, p.inv_keep);
+      }
       const T sv = from_float<T>(to_float(res[col]) + xv);
       s[col] = sv;
       welford_add(w, to_float(sv));
@@ -393,7 +396,8 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_block_kerne
         }
         store2(dres + col, float2{d0, d1});
         if (drop) {
-          const float2 r = dropout_factor2(p.seed, static_cast<uint64_t>(base + col), p.dropout_p, p.inv_keep);
+          const float2 r =
+              dropout_factor2(load_seed(p.seed), static_cast<uint64_t>(base + col), p.dropout_p, p.inv_keep);
           d0 *= r.x;
           d1 *= r.y;
         }
@@ -405,7 +409,8 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_block_kerne
         float d = rs * (to_float(dy[col]) * to_float(p.weight[col]) - mean_g - xhat * mean_gx);
         if (ds != nullptr) d += to_float(ds[col]);
         dres[col] = from_float<T>(d);
-        if (drop) d *= dropout_factor(p.seed, static_cast<uint64_t>(base + col), p.dropout_p, p.inv_keep);
+        if (drop) d *= dropout_factor(load_seed(p.seed), static_cast<uint64_t>(base + col), p.dropout_p,
+                                      p.inv_keep);
         dx[col] = from_float<T>(d);
       }
     }

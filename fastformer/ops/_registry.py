@@ -100,17 +100,16 @@ def check_types(op: str, arguments: dict) -> None:
             raise ValueError(f"fastformer {op}: {name} must be {want}, got {got}")
 
 
-def dropout_seed(p, op: str) -> torch.Tensor | None:
-    """The call's dropout seed: one draw from torch's default generator when dropout is on (so
-    torch.manual_seed makes dropout reproducible on every backend); None without dropout. A dropout_p that
-    is no number (a bool, a string, a tensor) raises ValueError here; its range is checked in C++."""
+def dropout_seed(p, op: str, x: torch.Tensor) -> torch.Tensor | None:
+    """The call's dropout seed when dropout is on, None without: a 0-dim int64 tensor on the device of the
+    inputs (``x``), drawn there by torch's generator of that device. On the CPU that is the default
+    generator (torch.manual_seed makes dropout reproducible, on every CPU backend alike). On a GPU it is the
+    device's CUDA generator: the draw is a kernel that writes the tensor, so no host sync, and under CUDA
+    graph capture torch advances that generator's Philox offset on every replay, so each replay writes a
+    new seed into the same tensor, which the kernels read from memory (csrc/ops.h check_seed). A dropout_p
+    that is no number (a bool, a string, a tensor) raises ValueError here; its range is checked in C++."""
     if p.__class__ is float and p == 0.0:  # the common case first: a float 0.0, no dropout
         return None
     if isinstance(p, bool) or not isinstance(p, (int, float)):
         raise ValueError(f"fastformer {op}: dropout_p must be a number in [0, 1), got {p!r}")
-    return torch.randint(0, 2**62, (), dtype=torch.int64) if p > 0 else None
-
-
-def seed_int(seed: torch.Tensor | None) -> int:
-    """The seed as the Python backends take it (0 when there is no dropout)."""
-    return 0 if seed is None else int(seed)
+    return torch.randint(0, 2**62, (), dtype=torch.int64, device=x.device) if p > 0 else None

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from fastformer import _dispatch
 from fastformer.ops import _registry
-from fastformer.ops._registry import C, dropout_seed, out_like, seed_int
+from fastformer.ops._registry import C, dropout_seed, out_like
 
 
 def rows_like(x: Tensor) -> Tensor:
@@ -31,28 +31,32 @@ def rows_like(x: Tensor) -> Tensor:
 
 def _fake_fwd(q, k, v, key_padding_mask, causal, dropout_p, scale, seed, like=rows_like):
     _registry.same_device("attention", "q", q, k=k, v=v, key_padding_mask=key_padding_mask)
+    C.check_seed(seed, dropout_p, q, "attention")  # a seed on "meta" beside CPU inputs lands here
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return like(q), q.new_empty(q.shape[:3], dtype=lse_dtype)
 
 
 def _fake_bwd(dout, q, k, v, out, lse, key_padding_mask, causal, dropout_p, scale, seed, like=rows_like):
+    C.check_seed(seed, dropout_p, q, "attention")
     return like(q), like(k), like(v)
 
 
 def _py_fwd(q, k, v, key_padding_mask, causal, dropout_p, scale, seed, backend):
     scale = C.check_attention(q, k, v, key_padding_mask, dropout_p, scale)
+    C.check_seed(seed, dropout_p, q, "attention")
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     impl = _dispatch.implementation("attention", "fwd", backend)
-    return impl(q.contiguous(), k.contiguous(), v.contiguous(), mask, causal, dropout_p, scale, seed_int(seed))
+    return impl(q.contiguous(), k.contiguous(), v.contiguous(), mask, causal, dropout_p, scale, seed)
 
 
 def _py_bwd(dout, q, k, v, out, lse, key_padding_mask, causal, dropout_p, scale, seed, backend):
     C.check_attention_bwd(dout, q, k, v, out, lse, key_padding_mask, dropout_p)
     scale = C.check_attention(q, k, v, key_padding_mask, dropout_p, scale)
+    C.check_seed(seed, dropout_p, q, "attention")
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     impl = _dispatch.implementation("attention", "bwd", backend)
     return impl(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
-                mask, causal, dropout_p, scale, seed_int(seed))
+                mask, causal, dropout_p, scale, seed)
 
 
 _registry.register("attention", fake_fwd=_fake_fwd, fake_bwd=_fake_bwd, py_fwd=_py_fwd, py_bwd=_py_bwd,
@@ -68,12 +72,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Optional[Ten
     q (B, H, Lq, D); k, v (B, H, Lk, D); key_padding_mask (B, Lk) bool, True = padding (never attended).
     causal aligns bottom-right: query i sees key j iff j <= i + (Lk - Lq). scale defaults to 1/sqrt(D).
     dropout_p drops attention probabilities (kept ones scaled by 1/(1-p)); the mask comes from a seed
-    drawn from torch's default generator. A query row with no visible key returns zeros (and zero
+    drawn by torch's generator of the inputs' device (the default generator on the CPU, the CUDA generator
+    on a GPU: graph-safe, see _registry.dropout_seed). A query row with no visible key returns zeros (and zero
     grads). backend: "torch", "cpu", "cuda", "triton", "cuda_sim" or None (the default).
     """
     try:
         fwd = _dispatch.forward("attention", backend, q)
-        return fwd(q, k, v, key_padding_mask, bool(causal), dropout_p, scale, dropout_seed(dropout_p, "attention"))[0]
+        seed = dropout_seed(dropout_p, "attention", q)
+        return fwd(q, k, v, key_padding_mask, bool(causal), dropout_p, scale, seed)[0]
     except (TypeError, ValueError, RuntimeError):
         _registry.check_types("attention", locals())
         raise

@@ -15,11 +15,12 @@ from torch import Tensor
 
 from fastformer import _dispatch
 from fastformer.ops import _registry
-from fastformer.ops._registry import C, dropout_seed, out_like, seed_int
+from fastformer.ops._registry import C, dropout_seed, out_like
 
 
 def _fake_fwd(x, residual, weight, bias, eps, dropout_p, seed):
     _registry.same_device("layer_norm_residual", "x", x, residual=residual, weight=weight, bias=bias)
+    C.check_seed(seed, dropout_p, x, "layer_norm_residual")  # a seed on "meta" beside CPU inputs lands here
     stat_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     stats = x.shape[:-1]
     return (out_like(x), out_like(x), x.new_empty(stats, dtype=stat_dtype),
@@ -27,22 +28,24 @@ def _fake_fwd(x, residual, weight, bias, eps, dropout_p, seed):
 
 
 def _fake_bwd(dy, ds, s, weight, mean, rstd, dropout_p, seed):
+    C.check_seed(seed, dropout_p, s, "layer_norm_residual")
     return out_like(s), out_like(s), out_like(weight), out_like(weight)
 
 
 def _py_fwd(x, residual, weight, bias, eps, dropout_p, seed, backend):
     C.check_layer_norm_residual(x, residual, weight, bias, eps, dropout_p)
+    C.check_seed(seed, dropout_p, x, "layer_norm_residual")
     impl = _dispatch.implementation("layer_norm_residual", "fwd", backend)
-    return impl(x.contiguous(), residual.contiguous(), weight.contiguous(), bias.contiguous(), eps, dropout_p,
-                seed_int(seed))
+    return impl(x.contiguous(), residual.contiguous(), weight.contiguous(), bias.contiguous(), eps, dropout_p, seed)
 
 
 def _py_bwd(dy, ds, s, weight, mean, rstd, dropout_p, seed, backend):
     C.check_layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p)
+    C.check_seed(seed, dropout_p, s, "layer_norm_residual")
     impl = _dispatch.implementation("layer_norm_residual", "bwd", backend)
     ds = None if ds is None else ds.contiguous()
     return impl(dy.contiguous(), ds, s.contiguous(), weight.contiguous(), mean.contiguous(), rstd.contiguous(),
-                dropout_p, seed_int(seed))
+                dropout_p, seed)
 
 
 _registry.register("layer_norm_residual", fake_fwd=_fake_fwd, fake_bwd=_fake_bwd, py_fwd=_py_fwd, py_bwd=_py_bwd)
@@ -56,7 +59,7 @@ def layer_norm_residual(x: Tensor, residual: Tensor, weight: Tensor, bias: Tenso
     """
     try:
         fwd = _dispatch.forward("layer_norm_residual", backend, x)
-        y, s, _, _ = fwd(x, residual, weight, bias, eps, dropout_p, dropout_seed(dropout_p, "layer_norm_residual"))
+        y, s, _, _ = fwd(x, residual, weight, bias, eps, dropout_p, dropout_seed(dropout_p, "layer_norm_residual", x))
     except (TypeError, ValueError, RuntimeError):
         _registry.check_types("layer_norm_residual", locals())
         raise

@@ -6,7 +6,8 @@ written out by hand (not taken from autograd) so the formulas here are the ones 
 implement; tests check them against autograd with torch.autograd.gradcheck.
 
 Dropout draws its mask from the same Philox4x32-10 stream as csrc/philox.h (see there), so a seed
-gives the same mask on every backend.
+gives the same mask on every backend. A seed is an int or, as the ops pass it, a 0-dim int64 tensor on the
+inputs' device (never read on the host: no sync on a GPU).
 """
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ def _mul32(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
     return high & _MASK32, low & _MASK32
 
 
-def philox4x32_10(seed: int, counter: torch.Tensor) -> list[torch.Tensor]:
-    """The four uint32 words (as int64 tensors) of Philox4x32-10 at 64-bit ``counter`` with key ``seed``."""
+def philox4x32_10(seed, counter: torch.Tensor) -> list[torch.Tensor]:
+    """The four uint32 words (as int64 tensors) of Philox4x32-10 at 64-bit ``counter`` with key ``seed`` (an
+    int or a 0-dim int64 tensor)."""
     c0, c1 = counter & _MASK32, (counter >> 32) & _MASK32
     c2 = torch.zeros_like(c0)
     c3 = torch.zeros_like(c0)
@@ -75,7 +77,7 @@ def _keep_words_fused():
     return _keep_words_compiled
 
 
-def dropout_keep(seed: int, numel: int, p: float, device=None) -> torch.Tensor:
+def dropout_keep(seed, numel: int, p: float, device=None) -> torch.Tensor:
     """Bool keep-mask of elements 0 .. numel-1 of a tensor dropped with probability p.
 
     Element i takes word i % 4 of Philox counter i // 4 (_keep_words): one Philox evaluation per 4
@@ -88,7 +90,7 @@ def dropout_keep(seed: int, numel: int, p: float, device=None) -> torch.Tensor:
     threshold = torch.tensor(p, dtype=torch.float32, device=device)
     if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
         counter = torch.arange(counters, dtype=torch.int64, device=device)
-        seed_t = torch.tensor(seed, dtype=torch.int64, device=device)
+        seed_t = torch.as_tensor(seed, dtype=torch.int64, device=device)
         return _keep_words_fused()(seed_t, counter, threshold, scale)[:numel]
     keep = torch.empty(numel, dtype=torch.bool, device=device)
     step = _KEEP_SLICE if device.type == "cpu" else max(counters, 1)
@@ -99,7 +101,7 @@ def dropout_keep(seed: int, numel: int, p: float, device=None) -> torch.Tensor:
     return keep
 
 
-def _dropout_factor(seed: int, shape, p: float, dtype, device) -> torch.Tensor | None:
+def _dropout_factor(seed, shape, p: float, dtype, device) -> torch.Tensor | None:
     """1/(1-p) where kept and 0 where dropped, shaped like the dropped tensor; None when p == 0."""
     if p == 0:
         return None

@@ -1,6 +1,6 @@
 """What the Triton kernels share: the block-size tables (the one place where tile shapes, warps and
 pipeline stages are chosen: fixed for the row kernels, autotuned candidates for attention), input checks,
-and the Philox dropout helper."""
+and the Philox dropout helpers (the seed read from device memory, the keep-masks)."""
 from __future__ import annotations
 
 import os
@@ -117,6 +117,20 @@ def _kept(word, p):
     x = word.to(tl.int32, bitcast=True)
     x = tl.where(x < 0, -x - 1, x)
     return x.to(tl.float32) * 4.6566127342e-10 >= p
+
+
+def seed_pointer(seed, dummy: torch.Tensor) -> torch.Tensor:
+    """The kernels' ``seed_ptr`` argument: the call's dropout seed, a 0-dim int64 tensor on the inputs'
+    device (checked by csrc/ops.h check_seed), or ``dummy`` without dropout (never read then)."""
+    return dummy if seed is None else seed
+
+
+@triton.jit
+def load_seed(seed_ptr, HAS_DROPOUT: tl.constexpr):
+    """The dropout seed, read once by each program from the tensor ``seed_ptr`` points to (never passed by
+    value: a replayed CUDA graph finds the new seed that torch's generator wrote there); 0 without dropout
+    (not read)."""
+    return tl.load(seed_ptr) if HAS_DROPOUT else 0
 
 
 @triton.jit

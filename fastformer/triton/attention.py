@@ -17,7 +17,9 @@ and writes dK, dV; the dQ kernel reads Q, dO once and K, V once per query tile, 
 ceil(Lq / BLOCK_M)) D sizeof(T), and writes dQ; both also read lse and delta (4 bytes per row).
 Dropout keeps element (b, h, i, j) of P when dropout_keep(seed, ((b H + h) Lq + i) Lk + j) is true,
 the same Philox stream as every other backend (_common.dropout_keep_rows: one Philox evaluation per 4
-probabilities when Lk is a multiple of 4).
+probabilities when Lk is a multiple of 4). Each program reads the seed from the op's 0-dim int64 seed
+tensor (_common.load_seed: device memory, never a launch argument, so a replayed CUDA graph draws a new
+mask).
 
 Tiles: BLOCK_M, BLOCK_N, warps and pipeline stages are autotuned (fastformer/triton/_common.py lists the
 candidates) once per (length bucket, head dim, mask, causal, dropout, dtype). With a key padding mask,
@@ -37,6 +39,8 @@ from fastformer.triton._common import (
     check,
     dropout_keep_rows,
     length_bucket,
+    load_seed,
+    seed_pointer,
     upcast_dot,
 )
 
@@ -100,7 +104,7 @@ def _attn_fwd_kernel(
     H, Lq, Lk, D,  # sizes
     scale,  # softmax scale
     p,  # dropout probability
-    seed,  # dropout seed (int64)
+    seed_ptr,  # () int64 dropout seed, read once per program (unused if not HAS_DROPOUT)
     L_BUCKET,  # autotuning key only: next power of two of max(Lq, Lk)
     HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
     IEEE: tl.constexpr, GROUPS_OF_4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -115,6 +119,7 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bad = tl.zeros([BLOCK_M], tl.int32)  # per row: saw a NaN or +inf visible score
     kpm_row = kpm_ptr + (bh // H) * Lk
+    seed = load_seed(seed_ptr, HAS_DROPOUT)
     for start_n in range(0, _causal_key_end(tile, Lq, Lk, BLOCK_M, CAUSAL), BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if _any_key(kpm_row, offs_n, Lk, HAS_KPM):  # an all-padding tile changes nothing: skipped
@@ -188,7 +193,7 @@ def _attn_bwd_dkdv_kernel(
     do_ptr,  # (B, H, Lq, D) gradient of the output
     lse_ptr, delta_ptr,  # (B, H, Lq) float32
     dk_ptr, dv_ptr,  # (B, H, Lk, D) outputs
-    H, Lq, Lk, D, scale, p, seed, L_BUCKET,
+    H, Lq, Lk, D, scale, p, seed_ptr, L_BUCKET,
     HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
     IEEE: tl.constexpr, GROUPS_OF_4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -199,6 +204,7 @@ def _attn_bwd_dkdv_kernel(
     k = _load_tile(k_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
     v = _load_tile(v_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
     kpm_row = kpm_ptr + (bh // H) * Lk
+    seed = load_seed(seed_ptr, HAS_DROPOUT)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     first_m = 0
@@ -227,7 +233,7 @@ def _attn_bwd_dkdv_kernel(
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, kpm_ptr, do_ptr, lse_ptr, delta_ptr,  # as in the dK/dV kernel
     dq_ptr,  # (B, H, Lq, D) output
-    H, Lq, Lk, D, scale, p, seed, L_BUCKET,
+    H, Lq, Lk, D, scale, p, seed_ptr, L_BUCKET,
     HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
     IEEE: tl.constexpr, GROUPS_OF_4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -240,6 +246,7 @@ def _attn_bwd_dq_kernel(
     lse = tl.load(lse_ptr + bh * Lq + offs_m, mask=offs_m < Lq, other=float("-inf"))
     delta = tl.load(delta_ptr + bh * Lq + offs_m, mask=offs_m < Lq, other=0.0)
     kpm_row = kpm_ptr + (bh // H) * Lk
+    seed = load_seed(seed_ptr, HAS_DROPOUT)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(0, _causal_key_end(tile, Lq, Lk, BLOCK_M, CAUSAL), BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -262,7 +269,7 @@ def _flags(q, k, key_padding_mask, causal, dropout_p):
                 GROUPS_OF_4=k.shape[2] % 4 == 0)  # Lk % 4 == 0: one Philox evaluation per 4 probabilities
 
 
-def attention_fwd(q, k, v, key_padding_mask, causal: bool, dropout_p: float, scale: float, seed: int):
+def attention_fwd(q, k, v, key_padding_mask, causal: bool, dropout_p: float, scale: float, seed):
     check("attention", q, k, v)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     B, H, Lq, D = q.shape
@@ -274,13 +281,12 @@ def attention_fwd(q, k, v, key_padding_mask, causal: bool, dropout_p: float, sca
     flags = _flags(q, k, key_padding_mask, causal, dropout_p)
     kpm = key_padding_mask.contiguous() if key_padding_mask is not None else q
     grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
-    _attn_fwd_kernel[grid](q, k, v, kpm, out, lse, H, Lq, Lk, D, scale, dropout_p, seed, length_bucket(max(Lq, Lk)),
-                           **flags)
+    _attn_fwd_kernel[grid](q, k, v, kpm, out, lse, H, Lq, Lk, D, scale, dropout_p, seed_pointer(seed, lse),
+                           length_bucket(max(Lq, Lk)), **flags)
     return out, lse
 
 
-def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal: bool, dropout_p: float, scale: float,
-                  seed: int):
+def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal: bool, dropout_p: float, scale: float, seed):
     check("attention", dout, q, k, v, out)
     dout, q, k, v, out, lse = (t.contiguous() for t in (dout, q, k, v, out, lse))
     B, H, Lq, D = q.shape
@@ -295,6 +301,7 @@ def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal: bool, dropo
     _attn_bwd_preprocess[(triton.cdiv(rows, 64),)](out, dout, delta, rows, D, BLOCK_M=64,
                                                    BLOCK_D=flags["BLOCK_D"])
     bucket = length_bucket(max(Lq, Lk))
+    seed = seed_pointer(seed, lse)
     _attn_bwd_dkdv_kernel[lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), B * H)](
         q, k, v, kpm, dout, lse, delta, dk, dv, H, Lq, Lk, D, scale, dropout_p, seed, bucket, **flags)
     _attn_bwd_dq_kernel[lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)](

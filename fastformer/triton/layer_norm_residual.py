@@ -3,7 +3,8 @@
 Whole rows (N <= MAX_N) in a (BLOCK_R, BLOCK_N) tile: BLOCK_R rows per program and step, about 16 values
 per thread (_common.whole_row_tile; for N = 512, 8 rows and 8 warps).
 Forward: s = residual + x * r (r: dropout factor from fastformer/triton/_common.dropout_keep_rows, one
-Philox evaluation per 4 elements when N is a multiple of 4), rounded to its dtype in registers and
+Philox evaluation per 4 elements when N is a multiple of 4; the seed read by each program from the op's
+0-dim int64 seed tensor, _common.load_seed), rounded to its dtype in registers and
 stored; mean and variance (two-pass, from the registers) are those of the s returned;
 y = (s - mean) rstd w + b. Bytes moved per row: x, residual read, s, y written (4 N sizeof(T)),
 plus the weights (cached).
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastformer.triton._common import check, dropout_keep_rows, row_tile, whole_row_tile
+from fastformer.triton._common import check, dropout_keep_rows, load_seed, row_tile, seed_pointer, whole_row_tile
 
 MAX_N = 16384
 MAX_PROGRAMS = 512  # backward: at most this many partial rows (P N 8 bytes for stage two)
@@ -38,7 +39,7 @@ def _lnr_fwd_kernel(
     N,  # row length
     eps,  # LayerNorm epsilon
     p,  # dropout probability
-    seed,  # dropout seed (int64)
+    seed_ptr,  # () int64 dropout seed, read once per program (unused if not HAS_DROPOUT)
     HAS_DROPOUT: tl.constexpr,
     GROUPS_OF_4: tl.constexpr,  # N % 4 == 0: one Philox evaluation per 4 elements (dropout_keep_rows)
     BLOCK_R: tl.constexpr,  # rows per program
@@ -47,7 +48,7 @@ def _lnr_fwd_kernel(
     rows, cols, live, inside, offs = row_tile(tl.program_id(0) * BLOCK_R, R, N, BLOCK_R, BLOCK_N)
     x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
-        keep = dropout_keep_rows(seed, rows, 0, N, p, BLOCK_R, BLOCK_N, GROUPS_OF_4)
+        keep = dropout_keep_rows(load_seed(seed_ptr, HAS_DROPOUT), rows, 0, N, p, BLOCK_R, BLOCK_N, GROUPS_OF_4)
         x = tl.where(keep, x / (1.0 - p), 0.0)
     s = (tl.load(res_ptr + offs, mask=inside, other=0.0).to(tl.float32) + x).to(s_ptr.dtype.element_ty)
     tl.store(s_ptr + offs, s, mask=inside)
@@ -78,7 +79,7 @@ def _lnr_bwd_kernel(
     R,  # rows
     N,  # row length
     p,  # dropout probability
-    seed,  # dropout seed
+    seed_ptr,  # () int64 dropout seed, read once per program (unused if not HAS_DROPOUT)
     ROWS,  # rows per program, a multiple of BLOCK_R
     HAS_DS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
@@ -87,6 +88,7 @@ def _lnr_bwd_kernel(
     BLOCK_N: tl.constexpr,  # next power of two >= N
 ):
     pid = tl.program_id(0)
+    seed = load_seed(seed_ptr, HAS_DROPOUT)
     cols = tl.arange(0, BLOCK_N)
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)  # summed over the rows at the end
@@ -122,7 +124,7 @@ def _tile(N: int) -> dict:
     return whole_row_tile(N)
 
 
-def layer_norm_residual_fwd(x, residual, weight, bias, eps: float, dropout_p: float, seed: int):
+def layer_norm_residual_fwd(x, residual, weight, bias, eps: float, dropout_p: float, seed):
     check("layer_norm_residual", x, residual, weight, bias)
     x, residual, weight, bias = (t.contiguous() for t in (x, residual, weight, bias))
     N = x.shape[-1]
@@ -133,12 +135,13 @@ def layer_norm_residual_fwd(x, residual, weight, bias, eps: float, dropout_p: fl
     if R:
         tile = _tile(N)
         _lnr_fwd_kernel[(triton.cdiv(R, tile["BLOCK_R"]),)](x, residual, weight, bias, y, s, mean, rstd, R, N, eps,
-                                                            dropout_p, seed, HAS_DROPOUT=dropout_p > 0,
+                                                            dropout_p, seed_pointer(seed, mean),
+                                                            HAS_DROPOUT=dropout_p > 0,
                                                             GROUPS_OF_4=N % 4 == 0, **tile)
     return y, s, mean, rstd
 
 
-def layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p: float, seed: int):
+def layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p: float, seed):
     check("layer_norm_residual", dy, s, weight)
     dy, s, weight, mean, rstd = (t.contiguous() for t in (dy, s, weight, mean, rstd))
     ds = None if ds is None else ds.contiguous()
@@ -154,7 +157,7 @@ def layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p: float, see
     dw_part = torch.empty(programs, N, dtype=torch.float32, device=s.device)
     db_part = torch.empty_like(dw_part)
     _lnr_bwd_kernel[(programs,)](dy, ds if ds is not None else dy, s, weight, mean, rstd, dx, dres, dw_part, db_part,
-                                 R, N, dropout_p, seed, ROWS=rows, HAS_DS=ds is not None, HAS_DROPOUT=dropout_p > 0,
-                                 GROUPS_OF_4=N % 4 == 0, **tile)
+                                 R, N, dropout_p, seed_pointer(seed, mean), ROWS=rows, HAS_DS=ds is not None,
+                                 HAS_DROPOUT=dropout_p > 0, GROUPS_OF_4=N % 4 == 0, **tile)
     # Stage two: the partial sums, reduced in a fixed order.
     return dx, dres, dw_part.sum(0).to(s.dtype), db_part.sum(0).to(s.dtype)

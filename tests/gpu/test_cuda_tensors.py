@@ -104,6 +104,21 @@ def test_softmax_broadcast_mask():
         assert_close(y.cpu(), ops.softmax(x.double(), mask=mask, backend="torch"), torch.float32, backend)
 
 
+def device_seed(manual_seed):
+    """The dropout seed an op on CUDA tensors draws after torch.manual_seed(manual_seed): one draw of the CUDA
+    generator (fastformer/ops/_registry.py dropout_seed), as a CPU tensor for the CPU kernels."""
+    torch.manual_seed(manual_seed)
+    return torch.randint(0, 2**62, (), dtype=torch.int64, device="cuda").cpu()
+
+
+def lnr_with_seed(seed, p, prenorm):
+    """layer_norm_residual through the registered op (CPU kernels and C++ autograd) with the seed ``seed``."""
+    def run(x, residual, weight, bias):
+        y, s, _, _ = torch.ops.fastformer.layer_norm_residual_fwd(x, residual, weight, bias, 1e-5, p, seed)
+        return (y, s) if prenorm else y
+    return run
+
+
 # (rows, N, dropout_p, prenorm)
 LNR_CASES = [(1, 1, 0.0, False), (7, 97, 0.0, True), (4096, 512, 0.0, False), (4096, 512, 0.1, True),
              (64, 1024, 0.0, False), (3, 4099, 0.0, True), (300, 16384, 0.0, False)]
@@ -121,11 +136,12 @@ def test_layer_norm_residual(backend, dtype, case):
 
     torch.manual_seed(5)
     outs, grads = forward_backward(fn(backend), cuda([x, res, w, b]), cuda(ups))
-    # Dropout draws the same mask on every backend for the same seed: the CPU kernel (float32) is the
-    # reference of the dropped run; without dropout the float64 torch reference is.
-    torch.manual_seed(5)
+    # Dropout draws the same mask on every backend for the same seed value: the CPU kernel (float32) given
+    # the seed the op drew on the GPU is the reference of the dropped run; without dropout the float64
+    # torch reference is.
     if p > 0:
-        routs, rgrads = forward_backward(fn("cpu"), [t.float() for t in (x, res, w, b)], [u.float() for u in ups])
+        routs, rgrads = forward_backward(lnr_with_seed(device_seed(5), p, prenorm), [t.float() for t in (x, res, w, b)],
+                                         [u.float() for u in ups])
         routs, rgrads = [t.double() for t in routs], [t.double() for t in rgrads]
     else:
         routs, rgrads = forward_backward(fn("torch"), upcast([x, res, w, b]), upcast(ups))
@@ -197,14 +213,15 @@ def test_attention_dropout_matches_cpu_mask(backend):
     q, k, v = (randn(B, H, L, D, dtype=torch.float32) for _ in range(3))
     dout = randn(B, H, L, D, dtype=torch.float32)
     mask = padding_mask(B, L)
-    results = []
-    for name, dev in ((backend, "cuda"), ("cpu", "cpu")):
-        torch.manual_seed(11)
-        m = mask.to(dev)
-        results.append(forward_backward(
-            lambda q, k, v: ops.attention(q, k, v, key_padding_mask=m, dropout_p=0.3, backend=name),
-            [t.to(dev) for t in (q, k, v)], [dout.to(dev)]))
-    (out, grads), (rout, rgrads) = results
+    # The op on CUDA tensors draws its seed from the CUDA generator; the CPU kernel is given that seed value.
+    torch.manual_seed(11)
+    out, grads = forward_backward(
+        lambda q, k, v: ops.attention(q, k, v, key_padding_mask=mask.cuda(), dropout_p=0.3, backend=backend),
+        cuda([q, k, v]), cuda([dout]))
+    seed = device_seed(11)
+    rout, rgrads = forward_backward(
+        lambda q, k, v: torch.ops.fastformer.attention_fwd(q, k, v, mask, False, 0.3, None, seed)[0], [q, k, v],
+        [dout])
     assert_close(out[0].cpu(), rout[0].double(), torch.float32, "out")
     for g, r in zip(grads, rgrads):
         assert_close(g.cpu(), r.double(), torch.float32, "grad")
@@ -248,3 +265,66 @@ def test_reference_dropout_mask_on_cuda_matches_cpu(numel):
 
     for seed, p in ((0, 0.1), (12345678901234, 0.5), (-5, 0.9)):
         assert torch.equal(reference.dropout_keep(seed, numel, p, "cuda").cpu(), reference.dropout_keep(seed, numel, p))
+
+
+def dropout_step(backend, p=0.5):
+    """Static inputs and a step of attention and layer_norm_residual with dropout, forward and backward, whose
+    outputs show the masks: q = 0 and v = identity make attention's output the dropped probabilities (so
+    dv = out^T dout exactly when backward used the forward's mask); residual = 0 makes s = dropout(x), and
+    upstream dy = 0, ds = 1 make dx = r, the keep-factors (zero exactly where s is)."""
+    B, H, L = 2, 2, 33
+    q = torch.zeros(B, H, L, L, device="cuda", requires_grad=True)
+    k = randn(B, H, L, L, dtype=torch.float32).cuda().requires_grad_()
+    v = torch.eye(L, device="cuda").expand(B, H, L, L).contiguous().requires_grad_()
+    dout = randn(B, H, L, L, dtype=torch.float32).cuda()
+    x = (torch.rand(64, 96, device="cuda") + 0.5).requires_grad_()
+    zeros, ones = torch.zeros_like(x), torch.ones_like(x)
+    weight, bias = torch.ones(96, device="cuda"), torch.zeros(96, device="cuda")
+
+    def step():
+        out = ops.attention(q, k, v, causal=True, dropout_p=p, backend=backend)
+        dv = torch.autograd.grad(out, (q, k, v), dout)[2]
+        y, s = ops.layer_norm_residual(x, zeros, weight, bias, dropout_p=p, prenorm=True, backend=backend)
+        dx = torch.autograd.grad((y, s), (x,), (zeros, ones))[0]
+        return out, dv, s, dx
+
+    return step, dout
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_dropout_in_a_cuda_graph_draws_new_masks_on_every_replay(backend):
+    # The seed is drawn on the device by torch's CUDA generator into a tensor the kernels read: under graph
+    # capture torch advances the generator's Philox offset on every replay, so each replay draws new masks
+    # (a host-drawn seed would be frozen into the graph: every replay the same mask), and each replay's
+    # backward regenerates its own forward's masks. No step synchronizes with the host, the kernels' launchers
+    # included: set_sync_debug_mode("error") raises on any synchronizing call.
+    step, dout = dropout_step(backend)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (Triton compiles, allocator pools)
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    replays = []
+    with torch.cuda.graph(graph):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            static = step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            graph.replay()
+            replays.append([t.detach().clone() for t in static])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    for out, dv, s, dx in replays:
+        torch.testing.assert_close(dv, out.transpose(-1, -2) @ dout)  # backward used the forward's mask
+        assert torch.equal(dx != 0, s != 0), "layer_norm_residual's backward mask is not its forward's"
+        assert 0.3 < (s != 0).float().mean().item() < 0.7
+    (out0, _, s0, _), (out1, _, s1, _) = replays
+    assert not torch.equal(out0 != 0, out1 != 0), "two replays drew the same attention mask"
+    assert not torch.equal(s0 != 0, s1 != 0), "two replays drew the same layer_norm_residual mask"

@@ -17,7 +17,7 @@ import torch
 from fastformer import ops
 from fastformer.ops import reference
 from helpers import forward_backward, randn, upcast, visible_keys
-from matrix import check, matrix_params, on_cpu, on_device
+from matrix import DEVICE, check, matrix_params, on_cpu, on_device
 
 MAX_HEAD_DIM = {"cuda": 128, "cuda_sim": 128, "triton": 128}  # backends that refuse larger head dims
 
@@ -207,6 +207,14 @@ def seeded(seed, fn):
     return run
 
 
+def reference_fn(case, mask, dropout_seed):
+    """The torch backend's attention on CPU tensors with the dropout seed ``dropout_seed`` (the registered op
+    takes it as a tensor): the seed a run on another device drew there."""
+    seed = torch.tensor(dropout_seed, dtype=torch.int64) if case.dropout else None
+    return lambda q, k, v: torch.ops.fastformer.attention_fwd_py(q, k, v, mask, case.causal, case.dropout, case.scale,
+                                                                 seed, "torch")[0]
+
+
 @pytest.mark.parametrize("backend,dtype,case", matrix_params("attention", CASES))
 def test_attention_matrix(backend, dtype, case):
     q, k, v, mask, dout = make_inputs(case, dtype)
@@ -217,12 +225,12 @@ def test_attention_matrix(backend, dtype, case):
             ops.attention(q_dev, k_dev, v_dev, key_padding_mask=mask_dev, causal=case.causal, backend=backend)
         return
     torch.manual_seed(run_seed)
-    dropout_seed = int(torch.randint(0, 2**62, ()))  # the seed the op draws after the same manual_seed
+    # The seed the op draws after the same manual_seed, from the generator of the inputs' device.
+    dropout_seed = int(torch.randint(0, 2**62, (), device=DEVICE))
     (out,), grads = forward_backward(seeded(run_seed, attention_fn(backend, case, mask_dev)), [q_dev, k_dev, v_dev],
                                      [dout_dev])
     out, grads = out.cpu(), on_cpu(grads)
-    (ref,), ref_grads = forward_backward(seeded(run_seed, attention_fn("torch", case, mask)), upcast([q, k, v]),
-                                         upcast([dout]))
+    (ref,), ref_grads = forward_backward(reference_fn(case, mask, dropout_seed), upcast([q, k, v]), upcast([dout]))
     (eager,), eager_grads = forward_backward(lambda q, k, v: eager_attention(q, k, v, mask, case, dropout_seed),
                                              [q, k, v], [dout])
     condition = largest_logit(*upcast([q, k]), mask, case)

@@ -14,7 +14,7 @@ import torch
 
 import fastformer
 from fastformer import ops
-from helpers import ALL_BACKENDS, BACKENDS, backend_dtypes, dtypes_for, forward_backward, randn, upcast
+from helpers import ALL_BACKENDS, BACKENDS, backend_dtypes, dtypes_for, forward_backward, kernel_op, randn, upcast
 from tolerances import assert_close
 
 B, H, LQ, LK, D = 2, 2, 5, 7, 16
@@ -386,3 +386,59 @@ def test_backward_op_checks_its_arguments(backend, case):
     name = case.split("-")[1]
     with pytest.raises(ValueError, match=rf"fastformer {case.split('-')[0]}: {name} "):
         call()
+
+
+# The dropout seed of the registered ops (csrc/ops.h check_seed): a 0-dim int64 tensor on the inputs' device,
+# given when dropout_p > 0. Anything else raises a ValueError naming the op and what the seed is; a seed on
+# another device is refused, not moved (docs/correctness.md).
+BAD_SEEDS = {
+    "int32": (torch.tensor(7, dtype=torch.int32), r"seed must be a 0-dim int64 tensor on cpu .*got dtype Int"),
+    "float": (torch.tensor(7.0), r"seed must be a 0-dim int64 tensor on cpu .*got dtype Float"),
+    "shape1": (torch.tensor([7]), r"seed must be a 0-dim int64 tensor on cpu .*shape \[1\]"),
+    "meta": (torch.tensor(7, device="meta"), r"seed must be a 0-dim int64 tensor on cpu .* on meta"),
+    "none": (None, r"dropout_p = 0.25 needs a seed, a 0-dim int64 tensor on cpu"),
+}
+
+
+def registered(op, phase, backend, **arguments):
+    """Calls the registered op running ``op``'s ``phase`` on ``backend`` with its arguments by name (None for
+    an optional one not given)."""
+    overload, tail = kernel_op(op, phase, backend)
+    names = [a.name for a in overload._schema.arguments][:len(overload._schema.arguments) - len(tail)]
+    return overload(*(arguments.get(n) for n in names), *tail)
+
+
+def seed_calls(backend, seed):
+    q, k, v = randn(B, H, LQ, D, dtype=F32), randn(B, H, LK, D, dtype=F32), randn(B, H, LK, D, dtype=F32)
+    x, w, b = randn(ROWS, N, dtype=F32), randn(N, dtype=F32), randn(N, dtype=F32)
+    good = torch.tensor(7)
+    attn = dict(q=q, k=k, v=v, causal=True, dropout_p=0.25)
+    out, lse = registered("attention", "fwd", backend, **attn, seed=good)
+    norm = dict(x=x, residual=x, weight=w, bias=b, eps=1e-5, dropout_p=0.25)
+    _, s, mean, rstd = registered("layer_norm_residual", "fwd", backend, **norm, seed=good)
+    return {
+        "attention-fwd": lambda: registered("attention", "fwd", backend, **attn, seed=seed),
+        "attention-bwd": lambda: registered("attention", "bwd", backend, **attn, dout=out, out=out, lse=lse, seed=seed),
+        "layer_norm_residual-fwd": lambda: registered("layer_norm_residual", "fwd", backend, **norm, seed=seed),
+        "layer_norm_residual-bwd": lambda: registered("layer_norm_residual", "bwd", backend, dy=s, s=s, weight=w,
+                                                      mean=mean, rstd=rstd, dropout_p=0.25, seed=seed),
+    }
+
+
+@pytest.mark.parametrize("call", ["attention-fwd", "attention-bwd", "layer_norm_residual-fwd",
+                                  "layer_norm_residual-bwd"])
+@pytest.mark.parametrize("seed", list(BAD_SEEDS))
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_bad_seed_raises(backend, seed, call):
+    value, message = BAD_SEEDS[seed]
+    with pytest.raises(ValueError, match=rf"fastformer {call.split('-')[0]}: {message}"):
+        seed_calls(backend, value)[call]()
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_seed_without_dropout_is_unused(backend):
+    # dropout_p = 0: no seed needed, and a given one is only checked, never read.
+    q = randn(B, H, LQ, D, dtype=F32)
+    without = registered("attention", "fwd", backend, q=q, k=q, v=q, dropout_p=0.0)[0]
+    with_seed = registered("attention", "fwd", backend, q=q, k=q, v=q, dropout_p=0.0, seed=torch.tensor(3))[0]
+    assert torch.equal(without, with_seed)

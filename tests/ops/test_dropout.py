@@ -1,11 +1,14 @@
 """Dropout in attention and layer_norm_residual.
 
-Contract (docs/api.md, and the op docs): with dropout_p > 0 each call draws its seed from torch's default
-CPU generator, the same way on every backend, and every backend generates the mask with the same
-counter-based generator (Philox4x32-10). So after the same torch.manual_seed every backend drops the same
-elements: a backend in any dtype must match the float64 torch reference within the normal tolerance,
-forward and backward. Kept elements are scaled by 1/(1-p); attention drops normalized probabilities;
-backward reuses the forward's mask.
+Contract (docs/api.md, and the op docs): with dropout_p > 0 each call draws its seed, a 0-dim int64 tensor,
+from torch's generator of the inputs' device (the default CPU generator for CPU tensors), the same way on
+every backend, and every backend generates the mask with the same counter-based generator (Philox4x32-10)
+keyed by the seed's value. So after the same torch.manual_seed every backend drops the same elements: a
+backend in any dtype must match the float64 torch reference within the normal tolerance, forward and
+backward. Kept elements are scaled by 1/(1-p); attention drops normalized probabilities; backward reuses
+the forward's mask. The registered ops take the seed tensor itself (csrc/ops.h check_seed): the same
+value gives the same mask on every backend, and the GPU kernels (cuda_sim, Triton) read it from memory at
+each call, as a replayed CUDA graph needs (tests/gpu/test_cuda_tensors.py captures one).
 """
 import math
 
@@ -15,7 +18,8 @@ import torch
 from fastformer import ops
 import test_attention as att  # the attention cases and their helpers
 import test_layer_norm_residual as lnr
-from helpers import ALL_BACKENDS, FLOAT64_BACKENDS, backend_dtype_cases, forward_backward, padding_mask, upcast
+from helpers import (ALL_BACKENDS, FLOAT64_BACKENDS, backend_dtype_cases, forward_backward, kernel_op, padding_mask,
+                     randn, upcast)
 from tolerances import assert_close
 
 SEED = 20240611
@@ -234,3 +238,141 @@ def test_reference_mask_over_several_slices_matches_the_cpu_kernel():
         masks.append(s != 0)
     assert torch.equal(masks[0], masks[1])
     assert_kept_fraction(masks[0], 0.3)
+
+
+# ---- The seed as the registered ops take it: a 0-dim int64 tensor on the inputs' device.
+
+F32, F16 = torch.float32, torch.float16
+
+
+def seed_tensor(value):
+    return torch.tensor(value, dtype=torch.int64)
+
+
+def attention_op(backend, case, mask, p, seed):
+    """attention through the registered forward op (its C++ autograd on top) with an explicit seed tensor."""
+    fwd, tail = kernel_op("attention", "fwd", backend)
+    return lambda q, k, v: fwd(q, k, v, mask, case.causal, p, case.scale, seed, *tail)[0]
+
+
+def lnr_op(backend, case, p, seed):
+    fwd, tail = kernel_op("layer_norm_residual", "fwd", backend)
+
+    def run(x, residual, weight, bias):
+        y, s, _, _ = fwd(x, residual, weight, bias, case.eps, p, seed, *tail)
+        return (y, s) if case.prenorm else y
+
+    return run
+
+
+# Seeds beyond the draws' [0, 2^62): any int64 keys the stream (the high word and a negative value too).
+SEEDS = [12345678901234, -5]
+SEED_ATTENTION_CASES = [att.Case(2, 2, 7, 33, 40, "both"), att.Case(1, 2, 33, 17, 16, "padding", scale=0.5),
+                        att.Case(2, 1, 1, 32, 16, "causal")]
+SEED_LNR_CASES = [lnr.Case((7, 97), True), lnr.Case((2, 3, 113), False), lnr.Case((16, 64), True)]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("backend,dtype,case",
+                         backend_dtype_cases(ALL_BACKENDS, SEED_ATTENTION_CASES, att.small, dtypes=[F32, F16]))
+def test_attention_explicit_seed_matches_reference(backend, dtype, case, seed):
+    # One seed tensor, one mask: every backend matches the float64 reference given the same seed value,
+    # forward and backward (the autograd node saves the tensor; backward regenerates the mask from it).
+    q, k, v, mask, dout = att.make_inputs(case, dtype)
+    (out,), grads = forward_backward(attention_op(backend, case, mask, 0.3, seed_tensor(seed)), [q, k, v], [dout])
+    (ref,), ref_grads = forward_backward(attention_op("torch", case, mask, 0.3, seed_tensor(seed)), upcast([q, k, v]),
+                                         upcast([dout]))
+    assert_close(out, ref, dtype, "out")
+    for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(g, rg, dtype, name)
+    att.assert_masked_rows_and_keys_zero(case, mask, out, *grads)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("backend,dtype,case",
+                         backend_dtype_cases(ALL_BACKENDS, SEED_LNR_CASES, lnr.small, dtypes=[F32, F16]))
+def test_layer_norm_residual_explicit_seed_matches_reference(backend, dtype, case, seed):
+    inputs, upstream = lnr.make_inputs(case, dtype)
+    outs, grads = forward_backward(lnr_op(backend, case, 0.3, seed_tensor(seed)), inputs, upstream)
+    refs, ref_grads = forward_backward(lnr_op("torch", case, 0.3, seed_tensor(seed)), upcast(inputs),
+                                       upcast(upstream))
+    for name, o, r in zip(("y", "s"), outs, refs):
+        assert_close(o, r, dtype, name)
+    for name, g, r in zip(("dx", "dresidual", "dweight", "dbias"), grads, ref_grads):
+        assert_close(g, r, dtype, name)
+
+
+def attention_dropped(backend, seed, dtype, Lq=9, Lk=32, p=0.4):
+    """(out, dv, dout) of attention on ``backend`` with ``seed``: q = 0 and v = identity make the output the
+    dropped probabilities P r themselves (test_attention_dropout_statistics), so out != 0 is the forward's
+    keep-mask, and dv = (P r)^T dout = out^T dout when backward regenerates that mask."""
+    B, H = 2, 2
+    q = torch.zeros(B, H, Lq, Lk, dtype=dtype)
+    k = randn(B, H, Lk, Lk, dtype=dtype)
+    v = torch.eye(Lk, dtype=dtype).expand(B, H, Lk, Lk).contiguous()
+    dout = randn(B, H, Lq, Lk, dtype=dtype)
+    case = att.Case(B, H, Lq, Lk, Lk, "none")
+    (out,), (_, _, dv) = forward_backward(attention_op(backend, case, None, p, seed), [q, k, v], [dout])
+    return out, dv, dout
+
+
+def attention_mask_of(backend, seed, dtype):
+    """attention's keep-mask on ``backend`` with ``seed``, after checking that its backward used it too."""
+    out, dv, dout = attention_dropped(backend, seed, dtype)
+    assert_close(dv, out.double().transpose(-1, -2) @ dout.double(), dtype, "dv: backward's mask")
+    return out != 0
+
+
+def lnr_masks_of(backend, seed, dtype, shape=(7, 97), p=0.4):
+    """The keep-masks layer_norm_residual draws on ``backend`` with ``seed``: forward (residual = 0 makes
+    s = dropout(x)) and backward (upstream dy = 0, ds = 1 make dx = r, the keep-factors themselves)."""
+    x = (torch.rand(shape, dtype=torch.float64) + 0.5).to(dtype)  # bounded away from 0: kept is never 0
+    weight, bias = torch.ones(shape[-1], dtype=dtype), torch.zeros(shape[-1], dtype=dtype)
+    (_, s), (dx, *_) = forward_backward(lnr_op(backend, lnr.Case(shape, True), p, seed),
+                                        [x, torch.zeros_like(x), weight, bias],
+                                        [torch.zeros_like(x), torch.ones_like(x)])
+    return s != 0, dx != 0
+
+
+@pytest.mark.parametrize("dtype", [F32, F16], ids=["f32", "f16"])
+def test_one_seed_value_one_mask_on_every_backend(dtype):
+    # The masks themselves, exactly: identical on every backend for one seed value, different for another.
+    for seed in (3, 2**40 + 7):
+        attention = {b: attention_mask_of(b, seed_tensor(seed), dtype) for b in ALL_BACKENDS}
+        norm = {b: lnr_masks_of(b, seed_tensor(seed), dtype) for b in ALL_BACKENDS}
+        for backend in ALL_BACKENDS:
+            assert torch.equal(attention[backend], attention["torch"]), f"{backend}: attention mask differs"
+            for phase, m, r in zip(("forward", "backward"), norm[backend], norm["torch"]):
+                assert torch.equal(m, r), f"{backend}: layer_norm_residual {phase} mask differs"
+        assert torch.equal(norm["torch"][0], norm["torch"][1]), "backward must regenerate the forward's mask"
+    assert not torch.equal(attention_mask_of("torch", seed_tensor(3), dtype), attention["torch"])
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_seed_is_read_at_each_call(backend):
+    # What a replayed CUDA graph does: the same seed tensor, rewritten in place between calls. Every call
+    # (forward and backward, both ops) reads the tensor's current value: the mask follows it and equals a
+    # call with a fresh tensor of that value.
+    seed = seed_tensor(1)
+    first = attention_mask_of(backend, seed, F32), lnr_masks_of(backend, seed, F32)
+    seed.fill_(2)
+    again = attention_mask_of(backend, seed, F32), lnr_masks_of(backend, seed, F32)
+    fresh = attention_mask_of(backend, seed_tensor(2), F32), lnr_masks_of(backend, seed_tensor(2), F32)
+    assert not torch.equal(first[0], again[0]) and not torch.equal(first[1][0], again[1][0])
+    assert torch.equal(again[0], fresh[0])
+    for a, f in zip(again[1], fresh[1]):
+        assert torch.equal(a, f)
+    # attention's backward reads the tensor too: dq, dk, dv of a call follow the value it holds then.
+    case = att.Case(1, 2, 7, 12, 16, "causal")
+    q, k, v, _, dout = att.make_inputs(case, F32)
+    fwd, tail = kernel_op("attention", "fwd", backend)
+    bwd, _ = kernel_op("attention", "bwd", backend)
+    out, lse = fwd(q, k, v, None, True, 0.5, None, seed, *tail)
+    seed.fill_(3)
+    rewritten = bwd(dout, q, k, v, out, lse, None, True, 0.5, None, seed, *tail)
+    fresh = bwd(dout, q, k, v, out, lse, None, True, 0.5, None, seed_tensor(3), *tail)
+    kept = bwd(dout, q, k, v, out, lse, None, True, 0.5, None, seed_tensor(2), *tail)
+    for r, f, o in zip(rewritten, fresh, kept):
+        assert torch.equal(r, f)
+    assert not all(torch.equal(r, o) for r, o in zip(rewritten, kept))
+
