@@ -375,4 +375,3 @@ def test_seed_is_read_at_each_call(backend):
     for r, f, o in zip(rewritten, fresh, kept):
         assert torch.equal(r, f)
     assert not all(torch.equal(r, o) for r, o in zip(rewritten, kept))
-
