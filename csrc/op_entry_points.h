@@ -20,7 +20,10 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
 Tensor softmax_fwd(const Tensor& x, const c10::optional<Tensor>& mask, double scale);
 Tensor softmax_bwd(const Tensor& dy, const Tensor& y, double scale);
 
-// layer_norm_residual over the last dim of (..., N): returns y, s = residual + dropout(x), mean, rstd.
+// layer_norm_residual over the last dim of (..., N): returns y, s = residual + dropout(x), mean, rstd, with y
+// and s in residual's dtype (x may be float16 or bfloat16 beside a float32 residual: csrc/ops.h
+// lnr_branch_dtype_ok). Backward writes dx in dx_dtype (x's), dresidual in s's dtype, dweight and dbias in
+// weight's, each by the kernels themselves.
 std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd(const Tensor& x, const Tensor& residual,
                                                                    const Tensor& weight, const Tensor& bias,
                                                                    double eps, double dropout_p,
@@ -29,7 +32,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor&
                                                                    const Tensor& s, const Tensor& weight,
                                                                    const Tensor& mean, const Tensor& rstd,
                                                                    double dropout_p,
-                                                                   const c10::optional<Tensor>& seed);
+                                                                   const c10::optional<Tensor>& seed,
+                                                                   at::ScalarType dx_dtype);
 
 // cross_entropy over the last dim of logits (..., V) for int64 target (...): returns per-row loss (label-
 // smoothed), nll and the row logsumexp lse, shaped like target, in the accumulation dtype; a row whose

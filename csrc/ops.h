@@ -36,7 +36,8 @@
   X(layer_norm_residual,                                                                                       \
     "Tensor x, Tensor residual, Tensor weight, Tensor bias, float eps, float dropout_p, Tensor? seed",         \
     "(Tensor, Tensor, Tensor, Tensor)",                                                                        \
-    "Tensor dy, Tensor? ds, Tensor s, Tensor weight, Tensor mean, Tensor rstd, float dropout_p, Tensor? seed", \
+    "Tensor dy, Tensor? ds, Tensor s, Tensor weight, Tensor mean, Tensor rstd, float dropout_p, "              \
+    "Tensor? seed, ScalarType? dx_dtype",                                                                      \
     "(Tensor, Tensor, Tensor, Tensor)")                                                                       \
   X(cross_entropy, "Tensor logits, Tensor target, float label_smoothing, int ignore_index",                    \
     "(Tensor, Tensor, Tensor)",                                                                                \
@@ -148,7 +149,15 @@ inline void check_softmax(const Tensor& x, const OptTensor& mask, double scale) 
   check_scale(scale, x, op);
 }
 
-// x, residual (..., N); weight, bias (N,).
+// layer_norm_residual's branch dtype rule: the branch x (and so its gradient dx) has the residual stream's
+// dtype, or is float16/bfloat16 beside a float32 residual stream (autocast's sublayer output beside the
+// float32 stream: the kernels upcast it as they read it, no cast before the op).
+inline bool lnr_branch_dtype_ok(at::ScalarType branch, at::ScalarType stream) {
+  return branch == stream || (stream == at::kFloat && (branch == at::kHalf || branch == at::kBFloat16));
+}
+
+// x, residual (..., N); weight, bias (N,) in residual's dtype; x in residual's dtype or, beside a float32
+// residual, float16 or bfloat16 (lnr_branch_dtype_ok).
 inline void check_layer_norm_residual(const Tensor& x, const Tensor& residual, const Tensor& weight,
                                       const Tensor& bias, double eps, double dropout_p) {
   constexpr const char* op = "layer_norm_residual";
@@ -157,9 +166,15 @@ inline void check_layer_norm_residual(const Tensor& x, const Tensor& residual, c
   check_given(weight, op, "weight");
   check_given(bias, op, "bias");
   check_floating(x, op, "x");
-  check_like(residual, "residual", x, "x", op);
-  check_like(weight, "weight", x, "x", op);
-  check_like(bias, "bias", x, "x", op);
+  check_floating(residual, op, "residual");
+  TORCH_CHECK_VALUE(lnr_branch_dtype_ok(x.scalar_type(), residual.scalar_type()),
+                    "fastformer layer_norm_residual: x has dtype ", x.scalar_type(), " but residual has ",
+                    residual.scalar_type(), "; x must have residual's dtype, or be float16 or bfloat16 beside a "
+                    "float32 residual");
+  TORCH_CHECK_VALUE(x.device() == residual.device(), "fastformer layer_norm_residual: x is on ", x.device(),
+                    " but residual is on ", residual.device());
+  check_like(weight, "weight", residual, "residual", op);
+  check_like(bias, "bias", residual, "residual", op);
   TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) > 0,
                     "fastformer layer_norm_residual: x must be (..., N) with N > 0, got ", x.sizes());
   TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "fastformer layer_norm_residual: residual ", residual.sizes(),
@@ -257,13 +272,19 @@ inline void check_softmax_bwd(const Tensor& dy, const Tensor& y) {
   check_same(dy, "dy", y, "y", "softmax");
 }
 
+// dx_dtype: x's dtype, the dtype dx is written in (None: s's dtype); lnr_branch_dtype_ok beside s's.
 inline void check_layer_norm_residual_bwd(const Tensor& dy, const OptTensor& ds, const Tensor& s, const Tensor& weight,
-                                          const Tensor& mean, const Tensor& rstd, double dropout_p) {
+                                          const Tensor& mean, const Tensor& rstd, double dropout_p,
+                                          std::optional<at::ScalarType> dx_dtype) {
   constexpr const char* op = "layer_norm_residual";
   check_given(s, op, "s");
   TORCH_CHECK_VALUE(s.dim() >= 1 && s.size(-1) > 0, "fastformer layer_norm_residual: s must be (..., N) with N > 0, got ",
                     s.sizes());
   check_floating(s, op, "s");
+  TORCH_CHECK_VALUE(!dx_dtype.has_value() || lnr_branch_dtype_ok(*dx_dtype, s.scalar_type()),
+                    "fastformer layer_norm_residual: dx_dtype is ", dx_dtype.value_or(s.scalar_type()),
+                    " but s has dtype ", s.scalar_type(), "; dx_dtype must be s's dtype, or float16 or bfloat16 "
+                    "beside a float32 s");
   check_same(dy, "dy", s, "s", op);
   if (ds.has_value()) check_same(*ds, "ds", s, "s", op);
   check_given(weight, op, "weight");
@@ -380,11 +401,12 @@ template <auto Impl>
 std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd_op(const Tensor& dy, const OptTensor& ds,
                                                                       const Tensor& s, const Tensor& weight,
                                                                       const Tensor& mean, const Tensor& rstd,
-                                                                      double dropout_p, const OptTensor& seed) {
-  check_layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p);
+                                                                      double dropout_p, const OptTensor& seed,
+                                                                      std::optional<at::ScalarType> dx_dtype) {
+  check_layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p, dx_dtype);
   check_seed(seed, dropout_p, s, "layer_norm_residual");
   return Impl(dy.contiguous(), contiguous(ds), s.contiguous(), weight.contiguous(), mean.contiguous(),
-              rstd.contiguous(), dropout_p, seed);
+              rstd.contiguous(), dropout_p, seed, dx_dtype.value_or(s.scalar_type()));
 }
 
 template <auto Impl>

@@ -1,7 +1,9 @@
 // Autograd of fastformer::layer_norm_residual_fwd and its _py twin: forward saves s = residual +
-// dropout(x), weight, the row mean and rstd and the dropout seed; backward calls the matching
+// dropout(x), weight, the row mean and rstd, the dropout seed and x's dtype; backward calls the matching
 // layer_norm_residual_bwd op with the gradients of y and of s (pre-norm uses both; an unused output's
-// gradient stays undefined: dy becomes zeros, ds stays absent). mean and rstd are not differentiable.
+// gradient stays undefined: dy becomes zeros, ds stays absent) and x's dtype as dx_dtype, so that a
+// float16/bfloat16 branch beside a float32 residual gets its gradient in its own dtype from the kernel (no
+// cast by the engine). mean and rstd are not differentiable.
 #include "common.h"
 
 // A namespace of the op's own: the sources of _C may be compiled as one unit (setup.py, FASTFORMER_UNITY_BUILD).
@@ -14,9 +16,9 @@ using FwdSig = Out4(const Tensor&, const Tensor&, const Tensor&, const Tensor&, 
 using FwdPySig = Out4(const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, double, const OptTensor&,
                       c10::string_view);
 using BwdSig = Out4(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
-                    const OptTensor&);
+                    const OptTensor&, std::optional<at::ScalarType>);
 using BwdPySig = Out4(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                      double, const OptTensor&, c10::string_view);
+                      double, const OptTensor&, std::optional<at::ScalarType>, c10::string_view);
 
 // The kernel op below autograd: layer_norm_residual_fwd, or its _py twin for a backend written in Python.
 Out4 call_fwd(const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& bias, double eps,
@@ -35,6 +37,7 @@ struct LayerNormResidual : public torch::autograd::Function<LayerNormResidual> {
     auto [y, s, mean, rstd] = call_fwd(x, residual, weight, bias, eps, dropout_p, seed, backend);
     ctx->save_for_backward({s, weight, mean, rstd, save_optional(seed)});
     ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["dx_dtype"] = x.scalar_type();  // dx in x's dtype (a float16/bfloat16 branch: not s's)
     ctx->saved_data["backend"] = backend_value(backend);
     ctx->mark_non_differentiable({mean, rstd});
     ctx->set_materialize_grads(false);
@@ -49,13 +52,14 @@ struct LayerNormResidual : public torch::autograd::Function<LayerNormResidual> {
     const Tensor &s = saved[0], &weight = saved[1], &mean = saved[2], &rstd = saved[3];
     const OptTensor seed = load_optional(saved[4]);
     const double dropout_p = ctx->saved_data["dropout_p"].toDouble();
+    const at::ScalarType dx_dtype = ctx->saved_data["dx_dtype"].toScalarType();
     const Backend backend = backend_of(ctx);
     at::AutoDispatchBelowADInplaceOrView guard;  // no graph to record: straight to the kernel
     const Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(s);
     const OptTensor ds = load_optional(grads[1]);
     auto [dx, dresidual, dweight, dbias] =
-        backend ? bwd_py.call(dy, ds, s, weight, mean, rstd, dropout_p, seed, *backend)
-                : bwd.call(dy, ds, s, weight, mean, rstd, dropout_p, seed);
+        backend ? bwd_py.call(dy, ds, s, weight, mean, rstd, dropout_p, seed, dx_dtype, *backend)
+                : bwd.call(dy, ds, s, weight, mean, rstd, dropout_p, seed, dx_dtype);
     return {dx, dresidual, dweight, dbias, Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };

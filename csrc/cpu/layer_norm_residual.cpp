@@ -2,15 +2,17 @@
 //
 // Rows (R rows of N) are spread over threads. Forward, per row, in a thread-local float buffer:
 //   s = residual + x * r      (r = dropout factor from csrc/philox.h, element index row * N + col),
-//                             rounded to the input dtype: the statistics are those of the s returned
+//                             rounded to residual's dtype: the statistics are those of the s returned
 //   mean = sum(s) / N, var = sum((s - mean)^2) / N  (two sweeps over the cached row: no cancellation)
 //   y = (s - mean) * rstd * weight + bias,  rstd = 1 / sqrt(var + eps)
 // writes y, s (the pre-norm residual stream), mean and rstd (saved for backward).
-// DRAM traffic: reads x, residual; writes y, s: 4 N sizeof(T) per row.
+// DRAM traffic: reads x, residual; writes y, s: 4 N sizeof(T) per row (T: residual's dtype; a float16 or
+// bfloat16 x beside a float32 residual, autocast's branch, is read as it is and upcast in the row buffer:
+// (2 + 3 * 4) N bytes per row).
 // Backward, per row, with xhat = (s - mean) * rstd and g = dy * weight:
 //   ds_total = rstd * (g - mean(g) - xhat * mean(g * xhat)) + ds   (ds: grad of the s output)
-//   dresidual = ds_total, dx = ds_total * r
-//   dweight = sum_rows dy * xhat, dbias = sum_rows dy
+//   dresidual = ds_total, dx = ds_total * r   (dx written in x's dtype, dresidual in s's)
+//   dweight = sum_rows dy * xhat, dbias = sum_rows dy   (written in weight's dtype)
 // dweight/dbias are reduced in two stages without races: rows are cut into at most kPartials fixed
 // chunks (independent of the thread count, so results are deterministic), each chunk sums its rows
 // into its own float partial (a work buffer), then the partials are summed in chunk order, in place
@@ -28,8 +30,21 @@ namespace {
 
 constexpr int64_t kPartials = 64;
 
-template <typename scalar_t>
-void layer_norm_residual_fwd_kernel(const scalar_t* x, const scalar_t* residual, const scalar_t* weight,
+// Calls f(x_t()) with the element type x_t of a branch of dtype `branch` beside a stream of scalar_t:
+// scalar_t itself, or at::Half / at::BFloat16 beside float (csrc/ops.h lnr_branch_dtype_ok checked which).
+template <typename scalar_t, typename F>
+void with_branch_type(at::ScalarType branch, const F& f) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (branch == at::kHalf) return f(at::Half());
+    if (branch == at::kBFloat16) return f(at::BFloat16());
+  }
+  f(scalar_t());
+}
+
+// scalar_t: residual's (and weight's, y's, s's) element type; x_t: the branch x's, scalar_t or, beside float,
+// at::Half / at::BFloat16 (with_branch_type).
+template <typename scalar_t, typename x_t = scalar_t>
+void layer_norm_residual_fwd_kernel(const x_t* x, const scalar_t* residual, const scalar_t* weight,
                                     const scalar_t* bias, scalar_t* y, scalar_t* s_out,
                                     at::opmath_type<scalar_t>* mean_out, at::opmath_type<scalar_t>* rstd_out,
                                     int64_t R, int64_t N, double eps, double dropout_p, uint64_t seed) {
@@ -93,10 +108,10 @@ void layer_norm_residual_fwd_kernel(const scalar_t* x, const scalar_t* residual,
   });
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename x_t = scalar_t>
 void layer_norm_residual_bwd_kernel(const scalar_t* dy, const scalar_t* ds_in, const scalar_t* s_saved,
                                     const scalar_t* weight, const at::opmath_type<scalar_t>* mean,
-                                    const at::opmath_type<scalar_t>* rstd, scalar_t* dx, scalar_t* dresidual,
+                                    const at::opmath_type<scalar_t>* rstd, x_t* dx, scalar_t* dresidual,
                                     at::opmath_type<scalar_t>* partial_dw, at::opmath_type<scalar_t>* partial_db,
                                     int64_t R, int64_t N, double dropout_p, uint64_t seed) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -179,16 +194,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd(const Tensor&
   const int64_t N = x.size(-1), R = x.numel() / N;
   auto stat_shape = x.sizes().vec();
   stat_shape.pop_back();
-  const auto stat_opts = x.options().dtype(at::toOpMathType(x.scalar_type()));
-  Tensor y = at::empty_like(x), s = at::empty_like(x);
+  const auto stat_opts = residual.options().dtype(at::toOpMathType(residual.scalar_type()));
+  Tensor y = at::empty_like(residual), s = at::empty_like(residual);
   Tensor mean = at::empty(stat_shape, stat_opts), rstd = at::empty(stat_shape, stat_opts);
   if (R == 0) return {y, s, mean, rstd};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fastformer_lnr_fwd_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, residual.scalar_type(), "fastformer_lnr_fwd_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    layer_norm_residual_fwd_kernel<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
-                                             weight.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(),
-                                             y.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(), mean.data_ptr<acc_t>(),
-                                             rstd.data_ptr<acc_t>(), R, N, eps, dropout_p, seed_value(seed));
+    with_branch_type<scalar_t>(x.scalar_type(), [&](auto branch) {
+      using x_t = decltype(branch);
+      layer_norm_residual_fwd_kernel<scalar_t, x_t>(
+          x.data_ptr<x_t>(), residual.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(),
+          y.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(), mean.data_ptr<acc_t>(), rstd.data_ptr<acc_t>(), R, N, eps,
+          dropout_p, seed_value(seed));
+    });
   });
   return {y, s, mean, rstd};
 }
@@ -202,9 +220,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor&
                                                                    const Tensor& s, const Tensor& weight,
                                                                    const Tensor& mean, const Tensor& rstd,
                                                                    double dropout_p,
-                                                                   const c10::optional<Tensor>& seed) {
+                                                                   const c10::optional<Tensor>& seed,
+                                                                   at::ScalarType dx_dtype) {
   const int64_t N = s.size(-1), R = s.numel() / N;
-  Tensor dx = at::empty_like(s), dres = at::empty_like(s);
+  Tensor dx = at::empty_like(s, s.options().dtype(dx_dtype)), dres = at::empty_like(s);
   Tensor dweight = at::empty_like(weight), dbias = at::empty_like(weight);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, s.scalar_type(), "fastformer_lnr_bwd_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -213,10 +232,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor&
     const int64_t chunks = std::max<int64_t>(1, std::min(R, kPartials));
     Buffer<acc_t> partial_dw(R == 0 ? 0 : chunks * N), partial_db(R == 0 ? 0 : chunks * N);
     if (R > 0) {
-      layer_norm_residual_bwd_kernel<scalar_t>(
-          dy.data_ptr<scalar_t>(), ds.has_value() ? ds->data_ptr<scalar_t>() : nullptr, s.data_ptr<scalar_t>(),
-          weight.data_ptr<scalar_t>(), mean.data_ptr<acc_t>(), rstd.data_ptr<acc_t>(), dx.data_ptr<scalar_t>(),
-          dres.data_ptr<scalar_t>(), partial_dw.data(), partial_db.data(), R, N, dropout_p, seed_value(seed));
+      with_branch_type<scalar_t>(dx_dtype, [&](auto branch) {
+        using x_t = decltype(branch);
+        layer_norm_residual_bwd_kernel<scalar_t, x_t>(
+            dy.data_ptr<scalar_t>(), ds.has_value() ? ds->data_ptr<scalar_t>() : nullptr, s.data_ptr<scalar_t>(),
+            weight.data_ptr<scalar_t>(), mean.data_ptr<acc_t>(), rstd.data_ptr<acc_t>(), dx.data_ptr<x_t>(),
+            dres.data_ptr<scalar_t>(), partial_dw.data(), partial_db.data(), R, N, dropout_p, seed_value(seed));
+      });
     }
     // Second stage: the chunk partials summed in a fixed order (chunk 0 first), whatever the thread count.
     using Vec = at::vec::Vectorized<acc_t>;

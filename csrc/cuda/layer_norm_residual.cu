@@ -1,8 +1,10 @@
 // Launchers of the layer_norm_residual kernels (csrc/cuda/layer_norm_residual.cuh): validate, allocate,
 // pick the layout (a warp per row for N <= kLnrWarpMaxN, kPerLane = ceil(N / 32) rounded up to a power of
 // two; a block of kLnrThreads per row above) and, for backward, size the deterministic two-stage
-// dweight/dbias reduction. 16-byte packs (warp layout) when N is a multiple of the pack and every tensor
-// is 16-byte aligned; half2/float2 pairs when N is even and every row pointer is 2-element aligned.
+// dweight/dbias reduction. 16-byte packs (warp layout) when N is a multiple of the pack, every tensor
+// is 16-byte aligned and x has the stream's dtype; half2/float2 pairs when N is even and every row pointer
+// is 2-element aligned. A float16/bfloat16 x beside a float32 residual runs the kernels with TX = __half or
+// __nv_bfloat16 (dispatch_lnr_types): no cast before or after them.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -25,6 +27,17 @@ void check_inputs(std::initializer_list<std::pair<const Tensor*, const char*>> t
   for (const auto& [t, name] : tensors) check_input(*t, name);
 }
 
+// Calls f(scalar_t(), branch_t()) with the at:: types of the residual stream and of the branch x (and dx):
+// one type, or a float32 stream with an at::Half / at::BFloat16 branch (csrc/ops.h lnr_branch_dtype_ok).
+template <typename F>
+void dispatch_lnr_types(at::ScalarType stream, at::ScalarType branch, const F& f) {
+  if (stream == at::kFloat && branch == at::kHalf) return f(float(), at::Half());
+  if (stream == at::kFloat && branch == at::kBFloat16) return f(float(), at::BFloat16());
+  TORCH_CHECK(branch == stream, "fastformer ", kBackend, " layer_norm_residual: a ", branch, " branch beside a ",
+              stream, " residual is not supported");
+  FF_DISPATCH_KERNEL_TYPES(stream, "fastformer_lnr_cuda", [&] { f(scalar_t(), scalar_t()); });
+}
+
 // The leading-dims shape of the per-row statistics.
 std::vector<int64_t> stat_shape(const Tensor& t) {
   auto shape = t.sizes().vec();
@@ -40,17 +53,21 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd(const Tensor&
                                                                    const c10::optional<Tensor>& seed) {
   check_inputs({{&x, "x"}, {&residual, "residual"}, {&weight, "weight"}, {&bias, "bias"}});
   check_dtype(x, "x");
+  check_dtype(residual, "residual");
   const int64_t N = x.size(-1), R = x.numel() / N;
   const auto stats = stat_shape(x);
-  Tensor y = at::empty_like(x), s = at::empty_like(x);
+  Tensor y = at::empty_like(residual), s = at::empty_like(residual);
   Tensor mean = at::empty(stats, x.options().dtype(at::kFloat)), rstd = at::empty(stats, x.options().dtype(at::kFloat));
   if (R == 0) return {y, s, mean, rstd};
   check_row_limits("layer_norm_residual", R, N);
   DeviceScope scope(x);
-  FF_DISPATCH_KERNEL_TYPES(x.scalar_type(), "fastformer_lnr_fwd_cuda", [&] {
+  dispatch_lnr_types(residual.scalar_type(), x.scalar_type(), [&](auto stream, auto branch) {
+    using scalar_t = decltype(stream);
+    using branch_t = decltype(branch);
     using T = typename DeviceType<scalar_t>::type;
-    LnrFwdParams<T> p{};
-    p.x = device_ptr<scalar_t>(x);
+    using TX = typename DeviceType<branch_t>::type;
+    LnrFwdParams<T, TX> p{};
+    p.x = device_ptr<branch_t>(x);
     p.residual = device_ptr<scalar_t>(residual);
     p.weight = device_ptr<scalar_t>(weight);
     p.bias = device_ptr<scalar_t>(bias);
@@ -70,12 +87,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd(const Tensor&
               aligned16(y) && aligned16(s);
     if (N <= kLnrWarpMaxN) {
       const dim3 grid(static_cast<unsigned>((R + kLnrWarpRows - 1) / kLnrWarpRows));
-      launch_per_lane(p.cols, grid, dim3(kLnrThreads), p, layer_norm_residual_fwd_warp_kernel<T, 1>,
-                      layer_norm_residual_fwd_warp_kernel<T, 2>, layer_norm_residual_fwd_warp_kernel<T, 4>,
-                      layer_norm_residual_fwd_warp_kernel<T, 8>, layer_norm_residual_fwd_warp_kernel<T, 16>,
-                      layer_norm_residual_fwd_warp_kernel<T, 32>);
+      launch_per_lane(p.cols, grid, dim3(kLnrThreads), p, layer_norm_residual_fwd_warp_kernel<T, 1, TX>,
+                      layer_norm_residual_fwd_warp_kernel<T, 2, TX>, layer_norm_residual_fwd_warp_kernel<T, 4, TX>,
+                      layer_norm_residual_fwd_warp_kernel<T, 8, TX>, layer_norm_residual_fwd_warp_kernel<T, 16, TX>,
+                      layer_norm_residual_fwd_warp_kernel<T, 32, TX>);
     } else {
-      launch(layer_norm_residual_fwd_block_kernel<T>, dim3(static_cast<unsigned>(R)), dim3(kLnrThreads), p);
+      launch(layer_norm_residual_fwd_block_kernel<T, TX>, dim3(static_cast<unsigned>(R)), dim3(kLnrThreads), p);
     }
   });
   return {y, s, mean, rstd};
@@ -85,12 +102,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor&
                                                                    const Tensor& s, const Tensor& weight,
                                                                    const Tensor& mean, const Tensor& rstd,
                                                                    double dropout_p,
-                                                                   const c10::optional<Tensor>& seed) {
+                                                                   const c10::optional<Tensor>& seed,
+                                                                   at::ScalarType dx_dtype) {
   check_inputs({{&dy, "dy"}, {&s, "s"}, {&weight, "weight"}, {&mean, "mean"}, {&rstd, "rstd"}});
   if (ds.has_value()) check_input(*ds, "ds");
   check_dtype(s, "s");
   const int64_t N = s.size(-1), R = s.numel() / N;
-  Tensor dx = at::empty_like(s), dres = at::empty_like(s);
+  Tensor dx = at::empty_like(s, s.options().dtype(dx_dtype)), dres = at::empty_like(s);
+  check_dtype(dx, "dx");
   if (R == 0) return {dx, dres, at::zeros_like(weight), at::zeros_like(weight)};
   check_row_limits("layer_norm_residual", R, N);
   DeviceScope scope(s);
@@ -101,22 +120,26 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor&
   const int64_t chunk_rows = std::max(min_rows, (R + max_partials - 1) / max_partials);
   const int64_t partials = (R + chunk_rows - 1) / chunk_rows;
   const dim3 grid(static_cast<unsigned>(partials));
-  const auto f32 = s.options().dtype(at::kFloat);
-  Tensor partial_dw = at::empty({partials, N}, f32), partial_db = at::empty({partials, N}, f32);
+  // The stage-1 partials of dweight and dbias: (2, P, N) float32 in one allocation. Stage 2 writes dweight
+  // and dbias in weight's dtype: no reduction or cast op after the kernels.
+  Tensor partial = at::empty({2, partials, N}, s.options().dtype(at::kFloat));
   Tensor dweight = at::empty_like(weight), dbias = at::empty_like(weight);
-  FF_DISPATCH_KERNEL_TYPES(s.scalar_type(), "fastformer_lnr_bwd_cuda", [&] {
+  dispatch_lnr_types(s.scalar_type(), dx_dtype, [&](auto stream, auto branch) {
+    using scalar_t = decltype(stream);
+    using branch_t = decltype(branch);
     using T = typename DeviceType<scalar_t>::type;
-    LnrBwdParams<T> p{};
+    using TX = typename DeviceType<branch_t>::type;
+    LnrBwdParams<T, TX> p{};
     p.dy = device_ptr<scalar_t>(dy);
     p.ds = ds.has_value() ? device_ptr<scalar_t>(*ds) : nullptr;
     p.s = device_ptr<scalar_t>(s);
     p.weight = device_ptr<scalar_t>(weight);
     p.mean = mean.const_data_ptr<float>();
     p.rstd = rstd.const_data_ptr<float>();
-    p.dx = device_ptr_mut<scalar_t>(dx);
+    p.dx = device_ptr_mut<branch_t>(dx);
     p.dresidual = device_ptr_mut<scalar_t>(dres);
-    p.partial_dw = partial_dw.mutable_data_ptr<float>();
-    p.partial_db = partial_db.mutable_data_ptr<float>();
+    p.partial_dw = partial.mutable_data_ptr<float>();
+    p.partial_db = p.partial_dw + partials * N;
     p.rows = R;
     p.cols = static_cast<int>(N);
     p.chunk_rows = chunk_rows;
@@ -128,12 +151,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor&
     p.packs = N % kPack<T> == 0 && aligned16(dy) && (!ds.has_value() || aligned16(*ds)) && aligned16(s) &&
               aligned16(weight) && aligned16(dx) && aligned16(dres);
     if (warp_rows) {
-      launch_per_lane(p.cols, grid, dim3(kLnrThreads), p, layer_norm_residual_bwd_warp_kernel<T, 1>,
-                      layer_norm_residual_bwd_warp_kernel<T, 2>, layer_norm_residual_bwd_warp_kernel<T, 4>,
-                      layer_norm_residual_bwd_warp_kernel<T, 8>, layer_norm_residual_bwd_warp_kernel<T, 16>,
-                      layer_norm_residual_bwd_warp_kernel<T, 32>);
+      launch_per_lane(p.cols, grid, dim3(kLnrThreads), p, layer_norm_residual_bwd_warp_kernel<T, 1, TX>,
+                      layer_norm_residual_bwd_warp_kernel<T, 2, TX>, layer_norm_residual_bwd_warp_kernel<T, 4, TX>,
+                      layer_norm_residual_bwd_warp_kernel<T, 8, TX>, layer_norm_residual_bwd_warp_kernel<T, 16, TX>,
+                      layer_norm_residual_bwd_warp_kernel<T, 32, TX>);
     } else {
-      launch(layer_norm_residual_bwd_block_kernel<T>, grid, dim3(kLnrThreads), p);
+      launch(layer_norm_residual_bwd_block_kernel<T, TX>, grid, dim3(kLnrThreads), p);
     }
     LnrReduceParams<T> q{};
     q.partial_dw = p.partial_dw;

@@ -1,5 +1,8 @@
 // y = LayerNorm(residual + dropout(x)) over the last dim on the GPU, forward and backward (kernels;
-// launchers in layer_norm_residual.cu). x, residual, s, y are R contiguous rows of N; fp32 math.
+// launchers in layer_norm_residual.cu). x, residual, s, y are R contiguous rows of N; fp32 math. residual,
+// weight, bias, y and s (and dresidual, dweight, dbias) have the stream's type T; x and dx have TX, T or,
+// beside a float32 stream, __half / __nv_bfloat16: autocast's branch is read as it is (2 bytes an element)
+// and upcast in registers, and its gradient written in its own type, so no cast runs around the op.
 //
 // Forward, per row:
 //   s = residual + x * r   (r = dropout_factor(seed, row * N + col, p, 1/(1-p)) of csrc/philox.h), rounded
@@ -8,7 +11,7 @@
 //   mean, rstd = 1 / sqrt(var + eps) (biased variance);  y = (s - mean) rstd w + b.
 // Backward, per row, with xhat = (s - mean) rstd and g = dy w:
 //   ds_total = rstd (g - mean(g) - xhat mean(g xhat)) + ds   (ds: gradient of the s output, optional)
-//   dresidual = ds_total, dx = ds_total r
+//   dresidual = ds_total, dx = ds_total r (rounded to TX)
 //   dweight = sum_rows dy xhat, dbias = sum_rows dy: deterministic, without atomics, in two stages. (1) The
 //   rows are cut into P contiguous chunks, one per block of a grid whose size depends on R and N only (not
 //   on the device); each block writes the sums over its chunk as row b of partial_dw / partial_db (P, N)
@@ -18,10 +21,12 @@
 // Two layouts:
 //   warp per row (N <= kLnrWarpMaxN, the paper's 512 and 1024): the warp-row register layout of common.cuh
 //     (lane l keeps kPerLane = ceil(N / 32), rounded up to a power of two, values of the row in registers,
-//     in runs of 16-byte packs, half2/float2 pairs or single elements). Forward: one load of x and
-//     residual, the row's sum and then sum (s - mean)^2 from the registers (two-pass variance, no
-//     cancellation), one store of s and y; Philox once per 4 elements (a run of a pack or 4 elements).
-//     DRAM per row 4 N sizeof(T) (+ 8 bytes of mean, rstd; w, b cached), with no second sweep.
+//     in runs of 16-byte packs, half2/float2 pairs or single elements; a TX branch beside a float32
+//     stream moves in pairs or elements, so that a lane's runs cover the same columns in both types).
+//     Forward: one load of x and residual, the row's sum and then sum (s - mean)^2 from the registers
+//     (two-pass variance, no cancellation), one store of s and y; Philox once per 4 elements (a run of a
+//     pack or 4 elements). DRAM per row 4 N sizeof(T) (3 N sizeof(T) + N sizeof(TX) with a TX branch;
+//     + 8 bytes of mean, rstd; w, b cached), with no second sweep.
 //     Backward: block b (kLnrWarpRows warps) owns chunk b; warp w takes its rows w, w + 8, ...: one load
 //     of s, dy (and ds), the two row sums by shuffles, one store of dx and dresidual (4 N sizeof(T) per
 //     row, + N for ds); each lane accumulates dy xhat and dy for its columns in registers over its rows,
@@ -46,9 +51,11 @@ constexpr int kLnrBwdWarpMaxBlocks = 512;           // ... and at most this many
 constexpr int kLnrBwdBlockMaxBlocks = 128;          // backward chunks, block layout
 constexpr int kLnrReduceStripes = 8;                // stage 2: a block sums 32 columns, each over 8 stripes
 
-template <typename T>
+// T: the residual stream's storage type (residual, weight, bias, y, s); TX: the branch x's (and dx's), T or,
+// beside a float32 stream, __half / __nv_bfloat16 (autocast's branch, upcast as it is read).
+template <typename T, typename TX = T>
 struct LnrFwdParams {
-  const T* x;         // (R, N) branch input, dropped out
+  const TX* x;        // (R, N) branch input, dropped out
   const T* residual;  // (R, N)
   const T* weight;    // (N,)
   const T* bias;      // (N,)
@@ -63,10 +70,10 @@ struct LnrFwdParams {
   float inv_keep;     // 1 / (1 - p)
   const int64_t* seed;  // () dropout seed in device memory (load_seed); nullptr without dropout
   bool vec2;          // N even and every row pointer 2-element aligned: half2/float2 pairs
-  bool packs;         // N a multiple of kPack<T> and every pointer 16-byte aligned (warp layout)
+  bool packs;         // N a multiple of kPack<T> and every pointer 16-byte aligned (warp layout, TX = T only)
 };
 
-template <typename T>
+template <typename T, typename TX = T>
 struct LnrBwdParams {
   const T* dy;          // (R, N) gradient of y
   const T* ds;          // (R, N) gradient of the s output, or nullptr
@@ -74,7 +81,7 @@ struct LnrBwdParams {
   const T* weight;      // (N,)
   const float* mean;    // (R,) saved
   const float* rstd;    // (R,) saved
-  T* dx;                // (R, N) output
+  TX* dx;               // (R, N) output, in x's type
   T* dresidual;         // (R, N) output
   float* partial_dw;    // (P, N) stage-1 output: row b = sum over chunk b of dy xhat
   float* partial_db;    // (P, N) stage-1 output: row b = sum over chunk b of dy
@@ -85,7 +92,7 @@ struct LnrBwdParams {
   float inv_keep;
   const int64_t* seed;  // () as in LnrFwdParams
   bool vec2;            // N even and every row pointer 2-element aligned
-  bool packs;           // N a multiple of kPack<T> and every pointer 16-byte aligned (warp layout)
+  bool packs;           // N a multiple of kPack<T> and every pointer 16-byte aligned (warp layout, TX = T only)
 };
 
 template <typename T>
@@ -102,23 +109,23 @@ struct LnrReduceParams {
 // Warp layout: a warp per row, the row in registers.
 
 // Forward: warp w of block b takes row b * kLnrWarpRows + w.
-template <typename T, int kPerLane>
-FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_fwd_warp_kernel(const LnrFwdParams<T> p) {
+template <typename T, int kPerLane, typename TX = T>
+FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_fwd_warp_kernel(const LnrFwdParams<T, TX> p) {
   const int lane = threadIdx.x % kWarpSize;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kLnrWarpRows + threadIdx.x / kWarpSize;
   if (row >= p.rows) return;  // the whole warp: no shuffle is left waiting
   const int n = p.cols;
   const int64_t base = row * n;
-  const int width = warp_row_width<T, kPerLane>(p.packs, p.vec2);
+  const int width = warp_row_width<T, kPerLane>(p.packs && sizeof(TX) == sizeof(T), p.vec2);  // TX: no packs
   float v[kPerLane], u[kPerLane];
   warp_row_load(p.x + base, n, lane, width, v);
-  warp_row_load(p.residual + base, n, lane, width, u);
   if (p.dropout_p > 0.0f) {
     float r[kPerLane];
     warp_row_dropout(p.seed, base, lane, width, p.dropout_p, p.inv_keep, r);
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) v[i] *= r[i];
   }
+  warp_row_load(p.residual + base, n, lane, width, u);  // after the mask: r and u are never live together
   // s = residual + x r, rounded to T (columns past the row's end: 0 + 0 = 0).
   float sum = 0.0f;
 #pragma unroll
@@ -171,12 +178,12 @@ FF_DEVICE void lnr_block_column_sum(const float (&v)[kPerLane], float (*stage)[k
 
 // Backward stage 1: block b owns chunk b, the rows [b chunk_rows, min(R, (b + 1) chunk_rows)); warp w
 // takes the chunk's rows w, w + kLnrWarpRows, ...; the block writes row b of partial_dw / partial_db.
-template <typename T, int kPerLane>
-FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_warp_kernel(const LnrBwdParams<T> p) {
+template <typename T, int kPerLane, typename TX = T>
+FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_warp_kernel(const LnrBwdParams<T, TX> p) {
   __shared__ float stage[kLnrWarpRows][kWarpSize * kPerLane];
   const int lane = threadIdx.x % kWarpSize;
   const int n = p.cols;
-  const int width = warp_row_width<T, kPerLane>(p.packs, p.vec2);
+  const int width = warp_row_width<T, kPerLane>(p.packs && sizeof(TX) == sizeof(T), p.vec2);  // TX: no packs
   const int64_t first = static_cast<int64_t>(blockIdx.x) * p.chunk_rows;
   const int64_t last = first + p.chunk_rows < p.rows ? first + p.chunk_rows : p.rows;
   const float inv_n = 1.0f / static_cast<float>(n);
@@ -265,14 +272,14 @@ FF_DEVICE Welford lnr_block_welford(Welford w, Welford* stage) {
 }
 
 // Forward: row blockIdx.x.
-template <typename T>
-FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_fwd_block_kernel(const LnrFwdParams<T> p) {
+template <typename T, typename TX = T>
+FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_fwd_block_kernel(const LnrFwdParams<T, TX> p) {
   __shared__ Welford stage[kLnrThreads / kWarpSize];  // one state per warp
   const int t = threadIdx.x;
   const int64_t row = blockIdx.x;
   const int n = p.cols;
   const int64_t base = row * n;
-  const T* x = p.x + base;
+  const TX* x = p.x + base;
   const T* res = p.residual + base;
   T* s = p.s + base;
   T* y = p.y + base;
@@ -327,8 +334,8 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_fwd_block_kerne
 
 // Backward stage 1: block b owns chunk b, the rows [b chunk_rows, min(R, (b + 1) chunk_rows)), one after
 // the other; writes their dx, dresidual and row b of partial_dw / partial_db.
-template <typename T>
-FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_block_kernel(const LnrBwdParams<T> p) {
+template <typename T, typename TX = T>
+FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_block_kernel(const LnrBwdParams<T, TX> p) {
   __shared__ float scratch[2][kWarpSize];  // the two row sums per warp
   const int t = threadIdx.x;
   const int n = p.cols;
@@ -355,7 +362,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_block_kerne
     const T* s = p.s + base;
     const T* dy = p.dy + base;
     const T* ds = p.ds != nullptr ? p.ds + base : nullptr;
-    T* dx = p.dx + base;
+    TX* dx = p.dx + base;
     T* dres = p.dresidual + base;
     const float mu = p.mean[row], rs = p.rstd[row];
     // Sweep 1: sums of g and g xhat; partial dweight += dy xhat, dbias += dy.
@@ -411,7 +418,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_block_kerne
         dres[col] = from_float<T>(d);
         if (drop) d *= dropout_factor(load_seed(p.seed), static_cast<uint64_t>(base + col), p.dropout_p,
                                       p.inv_keep);
-        dx[col] = from_float<T>(d);
+        dx[col] = from_float<TX>(d);
       }
     }
   }
@@ -465,3 +472,9 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrReduceStripes * kWarpSize) layer_norm_residu
 // instantiations: layer_norm_residual_fwd_block_kernel<float> layer_norm_residual_fwd_block_kernel<__half> layer_norm_residual_fwd_block_kernel<__nv_bfloat16>
 // instantiations: layer_norm_residual_bwd_block_kernel<float> layer_norm_residual_bwd_block_kernel<__half> layer_norm_residual_bwd_block_kernel<__nv_bfloat16>
 // instantiations: layer_norm_residual_bwd_reduce_kernel<float> layer_norm_residual_bwd_reduce_kernel<__half> layer_norm_residual_bwd_reduce_kernel<__nv_bfloat16>
+// instantiations: layer_norm_residual_fwd_warp_kernel<float, 1, __half> layer_norm_residual_fwd_warp_kernel<float, 2, __half> layer_norm_residual_fwd_warp_kernel<float, 4, __half> layer_norm_residual_fwd_warp_kernel<float, 8, __half> layer_norm_residual_fwd_warp_kernel<float, 16, __half> layer_norm_residual_fwd_warp_kernel<float, 32, __half>
+// instantiations: layer_norm_residual_fwd_warp_kernel<float, 1, __nv_bfloat16> layer_norm_residual_fwd_warp_kernel<float, 2, __nv_bfloat16> layer_norm_residual_fwd_warp_kernel<float, 4, __nv_bfloat16> layer_norm_residual_fwd_warp_kernel<float, 8, __nv_bfloat16> layer_norm_residual_fwd_warp_kernel<float, 16, __nv_bfloat16> layer_norm_residual_fwd_warp_kernel<float, 32, __nv_bfloat16>
+// instantiations: layer_norm_residual_bwd_warp_kernel<float, 1, __half> layer_norm_residual_bwd_warp_kernel<float, 2, __half> layer_norm_residual_bwd_warp_kernel<float, 4, __half> layer_norm_residual_bwd_warp_kernel<float, 8, __half> layer_norm_residual_bwd_warp_kernel<float, 16, __half> layer_norm_residual_bwd_warp_kernel<float, 32, __half>
+// instantiations: layer_norm_residual_bwd_warp_kernel<float, 1, __nv_bfloat16> layer_norm_residual_bwd_warp_kernel<float, 2, __nv_bfloat16> layer_norm_residual_bwd_warp_kernel<float, 4, __nv_bfloat16> layer_norm_residual_bwd_warp_kernel<float, 8, __nv_bfloat16> layer_norm_residual_bwd_warp_kernel<float, 16, __nv_bfloat16> layer_norm_residual_bwd_warp_kernel<float, 32, __nv_bfloat16>
+// instantiations: layer_norm_residual_fwd_block_kernel<float, __half> layer_norm_residual_fwd_block_kernel<float, __nv_bfloat16>
+// instantiations: layer_norm_residual_bwd_block_kernel<float, __half> layer_norm_residual_bwd_block_kernel<float, __nv_bfloat16>

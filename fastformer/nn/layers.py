@@ -139,12 +139,10 @@ def run_sublayers(x: Tensor, sublayers: list[Sublayer], final_norm: Optional[nn.
                   dropout_p: float, backend: Optional[str]) -> Tensor:
     """Runs sublayers with fused residual + dropout + LayerNorm (see the module docstring)."""
     # Under autocast the sublayers return half-precision tensors while the residual stream and the
-    # LayerNorm parameters stay in float32: the fused op runs in the residual stream's dtype.
+    # LayerNorm parameters stay in float32: the fused op takes the branch as it comes (its kernels upcast
+    # it as they read it and write its gradient in its dtype), so no cast runs around it.
     def fused(branch, residual, norm, prenorm):
-        dtype, weight, bias = residual.dtype, norm.weight, norm.bias
-        if branch.dtype != dtype or weight.dtype != dtype:  # autocast (a .to() call costs ~2 us even when a no-op)
-            branch, weight, bias = branch.to(dtype), weight.to(dtype), bias.to(dtype)
-        return ops.layer_norm_residual(branch, residual, weight, bias, eps=norm.eps, dropout_p=dropout_p,
+        return ops.layer_norm_residual(branch, residual, norm.weight, norm.bias, eps=norm.eps, dropout_p=dropout_p,
                                        prenorm=prenorm, backend=backend)
 
     if not norm_first:

@@ -21,15 +21,16 @@ from fastformer.ops._registry import C, dropout_seed, out_like
 def _fake_fwd(x, residual, weight, bias, eps, dropout_p, seed):
     _registry.same_device("layer_norm_residual", "x", x, residual=residual, weight=weight, bias=bias)
     C.check_seed(seed, dropout_p, x, "layer_norm_residual")  # a seed on "meta" beside CPU inputs lands here
-    stat_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    stat_dtype = torch.float64 if residual.dtype == torch.float64 else torch.float32
     stats = x.shape[:-1]
-    return (out_like(x), out_like(x), x.new_empty(stats, dtype=stat_dtype),
+    return (out_like(residual), out_like(residual), x.new_empty(stats, dtype=stat_dtype),
             x.new_empty(stats, dtype=stat_dtype))
 
 
-def _fake_bwd(dy, ds, s, weight, mean, rstd, dropout_p, seed):
+def _fake_bwd(dy, ds, s, weight, mean, rstd, dropout_p, seed, dx_dtype):
     C.check_seed(seed, dropout_p, s, "layer_norm_residual")
-    return out_like(s), out_like(s), out_like(weight), out_like(weight)
+    dx = torch.empty_like(s, dtype=s.dtype if dx_dtype is None else dx_dtype, memory_format=torch.contiguous_format)
+    return dx, out_like(s), out_like(weight), out_like(weight)
 
 
 def _py_fwd(x, residual, weight, bias, eps, dropout_p, seed, backend):
@@ -39,13 +40,13 @@ def _py_fwd(x, residual, weight, bias, eps, dropout_p, seed, backend):
     return impl(x.contiguous(), residual.contiguous(), weight.contiguous(), bias.contiguous(), eps, dropout_p, seed)
 
 
-def _py_bwd(dy, ds, s, weight, mean, rstd, dropout_p, seed, backend):
-    C.check_layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p)
+def _py_bwd(dy, ds, s, weight, mean, rstd, dropout_p, seed, dx_dtype, backend):
+    C.check_layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p, dx_dtype)
     C.check_seed(seed, dropout_p, s, "layer_norm_residual")
     impl = _dispatch.implementation("layer_norm_residual", "bwd", backend)
     ds = None if ds is None else ds.contiguous()
     return impl(dy.contiguous(), ds, s.contiguous(), weight.contiguous(), mean.contiguous(), rstd.contiguous(),
-                dropout_p, seed)
+                dropout_p, seed, s.dtype if dx_dtype is None else dx_dtype)
 
 
 _registry.register("layer_norm_residual", fake_fwd=_fake_fwd, fake_bwd=_fake_bwd, py_fwd=_py_fwd, py_bwd=_py_bwd)

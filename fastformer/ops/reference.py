@@ -206,17 +206,20 @@ def softmax_bwd(dy, y, scale):
 
 
 def layer_norm_residual_fwd(x, residual, weight, bias, eps, dropout_p, seed):
-    acc = _acc_dtype(x.dtype)
+    """y, s in residual's dtype (the stream's); x may be float16 or bfloat16 beside a float32 residual and is
+    upcast here, as the kernels upcast it when they read it."""
+    acc = _acc_dtype(residual.dtype)
     drop = _dropout_factor(seed, x.shape, dropout_p, acc, x.device)
     s = residual.to(acc) + (x.to(acc) if drop is None else x.to(acc) * drop)
-    s = s.to(x.dtype).to(acc)  # normalize the s that is returned, so backward rebuilds the same xhat
+    s = s.to(residual.dtype).to(acc)  # normalize the s that is returned, so backward rebuilds the same xhat
     mean = s.mean(-1)
     rstd = torch.rsqrt(s.var(-1, unbiased=False) + eps)
     y = (s - mean[..., None]) * rstd[..., None] * weight.to(acc) + bias.to(acc)
-    return y.to(x.dtype), s.to(x.dtype), mean, rstd
+    return y.to(residual.dtype), s.to(residual.dtype), mean, rstd
 
 
-def layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p, seed):
+def layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p, seed, dx_dtype):
+    """dx in dx_dtype (x's), dresidual in s's dtype, dweight and dbias in weight's."""
     acc = _acc_dtype(s.dtype)
     dya = dy.to(acc)
     xhat = (s.to(acc) - mean[..., None]) * rstd[..., None]
@@ -229,7 +232,7 @@ def layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p, seed):
     rows = tuple(range(s.dim() - 1))  # empty for a 1-D input, where sum(()) would reduce every dim
     dweight = (dya * xhat).sum(rows) if rows else dya * xhat
     dbias = dya.sum(rows) if rows else dya.clone()
-    return dx.to(s.dtype), d_s.to(s.dtype), dweight.to(s.dtype), dbias.to(s.dtype)
+    return dx.to(dx_dtype), d_s.to(s.dtype), dweight.to(weight.dtype), dbias.to(weight.dtype)
 
 
 # --------------------------------------------------------------------------------------------------

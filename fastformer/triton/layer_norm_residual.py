@@ -6,12 +6,15 @@ Forward: s = residual + x * r (r: dropout factor from fastformer/triton/_common.
 Philox evaluation per 4 elements when N is a multiple of 4; the seed read by each program from the op's
 0-dim int64 seed tensor, _common.load_seed), rounded to its dtype in registers and
 stored; mean and variance (two-pass, from the registers) are those of the s returned;
-y = (s - mean) rstd w + b. Bytes moved per row: x, residual read, s, y written (4 N sizeof(T)),
-plus the weights (cached).
-Backward, in two stages without atomics: each program takes ROWS rows (a chunk of steps of BLOCK_R),
-writes dx, dresidual for them and keeps dweight, dbias partial sums in registers, stored as one row of a
-(programs, N) float32 buffer (at most MAX_PROGRAMS rows); torch sums the partials (stage two, a fixed
-order). Bytes moved per row: dy, s (and ds) read; dx, dresidual written.
+y = (s - mean) rstd w + b. Bytes moved per row: x, residual read, s, y written (4 N sizeof(T), T the
+residual's dtype; N sizeof(x) + 3 N sizeof(T) for a float16/bfloat16 x beside a float32 residual, which
+the kernel reads as it is and upcasts in registers), plus the weights (cached).
+Backward, in two stages without atomics: (1) each program takes ROWS rows (a chunk of steps of BLOCK_R),
+writes dx (in x's dtype) and dresidual for them and keeps dweight, dbias partial sums in registers, stored
+as one row of a (2, programs, N) float32 buffer (at most MAX_PROGRAMS rows each); (2) _lnr_reduce_kernel
+sums the partials of each column in a fixed order (the same bits on every run; the order depends on the
+shape only) and writes dweight, dbias in weight's dtype: no torch op after the kernels. Bytes moved per
+row: dy, s (and ds) read; dx, dresidual written; stage two reads 2 P N float32 and writes 2 N.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from fastformer.triton._common import check, dropout_keep_rows, load_seed, row_t
 
 MAX_N = 16384
 MAX_PROGRAMS = 512  # backward: at most this many partial rows (P N 8 bytes for stage two)
+REDUCE_BLOCK_P, REDUCE_BLOCK_N = 64, 32  # stage two: partial rows per step, columns per program
 
 
 @triton.jit
@@ -74,8 +78,7 @@ def _lnr_bwd_kernel(
     rstd_ptr,  # (R,) saved rstd
     dx_ptr,  # (R, N) gradient of x, written
     dres_ptr,  # (R, N) gradient of residual, written
-    dw_part_ptr,  # (programs, N) float32 partial dweight, written
-    db_part_ptr,  # (programs, N) float32 partial dbias, written
+    part_ptr,  # (2, programs, N) float32 partial dweight rows, then partial dbias rows, written
     R,  # rows
     N,  # row length
     p,  # dropout probability
@@ -113,8 +116,33 @@ def _lnr_bwd_kernel(
         tl.store(dx_ptr + offs, d.to(dx_ptr.dtype.element_ty), mask=inside)
         dw += dy * xhat
         db += dy
-    tl.store(dw_part_ptr + pid * N + cols, tl.sum(dw, 0), mask=cols < N)
-    tl.store(db_part_ptr + pid * N + cols, tl.sum(db, 0), mask=cols < N)
+    tl.store(part_ptr + pid.to(tl.int64) * N + cols, tl.sum(dw, 0), mask=cols < N)
+    tl.store(part_ptr + (tl.num_programs(0) + pid).to(tl.int64) * N + cols, tl.sum(db, 0), mask=cols < N)
+
+
+@triton.jit
+def _lnr_reduce_kernel(
+    part_ptr,  # (2, P, N) float32: the partial dweight rows, then the partial dbias rows
+    dw_ptr,  # (N,) dweight, written in weight's dtype
+    db_ptr,  # (N,) dbias, written in weight's dtype
+    P,  # partial rows (backward programs)
+    N,  # row length
+    BLOCK_P: tl.constexpr,  # partial rows per step
+    BLOCK_N: tl.constexpr,  # columns per program
+):
+    # Program j sums columns j BLOCK_N ... over the P partial rows: BLOCK_P rows per step into a
+    # (BLOCK_P, BLOCK_N) accumulator, then over its rows; a fixed order for a given P and N.
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_P)
+    dw = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)
+    db = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)
+    for first in range(0, P, BLOCK_P):
+        inside = ((first + rows) < P)[:, None] & (cols < N)[None, :]
+        offs = (first + rows).to(tl.int64)[:, None] * N + cols[None, :]
+        dw += tl.load(part_ptr + offs, mask=inside, other=0.0)
+        db += tl.load(part_ptr + P * N + offs, mask=inside, other=0.0)
+    tl.store(dw_ptr + cols, tl.sum(dw, 0).to(dw_ptr.dtype.element_ty), mask=cols < N)
+    tl.store(db_ptr + cols, tl.sum(db, 0).to(db_ptr.dtype.element_ty), mask=cols < N)
 
 
 def _tile(N: int) -> dict:
@@ -129,7 +157,7 @@ def layer_norm_residual_fwd(x, residual, weight, bias, eps: float, dropout_p: fl
     x, residual, weight, bias = (t.contiguous() for t in (x, residual, weight, bias))
     N = x.shape[-1]
     R = x.numel() // N
-    y, s = torch.empty_like(x), torch.empty_like(x)
+    y, s = torch.empty_like(residual), torch.empty_like(residual)
     mean = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
     if R:
@@ -141,23 +169,24 @@ def layer_norm_residual_fwd(x, residual, weight, bias, eps: float, dropout_p: fl
     return y, s, mean, rstd
 
 
-def layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p: float, seed):
+def layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p: float, seed, dx_dtype: torch.dtype):
     check("layer_norm_residual", dy, s, weight)
     dy, s, weight, mean, rstd = (t.contiguous() for t in (dy, s, weight, mean, rstd))
     ds = None if ds is None else ds.contiguous()
     N = s.shape[-1]
     R = s.numel() // N
-    dx, dres = torch.empty_like(s), torch.empty_like(s)
+    dx, dres = torch.empty_like(s, dtype=dx_dtype), torch.empty_like(s)
     if R == 0:
         return dx, dres, torch.zeros_like(weight), torch.zeros_like(weight)
     tile = _tile(N)
     # Chunks of at least 4 steps, at most MAX_PROGRAMS of them; the split depends on R and N only.
     rows = tile["BLOCK_R"] * max(4, triton.cdiv(triton.cdiv(R, tile["BLOCK_R"]), MAX_PROGRAMS))
     programs = triton.cdiv(R, rows)
-    dw_part = torch.empty(programs, N, dtype=torch.float32, device=s.device)
-    db_part = torch.empty_like(dw_part)
-    _lnr_bwd_kernel[(programs,)](dy, ds if ds is not None else dy, s, weight, mean, rstd, dx, dres, dw_part, db_part,
+    part = torch.empty(2, programs, N, dtype=torch.float32, device=s.device)
+    _lnr_bwd_kernel[(programs,)](dy, ds if ds is not None else dy, s, weight, mean, rstd, dx, dres, part,
                                  R, N, dropout_p, seed_pointer(seed, mean), ROWS=rows, HAS_DS=ds is not None,
                                  HAS_DROPOUT=dropout_p > 0, GROUPS_OF_4=N % 4 == 0, **tile)
-    # Stage two: the partial sums, reduced in a fixed order.
-    return dx, dres, dw_part.sum(0).to(s.dtype), db_part.sum(0).to(s.dtype)
+    dweight, dbias = torch.empty_like(weight), torch.empty_like(weight)
+    _lnr_reduce_kernel[(triton.cdiv(N, REDUCE_BLOCK_N),)](part, dweight, dbias, programs, N, BLOCK_P=REDUCE_BLOCK_P,
+                                                          BLOCK_N=REDUCE_BLOCK_N, num_warps=4)
+    return dx, dres, dweight, dbias

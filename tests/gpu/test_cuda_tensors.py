@@ -151,6 +151,29 @@ def test_layer_norm_residual(backend, dtype, case):
         assert_close(g, r, dtype, name)
 
 
+@pytest.mark.parametrize("backend,dtype,case", [p for p in params(LNR_CASES) if p.values[1] != torch.float32])
+def test_layer_norm_residual_half_branch(backend, dtype, case):
+    # Autocast's case: a float16/bfloat16 branch beside a float32 residual, weight and bias. y, s and the
+    # gradients of residual, weight and bias are float32; dx has the branch's dtype.
+    rows, n, p, prenorm = case
+    x, res = randn(rows, n, dtype=dtype), randn(rows, n, dtype=torch.float32, shift=0.5)
+    w, b = randn(n, dtype=torch.float32, shift=1.0), randn(n, dtype=torch.float32)
+    ups = [randn(rows, n, dtype=torch.float32) for _ in range(2 if prenorm else 1)]
+
+    def fn(backend):
+        return lambda *t: ops.layer_norm_residual(*t, dropout_p=p, prenorm=prenorm, backend=backend)
+
+    torch.manual_seed(5)
+    outs, grads = forward_backward(fn(backend), cuda([x, res, w, b]), cuda(ups))
+    # The float64 reference on the same device: the dropout seed comes from the same generator.
+    torch.manual_seed(5)
+    routs, rgrads = forward_backward(fn("torch"), cuda(upcast([x, res, w, b])), cuda(upcast(ups)))
+    for name, o, r in zip(("y", "s"), cpu(outs), cpu(routs)):
+        assert_close(o, r, torch.float32, name)
+    for name, g, r, d in zip(("dx", "dres", "dw", "db"), cpu(grads), cpu(rgrads), (dtype,) + (torch.float32,) * 3):
+        assert_close(g, r, d, name)
+
+
 # (rows, V, label_smoothing, ignore_index): V multiples of 8 take the CUDA kernels' 16-byte packs.
 CE_CASES = [(1, 1, 0.0, -100), (7, 97, 0.1, -100), (4096, 512, 0.1, 0), (256, 1000, 0.0, -100), (33, 1025, 1.0, 0),
             (300, 4099, 0.1, -100), (64, 32000, 0.1, 0), (16, 50257, 0.0, -100), (2, 250000, 0.1, -100)]

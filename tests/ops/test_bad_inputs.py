@@ -134,7 +134,19 @@ BAD = {
     "lnr-weight_rank2": (lnr(weight=randn(1, N, dtype=F32)), VALUE),
     "lnr-bias_width": (lnr(bias=randn(N - 1, dtype=F32)), VALUE),
     "lnr-residual_float16": (lnr(residual=lambda a: a["residual"].half()), VALUE),
-    "lnr-x_bfloat16": (lnr(x=lambda a: a["x"].bfloat16()), VALUE),
+    # dtypes: x has residual's dtype, or is float16/bfloat16 beside a float32 residual (a bfloat16 x beside
+    # float32 is valid: autocast's branch); weight and bias have residual's dtype.
+    "lnr-x_float64": (lnr(x=lambda a: a["x"].double()), VALUE),
+    "lnr-residual_bfloat16": (lnr(residual=lambda a: a["residual"].bfloat16()), VALUE),
+    "lnr-x_bfloat16_residual_float16": (lnr(x=lambda a: a["x"].bfloat16(), residual=lambda a: a["residual"].half(),
+                                            weight=lambda a: a["weight"].half(), bias=lambda a: a["bias"].half()),
+                                        VALUE),
+    "lnr-x_float16_residual_float64": (lnr(residual=lambda a: a["residual"].double(),
+                                           weight=lambda a: a["weight"].double(), bias=lambda a: a["bias"].double(),
+                                           x=lambda a: a["x"].half()), VALUE),
+    "lnr-weight_bfloat16_like_x": (lnr(x=lambda a: a["x"].bfloat16(), weight=lambda a: a["weight"].bfloat16()),
+                                   VALUE),
+    "lnr-bias_float16": (lnr(x=lambda a: a["x"].half(), bias=lambda a: a["bias"].half()), VALUE),
     "lnr-residual_meta": (lnr(residual=meta("residual")), VALUE),
     "lnr-weight_meta": (lnr(weight=meta("weight")), VALUE),
     "lnr-bias_meta": (lnr(bias=meta("bias")), VALUE),
@@ -178,6 +190,32 @@ def test_bad_input_raises(backend, name):
     call, errors = BAD[name]
     with pytest.raises(errors):
         call(backend)
+
+
+# layer_norm_residual's dtype mixes that it does not take name both dtypes (as c10 writes them).
+C10_NAMES = {F32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16"}
+LNR_DTYPE_MIXES = {  # x, residual, weight and bias, (the argument named, its dtype), (the one it must match, its dtype)
+    "x_f32-residual_bf16": (F32, torch.bfloat16, torch.bfloat16, ("x", F32), ("residual", torch.bfloat16)),
+    "x_f64-residual_f32": (torch.float64, F32, F32, ("x", torch.float64), ("residual", F32)),
+    "x_f16-residual_f64": (torch.float16, torch.float64, torch.float64, ("x", torch.float16),
+                           ("residual", torch.float64)),
+    "weight_bf16": (torch.bfloat16, F32, torch.bfloat16, ("weight", torch.bfloat16), ("residual", F32)),
+}
+# The backend is chosen by x's dtype: a backend without float64 refuses a float64 x by its own message.
+LNR_DTYPE_MIX_CASES = [pytest.param(b, *mix, id=f"{b}-{name}") for b in ALL_BACKENDS
+                       for name, mix in LNR_DTYPE_MIXES.items() if mix[0] in dtypes_for(b)]
+
+
+@pytest.mark.parametrize("backend,x_dtype,residual_dtype,param_dtype,named,reference", LNR_DTYPE_MIX_CASES)
+def test_layer_norm_residual_dtype_mix_names_both_dtypes(backend, x_dtype, residual_dtype, param_dtype, named,
+                                                        reference):
+    args = lnr_args()
+    x = args.pop("x").to(x_dtype)
+    residual = args.pop("residual").to(residual_dtype)
+    weight, bias = args.pop("weight").to(param_dtype), args.pop("bias").to(param_dtype)
+    with pytest.raises(ValueError, match=rf"fastformer layer_norm_residual: {named[0]} has dtype "
+                                         rf"{C10_NAMES[named[1]]} but {reference[0]} has {C10_NAMES[reference[1]]}"):
+        ops.layer_norm_residual(x, residual, weight, bias, **args, backend=backend)
 
 
 @pytest.mark.parametrize("op", ops.OPS)
@@ -366,8 +404,14 @@ def backward_calls():
             "attention-dout": lambda: bwd("attention")(short(out), q, k, v, out, lse, None, False, 0.0, None, None),
             "attention-lse": lambda: bwd("attention")(out, q, k, v, out, short(lse), None, False, 0.0, None, None),
             "softmax-dy": lambda: bwd("softmax")(short(y), y, 1.0),
-            "layer_norm_residual-ds": lambda: bwd("layer_norm_residual")(s, short(s), s, w, mean, rstd, 0.0, None),
-            "layer_norm_residual-rstd": lambda: bwd("layer_norm_residual")(s, None, s, w, mean, short(rstd), 0.0, None),
+            "layer_norm_residual-ds": lambda: bwd("layer_norm_residual")(s, short(s), s, w, mean, rstd, 0.0, None,
+                                                                         None),
+            "layer_norm_residual-rstd": lambda: bwd("layer_norm_residual")(s, None, s, w, mean, short(rstd), 0.0, None,
+                                                                           None),
+            "layer_norm_residual-dx_dtype": lambda: bwd("layer_norm_residual")(s, None, s, w, mean, rstd, 0.0, None,
+                                                                               torch.float64),
+            "layer_norm_residual-weight": lambda: bwd("layer_norm_residual")(s, None, s, w.bfloat16(), mean, rstd, 0.0,
+                                                                             None, torch.bfloat16),
             "cross_entropy-lse": lambda: bwd("cross_entropy")(loss, nll, logits, target, short(ce_lse), 0.0, -100),
             "cross_entropy-dloss": lambda: bwd("cross_entropy")(loss.double(), nll, logits, target, ce_lse, 0.0, -100),
         }
@@ -376,7 +420,8 @@ def backward_calls():
 
 
 BACKWARD_CASES = ["attention-dout", "attention-lse", "softmax-dy", "layer_norm_residual-ds", "layer_norm_residual-rstd",
-                  "cross_entropy-lse", "cross_entropy-dloss"]
+                  "layer_norm_residual-dx_dtype", "layer_norm_residual-weight", "cross_entropy-lse",
+                  "cross_entropy-dloss"]
 
 
 @pytest.mark.parametrize("case", BACKWARD_CASES)

@@ -2,16 +2,19 @@
 
 y = LayerNorm(residual + dropout(x)) over the last dim, with weight and bias of shape (N,);
 prenorm=True also returns s = residual + dropout(x), and the gradient then flows through both outputs.
-(Dropout is tested in test_dropout.py; here dropout_p = 0.)
+(Dropout is tested in test_dropout.py; here dropout_p = 0, except with the vector paths and the mixed
+dtypes: a float16 or bfloat16 x beside a float32 residual, weight and bias, autocast's case.)
 """
 import math
 from dataclasses import dataclass
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastformer import ops
-from helpers import ALL_BACKENDS, FLOAT64_BACKENDS, SLOW_LIMITS, backend_dtype_cases, forward_backward, randn, upcast
+from helpers import (ALL_BACKENDS, FLOAT64_BACKENDS, SLOW_LIMITS, backend_dtype_cases, forward_backward, kernel_op,
+                     randn, upcast)
 from tolerances import assert_close
 
 
@@ -195,3 +198,113 @@ def test_many_rows_grow_the_backward_chunks(backend):
     assert_close(outs[0], refs[0], torch.float32, "y")
     for name, g, r in zip(("dx", "dresidual", "dweight", "dbias"), grads, ref_grads):
         assert_close(g, r, torch.float32, name)
+
+
+# A float16 or bfloat16 branch beside a float32 residual stream (autocast's sublayer output beside the
+# float32 stream and LayerNorm parameters): s = residual + dropout(x) in float32 from the upcast x; y, s,
+# dresidual, dweight and dbias in float32, dx in x's dtype, each written by the kernels (no cast).
+MIXED_CASES = [
+    Case((1, 1)),  # N = 1
+    Case((7, 40), True),  # N even: the CUDA kernels move pairs
+    Case((1, 113), True),  # N odd: single elements
+    Case((2, 7, 97)),
+    Case((7, 1030), True, 0.1),  # the CUDA block-per-row layout
+    Case((97, 113), True),  # bigger: not on the slow backends
+    Case((97, 40)),
+]
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+@pytest.mark.parametrize("backend,dtype,case",
+                         backend_dtype_cases(ALL_BACKENDS, MIXED_CASES, small, dtypes=(torch.float16, torch.bfloat16)))
+def test_half_branch_beside_float32_residual_matches_reference(backend, dtype, case, dropout_p):
+    inputs, upstream = make_inputs(case, torch.float32)
+    inputs[0] = randn(*case.shape, dtype=dtype)
+
+    def fn(backend):
+        def run(x, residual, weight, bias):
+            torch.manual_seed(7)  # the same dropout seed for every backend
+            return ops.layer_norm_residual(x, residual, weight, bias, eps=case.eps, dropout_p=dropout_p,
+                                           prenorm=case.prenorm, backend=backend)
+        return run
+
+    outs, grads = forward_backward(fn(backend), inputs, upstream)
+    refs, ref_grads = forward_backward(fn("torch"), upcast(inputs), upcast(upstream))
+    for name, o, r in zip(("y", "s"), outs, refs):
+        assert_close(o, r, torch.float32, name)
+    assert_close(grads[0], ref_grads[0], dtype, "dx")
+    for name, g, r in zip(("dresidual", "dweight", "dbias"), grads[1:], ref_grads[1:]):
+        assert_close(g, r, torch.float32, name)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("N", [97, 98, 264, 1030])
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset1"])
+def test_half_branch_vector_paths(backend, N, offset):
+    # A float16 branch beside float32 rows: the CUDA kernels move pairs (N even, every row 2-element
+    # aligned) or elements, never the 16-byte packs of one dtype, and draw the mask each way as every
+    # backend does; offset1 starts every tensor one element past an aligned address. 70 rows: several
+    # backward chunks of dweight/dbias partials, the last one short.
+    case = Case((70, N), True)
+    inputs, upstream = make_inputs(case, torch.float32)
+    inputs[0] = randn(*case.shape, dtype=torch.float16)
+    inputs, upstream = [shifted(t, offset) for t in inputs], [shifted(t, offset) for t in upstream]
+
+    def fn(backend):
+        def run(x, residual, weight, bias):
+            torch.manual_seed(7)
+            return ops.layer_norm_residual(x, residual, weight, bias, dropout_p=0.2, prenorm=True, backend=backend)
+        return run
+
+    outs, grads = forward_backward(fn(backend), inputs, upstream)
+    refs, ref_grads = forward_backward(fn("torch"), upcast(inputs), upcast(upstream))
+    dtypes = (torch.float32, torch.float32, torch.float16) + (torch.float32,) * 3
+    for name, o, r, dtype in zip(("y", "s", "dx", "dresidual", "dweight", "dbias"), outs + grads, refs + ref_grads,
+                                 dtypes):
+        assert_close(o, r, dtype, name)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_backward_op_writes_each_gradient_in_its_dtype(backend):
+    # The registered backward op itself (what autograd calls): dx_dtype = x's dtype gives dx in it;
+    # None gives s's dtype, as before the argument existed.
+    x, residual = randn(7, 40, dtype=torch.bfloat16), randn(7, 40, dtype=torch.float32)
+    weight, bias = randn(40, dtype=torch.float32, shift=1.0), randn(40, dtype=torch.float32)
+    fwd, tail = kernel_op("layer_norm_residual", "fwd", backend)
+    bwd, _ = kernel_op("layer_norm_residual", "bwd", backend)
+    y, s, mean, rstd = fwd(x, residual, weight, bias, 1e-5, 0.0, None, *tail)
+    assert (y.dtype, s.dtype, mean.dtype, rstd.dtype) == (torch.float32,) * 4
+    dy = randn(7, 40, dtype=torch.float32)
+    for dx_dtype, want in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (None, torch.float32)):
+        dx, dres, dw, db = bwd(dy, None, s, weight, mean, rstd, 0.0, None, dx_dtype, *tail)
+        assert (dx.dtype, dres.dtype, dw.dtype, db.dtype) == (want,) + (torch.float32,) * 3
+        # No dropout: dx is dresidual in dx's dtype, to one ulp (the Triton interpreter truncates float32 to
+        # bfloat16 where a GPU rounds to nearest).
+        torch.testing.assert_close(dx.double(), dres.double(), rtol=torch.finfo(want).eps, atol=0)
+
+
+class AtenCalls(TorchDispatchMode):
+    """The names of the ATen ops called while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif("triton" not in ALL_BACKENDS, reason="the triton backend is not available")
+def test_triton_backward_reduces_dweight_dbias_inside_the_op():
+    # Stage two of the dweight/dbias reduction is a Triton kernel writing weight's dtype: the backward calls
+    # no reduction or cast op of torch (only allocations; the interpreter adds its own host copies).
+    from fastformer.triton.layer_norm_residual import layer_norm_residual_bwd, layer_norm_residual_fwd
+
+    x, residual = randn(70, 40, dtype=torch.bfloat16), randn(70, 40, dtype=torch.float32)
+    weight, bias = randn(40, dtype=torch.float32, shift=1.0), randn(40, dtype=torch.float32)
+    _, s, mean, rstd = layer_norm_residual_fwd(x, residual, weight, bias, 1e-5, 0.0, None)
+    dy = randn(70, 40, dtype=torch.float32)
+    with AtenCalls() as calls:
+        layer_norm_residual_bwd(dy, None, s, weight, mean, rstd, 0.0, None, torch.bfloat16)
+    assert not [n for n in calls.names if "sum" in n or "_to_copy" in n or n == "aten::to"], calls.names

@@ -62,11 +62,12 @@ def test_softmax_ops(backend, masked):
     torch.library.opcheck(bwd, (dy, y, 0.5) + tail)
 
 
+@pytest.mark.parametrize("x_dtype", [F32, torch.bfloat16], ids=["f32", "bf16_branch"])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])
 @pytest.mark.parametrize("with_ds", [False, True], ids=["no_ds", "ds"])
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-def test_layer_norm_residual_ops(backend, with_ds, dropout_p):
-    x = randn(2, ROWS, N, dtype=F32)
+def test_layer_norm_residual_ops(backend, with_ds, dropout_p, x_dtype):
+    x = randn(2, ROWS, N, dtype=x_dtype)  # a bfloat16 branch beside the float32 residual: autocast's case
     residual = randn(2, ROWS, N, dtype=F32)
     weight = randn(N, dtype=F32)
     bias = randn(N, dtype=F32)
@@ -79,7 +80,7 @@ def test_layer_norm_residual_ops(backend, with_ds, dropout_p):
         y, s, mean, rstd = fwd(*fwd_args)
     dy = randn(2, ROWS, N, dtype=F32)
     ds = randn(2, ROWS, N, dtype=F32) if with_ds else None
-    bwd_args = (dy, ds, s, weight.detach(), mean, rstd, dropout_p, seed()) + tail
+    bwd_args = (dy, ds, s, weight.detach(), mean, rstd, dropout_p, seed(), x_dtype) + tail
     torch.library.opcheck(bwd, bwd_args)
 
 
