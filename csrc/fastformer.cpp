@@ -302,5 +302,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("check_layer_norm_residual_bwd", &fastformer::check_layer_norm_residual_bwd,
         "checks layer_norm_residual_bwd's arguments");
   m.def("check_cross_entropy_bwd", &fastformer::check_cross_entropy_bwd, "checks cross_entropy_bwd's arguments");
+  m.def("attention_layout", &fastformer::attention_layout,
+        "an attention tensor as the kernels read it: itself when its last dim is contiguous and its rows do not "
+        "overlap, else a contiguous copy (the one layout rule of csrc/ops.h)");
   m.attr("GPU_MAX_HEAD_DIM") = fastformer::kGpuMaxHeadDim;
 }

@@ -338,14 +338,15 @@ inline OptTensor contiguous(const OptTensor& t) {
   return t.has_value() ? OptTensor(t->contiguous()) : std::nullopt;
 }
 
-// attention's (B, H, L, D) tensors as its kernels take them: the CPU kernel (csrc/cpu/attention.cpp) reads rows
-// at any row, head and batch stride, so a CPU tensor whose last dim is contiguous and whose rows do not
-// overlap (a BLAS leading dimension >= D) passes as it is (transformers' q, k, v: views of (B, L, H, D)
-// projections); the GPU kernels take contiguous tensors.
+// attention's (B, H, L, D) tensors as its kernels take them, one rule for every device: the kernels (CPU:
+// csrc/cpu/attention.cpp; CUDA and cuda_sim: csrc/cuda/attention.cu; Triton: fastformer/triton/attention.py)
+// read rows at any row, head and batch stride, so a tensor whose last dim is contiguous and whose rows do not
+// overlap (a BLAS leading dimension >= D) passes as it is (transformers' q, k, v and the model's: views of
+// (B, L, H, D) projections); any other is copied to a contiguous tensor.
 inline Tensor attention_layout(const Tensor& t) {
   const bool rows =
       t.dim() == 4 && t.stride(3) == 1 && (t.size(2) <= 1 || t.stride(2) >= std::max<int64_t>(1, t.size(3)));
-  return t.is_cpu() && rows ? t : t.contiguous();
+  return rows ? t : t.contiguous();
 }
 
 // ---- adapters: registered op -> entry points of a backend (csrc/op_entry_points.h) ----

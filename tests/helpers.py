@@ -103,6 +103,27 @@ def forward_backward(fn, inputs, upstream):
     return [o.detach() for o in outputs], [leaf.grad for leaf in leaves]
 
 
+def projection_views(B, H, Lq, Lk, D, pad, dtype, device="cpu"):
+    """Attention's q, k, v (B, H, L, D) as models hand them over: q a view of a (B, Lq, H D) projection, k and
+    v views of one interleaved (B, Lk, 2, H, D) projection (transformers' and fastformer.nn's fused key/value
+    projection); each token's row is followed by ``pad`` NaN elements (row stride H D + pad, 2 H D + pad),
+    which a kernel reading outside the rows would spread. Returns the projection buffers and the views."""
+    def buffer(L, width):
+        x = torch.full((B, L, width + pad), float("nan"), dtype=dtype)
+        x[..., :width] = randn(B, L, width, dtype=dtype)
+        return x.to(device).requires_grad_()
+
+    xq, xkv = buffer(Lq, H * D), buffer(Lk, 2 * H * D)
+    q = xq[..., :H * D].view(B, Lq, H, D).transpose(1, 2)
+    kv = xkv[..., :2 * H * D].view(B, Lk, 2, H, D)
+    return (xq, xkv), (q, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2))
+
+
+def same_memory(a, b):
+    """Whether a and b are the same elements of the same memory (one data pointer, shape and strides)."""
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
+
+
 def padding_mask(B, Lk):
     """(B, Lk) bool key padding mask, True = padding.
 

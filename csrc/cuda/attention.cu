@@ -9,6 +9,12 @@
 // dK/dV (grid (ceil(Lk / rows per block), B H)) and dQ (grid (ceil(Lq / rows per block), B H)), which both
 // read delta. Rows per block: the SIMT configs' kBlockM / kBlock, the tensor-core configs' kRows.
 // The head dim D picks the smallest instantiation D_MAX in {16, 32, 64, 128} that holds it.
+//
+// Layout (the rule of csrc/cpu/attention.cpp and the fake kernels, fastformer/ops/attention.py rows_like):
+// q, k, v, out and dout are read in place at their batch, head and row strides (last dim contiguous:
+// csrc/ops.h attention_layout copies only a tensor whose last dim is not), e.g. views (B, H, L, D) of
+// (B, L, H, D) projections; out, dq, dk, dv are written as (B, H, L, D) views of contiguous (B, L, H, D)
+// tensors (rows_like), whatever the inputs' layout. lse and the delta workspace are contiguous (B, H, Lq).
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
@@ -35,11 +41,12 @@ struct AttnDims {
 
 // The arguments were checked by csrc/ops.h (check_attention, check_attention_bwd: ranks, shapes, dtypes,
 // the mask, dropout_p); here only this backend's own limits, and that every tensor the kernels index is
-// on the device and contiguous (a cheap guard against a direct call of a launcher).
+// on the device, with its last dim contiguous (q, k, v, out, dout) or contiguous (the mask, lse): a cheap
+// guard against a direct call of a launcher.
 AttnDims check_limits(const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& key_padding_mask) {
-  check_input(q, "q");
-  check_input(k, "k");
-  check_input(v, "v");
+  check_rows(q, "q");
+  check_rows(k, "k");
+  check_rows(v, "v");
   if (key_padding_mask.has_value()) check_input(*key_padding_mask, "key_padding_mask");
   check_dtype(q, "q");
   const AttnDims s{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
@@ -67,12 +74,30 @@ void dispatch_head_dim(int64_t D, Fn&& fn) {
   }
 }
 
-// D a multiple of `elements` and every tensor's data `bytes`-aligned: `elements` consecutive elements of
-// a row move as one vector (pairs: load2/store2, `vec2`; 16-byte chunks: cp.async, `vec8`).
-bool vector_aligned(int64_t D, int64_t elements, size_t bytes, std::initializer_list<const void*> ptrs) {
+// Out, dq, dk, dv shaped like x (B, H, L, D): a view of a contiguous (B, L, H, D) tensor (the CPU kernel's
+// rows_like), so the (B, L, H, D) projections of a model take them without a copy.
+Tensor rows_like(const Tensor& x) {
+  return at::empty({x.size(0), x.size(2), x.size(1), x.size(3)}, x.options()).transpose(1, 2);
+}
+
+// The kernels' element strides of t (B, H, L, D), last dim contiguous; a dim of size 1 gets stride 0 (it is
+// never stepped: an L = 1 view may carry any row stride).
+RowStrides row_strides(const Tensor& t) {
+  const auto stride = [&](int64_t dim) { return t.size(dim) == 1 ? int64_t{0} : t.stride(dim); };
+  return RowStrides{stride(0), stride(1), stride(2)};
+}
+
+// D a multiple of `elements`, and every tensor's data and batch, head and row strides `bytes`-aligned:
+// `elements` consecutive elements of any row move as one vector (pairs: load2/store2, `vec2`; 16-byte
+// chunks: cp.async, `vec8`); else elements move one by one (e.g. rows sliced out of wider ones).
+bool vector_aligned(int64_t D, int64_t elements, int64_t bytes, std::initializer_list<const Tensor*> tensors) {
   if (D % elements != 0) return false;
-  for (const void* p : ptrs) {
-    if (reinterpret_cast<uintptr_t>(p) % bytes != 0) return false;
+  for (const Tensor* t : tensors) {
+    if (reinterpret_cast<uintptr_t>(t->const_data_ptr()) % bytes != 0) return false;
+    const RowStrides s = row_strides(*t);
+    for (const int64_t stride : {s.batch, s.head, s.row}) {
+      if (stride * t->element_size() % bytes != 0) return false;
+    }
   }
   return true;
 }
@@ -88,7 +113,7 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const
                                          const c10::optional<Tensor>& key_padding_mask, bool causal,
                                          double dropout_p, double scale, const c10::optional<Tensor>& seed) {
   const AttnDims s = check_limits(q, k, v, key_padding_mask);
-  Tensor out = at::empty_like(q);
+  Tensor out = rows_like(q);
   Tensor lse = at::empty({s.B, s.H, s.Lq}, q.options().dtype(at::kFloat));
   if (q.numel() == 0 || s.Lk == 0) {  // nothing to attend to: zeros, lse = -inf
     return {out.zero_(), lse.fill_(-std::numeric_limits<float>::infinity())};
@@ -103,14 +128,18 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const
     p.key_padding_mask = key_padding_mask.has_value() ? key_padding_mask->const_data_ptr<bool>() : nullptr;
     p.out = device_ptr_mut<scalar_t>(out);
     p.lse = lse.mutable_data_ptr<float>();
+    p.q_strides = row_strides(q);
+    p.k_strides = row_strides(k);
+    p.v_strides = row_strides(v);
+    p.out_strides = row_strides(out);
     p.H = static_cast<int>(s.H);
     p.Lq = static_cast<int>(s.Lq);
     p.Lk = static_cast<int>(s.Lk);
     p.D = static_cast<int>(s.D);
     p.scale = static_cast<float>(scale);
     p.causal = causal;
-    p.vec2 = vector_aligned(s.D, 2, 2 * sizeof(T), {p.q, p.k, p.v, p.out});
-    p.vec8 = vector_aligned(s.D, 8, 16, {p.q, p.k, p.v, p.out});
+    p.vec2 = vector_aligned(s.D, 2, 2 * sizeof(T), {&q, &k, &v, &out});
+    p.vec8 = vector_aligned(s.D, 8, 16, {&q, &k, &v, &out});
     p.dropout_p = static_cast<float>(dropout_p);
     p.dropout_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
     p.seed = seed_pointer(seed);
@@ -139,10 +168,10 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
                                                  double dropout_p, double scale,
                                                  const c10::optional<Tensor>& seed) {
   const AttnDims s = check_limits(q, k, v, key_padding_mask);
-  check_input(dout, "dout");
-  check_input(out, "out");
+  check_rows(dout, "dout");
+  check_rows(out, "out");
   check_input(lse, "lse");
-  Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  Tensor dq = rows_like(q), dk = rows_like(k), dv = rows_like(v);
   if (q.numel() == 0 || k.numel() == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
   Tensor delta = at::empty({s.B, s.H, s.Lq}, q.options().dtype(at::kFloat));
   const DeviceScope scope(q);
@@ -160,6 +189,14 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
     p.dq = device_ptr_mut<scalar_t>(dq);
     p.dk = device_ptr_mut<scalar_t>(dk);
     p.dv = device_ptr_mut<scalar_t>(dv);
+    p.q_strides = row_strides(q);
+    p.k_strides = row_strides(k);
+    p.v_strides = row_strides(v);
+    p.out_strides = row_strides(out);
+    p.dout_strides = row_strides(dout);
+    p.dq_strides = row_strides(dq);
+    p.dk_strides = row_strides(dk);
+    p.dv_strides = row_strides(dv);
     p.BH = static_cast<int>(s.B * s.H);
     p.H = static_cast<int>(s.H);
     p.Lq = static_cast<int>(s.Lq);
@@ -167,8 +204,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
     p.D = static_cast<int>(s.D);
     p.scale = static_cast<float>(scale);
     p.causal = causal;
-    p.vec2 = vector_aligned(s.D, 2, 2 * sizeof(T), {p.q, p.k, p.v, p.out, p.dout, p.dq, p.dk, p.dv});
-    p.vec8 = vector_aligned(s.D, 8, 16, {p.q, p.k, p.v, p.out, p.dout, p.dq, p.dk, p.dv});
+    p.vec2 = vector_aligned(s.D, 2, 2 * sizeof(T), {&q, &k, &v, &out, &dout, &dq, &dk, &dv});
+    p.vec8 = vector_aligned(s.D, 8, 16, {&q, &k, &v, &out, &dout, &dq, &dk, &dv});
     p.dropout_p = static_cast<float>(dropout_p);
     p.dropout_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
     p.seed = seed_pointer(seed);

@@ -2,13 +2,16 @@
 // algorithm in SIMT code (fp32 math and accumulation, no tensor cores, no atomics). The launchers are in
 // csrc/cuda/attention.cu; the semantics are those of csrc/cpu/attention.cpp.
 //
-// Shapes: q (B, H, Lq, D), k and v (B, H, Lk, D), all contiguous; key_padding_mask (B, Lk) bool (True =
-// padding) or none; out like q; lse (B, H, Lq) float32. Query i sees key j iff j < Lk, the key is not
-// padding, and (causal, bottom-right aligned) j <= i + Lk - Lq. The head dim D (1..D_MAX) is a runtime
+// Shapes: q (B, H, Lq, D), k and v (B, H, Lk, D) at any batch, head and row strides (RowStrides) with the
+// last dim contiguous, e.g. views of (B, L, H, D) projections, read in place; out (B, H, Lq, D) likewise
+// (the launchers write a view of a contiguous (B, Lq, H, D) tensor); key_padding_mask (B, Lk) bool (True =
+// padding) or none, contiguous; lse (B, H, Lq) float32, contiguous. Query i sees key j iff j < Lk, the key
+// is not padding, and (causal, bottom-right aligned) j <= i + Lk - Lq. The head dim D (1..D_MAX) is a runtime
 // size; D_MAX in {16, 32, 64, 128} is a template parameter fixing the shared tiles and the columns each
 // lane owns. Columns D..D_MAX-1 of every shared tile are zeros, so they add nothing to dot products.
 // Storage is float, __half or __nv_bfloat16; every tile is converted to float when it is staged in
-// shared memory. Element pairs move with one load2/store2 when `vec2` (D even, pointers 2-aligned).
+// shared memory. Element pairs move with one load2/store2 when `vec2` (D even; pointers and strides
+// 2-element aligned).
 //
 // Common mapping: a warp owns kRowsPerWarp = 4 rows of the "owned" side (query rows in the forward and
 // the dQ kernel, keys in the dK/dV kernel) and walks tiles of 32 rows of the other side, lane t taking
@@ -72,20 +75,32 @@
 namespace fastformer {
 namespace cuda {
 
-// Forward: pointers and sizes of one launch.
+// Element strides of a (B, H, L, D) tensor whose last dim is contiguous: element (b, h, i, d) is at
+// b batch + h head + i row + d (flash-attention's q_batch_stride, q_head_stride, q_row_stride). int64: a
+// batch of a large tensor spans more than 2^31 elements. The launchers give a dim of size 1 stride 0 (it is
+// never stepped, and so never breaks vector alignment).
+struct RowStrides {
+  int64_t batch, head, row;
+};
+
+// Offset of the rows of (b, h): row i of that slice starts at slice_offset + i row.
+FF_DEVICE int64_t slice_offset(const RowStrides& s, int b, int h) { return b * s.batch + h * s.head; }
+
+// Forward: pointers, strides and sizes of one launch.
 template <typename T>
 struct AttentionFwdParams {
-  const T* q;                    // (B, H, Lq, D)
-  const T* k;                    // (B, H, Lk, D)
-  const T* v;                    // (B, H, Lk, D)
+  const T* q;                    // (B, H, Lq, D) at q_strides
+  const T* k;                    // (B, H, Lk, D) at k_strides
+  const T* v;                    // (B, H, Lk, D) at v_strides
   const bool* key_padding_mask;  // (B, Lk), True = padding; nullptr for none
-  T* out;                        // (B, H, Lq, D), output
+  T* out;                        // (B, H, Lq, D) at out_strides, output
   float* lse;                    // (B, H, Lq), output: m + log l of the scaled visible scores (-inf: none)
+  RowStrides q_strides, k_strides, v_strides, out_strides;
   int H, Lq, Lk, D;
   float scale;                   // scores are scale q . k
   bool causal;                   // bottom-right aligned: query i sees keys j <= i + Lk - Lq
-  bool vec2;                     // D even and every pointer 2-element aligned: pairs move as load2/store2
-  bool vec8;                     // D % 8 == 0 and every pointer 16-byte aligned: 16-byte cp.async chunks
+  bool vec2;                     // D even, pointers and strides 2-element aligned: pairs move as load2/store2
+  bool vec8;                     // D % 8 == 0, pointers and strides 16-byte aligned: 16-byte cp.async chunks
                                  // (read by the tensor-core kernels of attention_mma.cuh only)
   float dropout_p;               // probability of dropping an attention probability (0: no dropout)
   float dropout_scale;           // 1 / (1 - dropout_p)
@@ -93,20 +108,21 @@ struct AttentionFwdParams {
                                  // nullptr without dropout
 };
 
-// Backward: pointers and sizes shared by the three backward kernels of one call.
+// Backward: pointers, strides and sizes shared by the three backward kernels of one call.
 template <typename T>
 struct AttentionBwdParams {
-  const T* q;                    // (B, H, Lq, D)
-  const T* k;                    // (B, H, Lk, D)
-  const T* v;                    // (B, H, Lk, D)
-  const T* out;                  // (B, H, Lq, D), the forward's output
-  const T* dout;                 // (B, H, Lq, D), gradient of out
+  const T* q;                    // (B, H, Lq, D) at q_strides
+  const T* k;                    // (B, H, Lk, D) at k_strides
+  const T* v;                    // (B, H, Lk, D) at v_strides
+  const T* out;                  // (B, H, Lq, D) at out_strides, the forward's output
+  const T* dout;                 // (B, H, Lq, D) at dout_strides, gradient of out
   const float* lse;              // (B, H, Lq), the forward's logsumexp
   float* delta;                  // (B, H, Lq) workspace: written by the delta kernel, read by the others
   const bool* key_padding_mask;  // (B, Lk), True = padding; nullptr for none
-  T* dq;                         // (B, H, Lq, D), output
-  T* dk;                         // (B, H, Lk, D), output
-  T* dv;                         // (B, H, Lk, D), output
+  T* dq;                         // (B, H, Lq, D) at dq_strides, output
+  T* dk;                         // (B, H, Lk, D) at dk_strides, output
+  T* dv;                         // (B, H, Lk, D) at dv_strides, output
+  RowStrides q_strides, k_strides, v_strides, out_strides, dout_strides, dq_strides, dk_strides, dv_strides;
   int BH, H, Lq, Lk, D;          // BH = B * H
   float scale;
   bool causal;
@@ -164,11 +180,12 @@ struct LaneCols {
   static constexpr int kGroups = kWarpSize / kLanesPerRow;
 };
 
-// Copies rows [0, rows) of a row-major (rows, D) slice of global memory into a float tile of kRows rows
-// with a row stride of kStride floats, times `mult`; rows >= `rows` and columns >= D become zeros. One
-// element pair per thread and step (a load2 when vec2); all kThreads threads of the block take part.
+// Copies rows [0, rows) of a (rows, D) slice of global memory at row stride `ld` elements (last dim
+// contiguous) into a float tile of kRows rows with a row stride of kStride floats, times `mult`; rows >=
+// `rows` and columns >= D become zeros. One element pair per thread and step (a load2 when vec2); all
+// kThreads threads of the block take part.
 template <int kRows, int D_MAX, int kStride, int kThreads, typename T>
-FF_DEVICE void load_tile(float* tile, const T* src, int rows, int D, bool vec2, float mult) {
+FF_DEVICE void load_tile(float* tile, const T* src, int64_t ld, int rows, int D, bool vec2, float mult) {
   constexpr int kPairs = D_MAX / 2;
   constexpr int kSteps = (kRows * kPairs + kThreads - 1) / kThreads;
 #pragma unroll 4
@@ -180,7 +197,7 @@ FF_DEVICE void load_tile(float* tile, const T* src, int rows, int D, bool vec2, 
       x.x = 0.0f;
       x.y = 0.0f;
       if (r < rows && c < D) {
-        const T* s = src + static_cast<int64_t>(r) * D + c;
+        const T* s = src + r * ld + c;
         if (vec2) {
           x = load2(s);
         } else {
@@ -325,15 +342,18 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdConfig<D_MAX>::kThreads)
 
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int c0 = (lane % Cols::kLanesPerRow) * kCols, group = lane / Cols::kLanesPerRow;
-  const int bh = blockIdx.y, b = bh / p.H;
+  const int bh = blockIdx.y, b = bh / p.H, head = bh - b * p.H;
   const int i0 = blockIdx.x * Cfg::kBlockM, row0 = i0 + warp * kRowsPerWarp;
   const int n4 = (p.D + 3) / 4;
   const bool* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.Lk : nullptr;
-  const int64_t kv_off = static_cast<int64_t>(bh) * p.Lk * p.D;
+  const T* k_bh = p.k + slice_offset(p.k_strides, b, head);  // the rows of (b, h)
+  const T* v_bh = p.v + slice_offset(p.v_strides, b, head);
+  T* out_bh = p.out + slice_offset(p.out_strides, b, head);
   const float neg_inf = -ff_inf();
 
-  load_tile<Cfg::kBlockM, D_MAX, D_MAX, Cfg::kThreads>(q_s, p.q + (static_cast<int64_t>(bh) * p.Lq + i0) * p.D,
-                                                       p.Lq - i0, p.D, p.vec2, p.scale);
+  load_tile<Cfg::kBlockM, D_MAX, D_MAX, Cfg::kThreads>(
+      q_s, p.q + slice_offset(p.q_strides, b, head) + i0 * p.q_strides.row, p.q_strides.row, p.Lq - i0, p.D, p.vec2,
+      p.scale);
   float m[kRowsPerWarp], l[kRowsPerWarp], acc[kRowsPerWarp][kCols];
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
@@ -347,9 +367,9 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdConfig<D_MAX>::kThreads)
   for (int j0 = 0; j0 < key_end; j0 += kTileRows) {
     const int nk = imin(kTileRows, key_end - j0);
     __syncthreads();  // every warp is done with the previous K, V and P (and Q is written, first time)
-    load_tile<kTileRows, D_MAX, kKStride, Cfg::kThreads>(k_s, p.k + kv_off + static_cast<int64_t>(j0) * p.D, nk,
-                                                         p.D, p.vec2, 1.0f);
-    load_tile<kTileRows, D_MAX, D_MAX, Cfg::kThreads>(v_s, p.v + kv_off + static_cast<int64_t>(j0) * p.D, nk, p.D,
+    load_tile<kTileRows, D_MAX, kKStride, Cfg::kThreads>(k_s, k_bh + j0 * p.k_strides.row, p.k_strides.row, nk, p.D,
+                                                         p.vec2, 1.0f);
+    load_tile<kTileRows, D_MAX, D_MAX, Cfg::kThreads>(v_s, v_bh + j0 * p.v_strides.row, p.v_strides.row, nk, p.D,
                                                       p.vec2, 1.0f);
     __syncthreads();
 
@@ -391,14 +411,17 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdConfig<D_MAX>::kThreads)
       const int64_t row = static_cast<int64_t>(bh) * p.Lq + i;
       // l = 0: no visible key (or only -inf scores) -> zeros and lse = -inf. l = NaN (a NaN or +inf
       // visible score): out and lse NaN.
-      if (group == 0) store_cols<kCols>(p.out + row * p.D, c0, p.D, p.vec2, acc[r], l_row == 0.0f ? 0.0f : 1.0f / l_row);
+      if (group == 0) {
+        store_cols<kCols>(out_bh + i * p.out_strides.row, c0, p.D, p.vec2, acc[r], l_row == 0.0f ? 0.0f : 1.0f / l_row);
+      }
       if (lane == 0) p.lse[row] = l_row == 0.0f ? neg_inf : m[r] + logf(l_row);
     }
   }
 }
 
-// delta_i = dO_i . O_i for the B H Lq rows. Block 256: one warp per row, the lanes over its columns (pairs
-// when vec2); the grid's 8 gridDim.x warps stride over the rows.
+// delta_i = dO_i . O_i for the B H Lq rows (row = (b H + h) Lq + i of delta; O and dO at their strides).
+// Block 256: one warp per row, the lanes over its column pairs (one load2 each when vec2); the grid's
+// 8 gridDim.x warps stride over the rows.
 template <typename T>
 FF_GLOBAL void FF_LAUNCH_BOUNDS(kDeltaThreads) attention_bwd_delta_kernel(const AttentionBwdParams<T> p) {
   constexpr int kWarps = kDeltaThreads / kWarpSize;
@@ -407,16 +430,25 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kDeltaThreads) attention_bwd_delta_kernel(const 
   // The row is uniform over the warp: all lanes reach warp_sum.
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp; row < rows;
        row += static_cast<int64_t>(gridDim.x) * kWarps) {
-    const T* o = p.out + row * p.D;
-    const T* g = p.dout + row * p.D;
+    const int i = static_cast<int>(row % p.Lq), bh = static_cast<int>(row / p.Lq), b = bh / p.H, head = bh - b * p.H;
+    const T* o = p.out + slice_offset(p.out_strides, b, head) + i * p.out_strides.row;
+    const T* g = p.dout + slice_offset(p.dout_strides, b, head) + i * p.dout_strides.row;
+    // Lane l sums columns 2l, 2l + 1, then 64 further on: the same products in the same order whether the
+    // pairs load as one vector or element by element (a strided view gives the contiguous copy's delta).
     float sum = 0.0f;
-    if (p.vec2) {
-      for (int c = 2 * lane; c < p.D; c += 2 * kWarpSize) {
-        const float2 a = load2(o + c), d = load2(g + c);
-        sum += a.x * d.x + a.y * d.y;
+    for (int c = 2 * lane; c < p.D; c += 2 * kWarpSize) {
+      float2 a, d;
+      if (p.vec2) {
+        a = load2(o + c);
+        d = load2(g + c);
+      } else {
+        const bool second = c + 1 < p.D;
+        a.x = to_float(o[c]);
+        a.y = second ? to_float(o[c + 1]) : 0.0f;
+        d.x = to_float(g[c]);
+        d.y = second ? to_float(g[c + 1]) : 0.0f;
       }
-    } else {
-      for (int c = lane; c < p.D; c += kWarpSize) sum += to_float(o[c]) * to_float(g[c]);
+      sum += a.x * d.x + a.y * d.y;
     }
     sum = warp_sum(sum);
     if (lane == 0) p.delta[row] = sum;
@@ -446,16 +478,20 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
 
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int c0 = (lane % Cols::kLanesPerRow) * kCols, group = lane / Cols::kLanesPerRow;
-  const int bh = blockIdx.y, b = bh / p.H;
+  const int bh = blockIdx.y, b = bh / p.H, head = bh - b * p.H;
   const int j_blk = blockIdx.x * Cfg::kBlock, jw = j_blk + warp * kRowsPerWarp;
   const int n4 = (p.D + 3) / 4;
-  const int64_t kv_off = (static_cast<int64_t>(bh) * p.Lk + j_blk) * p.D;
-  const int64_t q_off = static_cast<int64_t>(bh) * p.Lq * p.D;
+  const T* q_bh = p.q + slice_offset(p.q_strides, b, head);  // the rows of (b, h)
+  const T* do_bh = p.dout + slice_offset(p.dout_strides, b, head);
   const float neg_inf = -ff_inf();
   const bool* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.Lk : nullptr;
 
-  load_tile<Cfg::kBlock, D_MAX, D_MAX, Cfg::kThreads>(k_s, p.k + kv_off, p.Lk - j_blk, p.D, p.vec2, 1.0f);
-  load_tile<Cfg::kBlock, D_MAX, D_MAX, Cfg::kThreads>(v_s, p.v + kv_off, p.Lk - j_blk, p.D, p.vec2, 1.0f);
+  load_tile<Cfg::kBlock, D_MAX, D_MAX, Cfg::kThreads>(
+      k_s, p.k + slice_offset(p.k_strides, b, head) + j_blk * p.k_strides.row, p.k_strides.row, p.Lk - j_blk, p.D,
+      p.vec2, 1.0f);
+  load_tile<Cfg::kBlock, D_MAX, D_MAX, Cfg::kThreads>(
+      v_s, p.v + slice_offset(p.v_strides, b, head) + j_blk * p.v_strides.row, p.v_strides.row, p.Lk - j_blk, p.D,
+      p.vec2, 1.0f);
   bool key_ok[kRowsPerWarp];
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
@@ -474,10 +510,10 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
   for (int i0 = first; i0 < p.Lq; i0 += kTileRows) {
     const int nq = imin(kTileRows, p.Lq - i0);
     __syncthreads();  // every warp is done with the previous Q, dO, P r, dS (and K, V are written)
-    load_tile<kTileRows, D_MAX, kQStride, Cfg::kThreads>(do_s, p.dout + q_off + static_cast<int64_t>(i0) * p.D,
+    load_tile<kTileRows, D_MAX, kQStride, Cfg::kThreads>(do_s, do_bh + i0 * p.dout_strides.row, p.dout_strides.row,
                                                          nq, p.D, p.vec2, 1.0f);
     // scale Q, as the forward stages it: s = (scale q_i) . k_j rounds exactly as the forward's scores did.
-    load_tile<kTileRows, D_MAX, kQStride, Cfg::kThreads>(q_s, p.q + q_off + static_cast<int64_t>(i0) * p.D, nq,
+    load_tile<kTileRows, D_MAX, kQStride, Cfg::kThreads>(q_s, q_bh + i0 * p.q_strides.row, p.q_strides.row, nq,
                                                          p.D, p.vec2, p.scale);
     __syncthreads();
 
@@ -513,13 +549,15 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
 
   combine_groups<D_MAX>(dk);
   combine_groups<D_MAX>(dv);
+  T* dk_bh = p.dk + slice_offset(p.dk_strides, b, head);
+  T* dv_bh = p.dv + slice_offset(p.dv_strides, b, head);
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
     const int j = jw + r;
     if (j < p.Lk && group == 0) {  // keys no query sees got no tile: zeros
-      const int64_t off = (static_cast<int64_t>(bh) * p.Lk + j) * p.D;
-      store_cols<kCols>(p.dk + off, c0, p.D, p.vec2, dk[r], 1.0f);  // dS^T (scale Q): scaled already
-      store_cols<kCols>(p.dv + off, c0, p.D, p.vec2, dv[r], 1.0f);
+      // dK = dS^T (scale Q): scaled already.
+      store_cols<kCols>(dk_bh + j * p.dk_strides.row, c0, p.D, p.vec2, dk[r], 1.0f);
+      store_cols<kCols>(dv_bh + j * p.dv_strides.row, c0, p.D, p.vec2, dv[r], 1.0f);
     }
   }
 }
@@ -546,16 +584,20 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
 
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int c0 = (lane % Cols::kLanesPerRow) * kCols, group = lane / Cols::kLanesPerRow;
-  const int bh = blockIdx.y, b = bh / p.H;
+  const int bh = blockIdx.y, b = bh / p.H, head = bh - b * p.H;
   const int i0 = blockIdx.x * Cfg::kBlock, row0 = i0 + warp * kRowsPerWarp;
   const int n4 = (p.D + 3) / 4;
-  const int64_t q_off = (static_cast<int64_t>(bh) * p.Lq + i0) * p.D;
-  const int64_t kv_off = static_cast<int64_t>(bh) * p.Lk * p.D;
+  const T* k_bh = p.k + slice_offset(p.k_strides, b, head);  // the rows of (b, h)
+  const T* v_bh = p.v + slice_offset(p.v_strides, b, head);
   const float neg_inf = -ff_inf();
   const bool* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.Lk : nullptr;
 
-  load_tile<Cfg::kBlock, D_MAX, D_MAX, Cfg::kThreads>(q_s, p.q + q_off, p.Lq - i0, p.D, p.vec2, p.scale);
-  load_tile<Cfg::kBlock, D_MAX, D_MAX, Cfg::kThreads>(do_s, p.dout + q_off, p.Lq - i0, p.D, p.vec2, 1.0f);
+  load_tile<Cfg::kBlock, D_MAX, D_MAX, Cfg::kThreads>(
+      q_s, p.q + slice_offset(p.q_strides, b, head) + i0 * p.q_strides.row, p.q_strides.row, p.Lq - i0, p.D, p.vec2,
+      p.scale);
+  load_tile<Cfg::kBlock, D_MAX, D_MAX, Cfg::kThreads>(
+      do_s, p.dout + slice_offset(p.dout_strides, b, head) + i0 * p.dout_strides.row, p.dout_strides.row, p.Lq - i0,
+      p.D, p.vec2, 1.0f);
   float lse[kRowsPerWarp], delta[kRowsPerWarp], dq[kRowsPerWarp][kCols];
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
@@ -570,9 +612,9 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
   for (int j0 = 0; j0 < key_end; j0 += kTileRows) {
     const int nk = imin(kTileRows, key_end - j0);
     __syncthreads();  // every warp is done with the previous K, V, dS (and Q, dO are written)
-    load_tile<kTileRows, D_MAX, kKStride, Cfg::kThreads>(k_s, p.k + kv_off + static_cast<int64_t>(j0) * p.D, nk,
+    load_tile<kTileRows, D_MAX, kKStride, Cfg::kThreads>(k_s, k_bh + j0 * p.k_strides.row, p.k_strides.row, nk,
                                                          p.D, p.vec2, 1.0f);
-    load_tile<kTileRows, D_MAX, kKStride, Cfg::kThreads>(v_s, p.v + kv_off + static_cast<int64_t>(j0) * p.D, nk,
+    load_tile<kTileRows, D_MAX, kKStride, Cfg::kThreads>(v_s, v_bh + j0 * p.v_strides.row, p.v_strides.row, nk,
                                                          p.D, p.vec2, 1.0f);
     __syncthreads();
 
@@ -600,11 +642,12 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
   }
 
   combine_groups<D_MAX>(dq);
+  T* dq_bh = p.dq + slice_offset(p.dq_strides, b, head);
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
     const int i = row0 + r;
     if (i < p.Lq && group == 0) {  // rows with no visible key: dS = 0, so zeros
-      store_cols<kCols>(p.dq + (static_cast<int64_t>(bh) * p.Lq + i) * p.D, c0, p.D, p.vec2, dq[r], p.scale);
+      store_cols<kCols>(dq_bh + i * p.dq_strides.row, c0, p.D, p.vec2, dq[r], p.scale);
     }
   }
 }

@@ -30,8 +30,10 @@
 //
 // Shared memory: every tile row holds D_MAX + 8 elements (16 bytes of padding: the 8 row addresses of one
 // ldmatrix matrix fall in distinct bank groups); columns D..D_MAX-1 and rows past the sequence are zeros
-// (cp.async zero-fill), so they add nothing to the products. Tiles move as 16-byte cp.async chunks when
-// `vec8` (D % 8 == 0 and every pointer 16-byte aligned), else by element copies.
+// (cp.async zero-fill), so they add nothing to the products. Global rows are read and written at each
+// tensor's batch, head and row strides (attention.cuh RowStrides: views of (B, L, H, D) in place). Tiles
+// move as 16-byte cp.async chunks when `vec8` (D % 8 == 0; every pointer and stride 16-byte aligned), else
+// by element copies.
 //   forward  Q (kRows) + kStages x (K, V) (kTileN):  D_MAX 16, 32, 64: 4 warps, kTileN 64, 2 stages:
 //            15, 25, 45 KB; D_MAX 128: 4 warps, kTileN 32, 1 stage: 34 KB
 //   backward 2 owned (kRows) + kStages x 2 walked (kTileN): D_MAX 16, 32: 4 warps, 64, 2 stages: 18, 30 KB;
@@ -68,11 +70,12 @@ using attention_detail::causal_key_end;
 using attention_detail::imax;
 using attention_detail::imin;
 
-// Copies rows [0, rows) of a row-major (rows, D) slice of global memory into a tile of kRows rows of
-// D_MAX + 8 elements; rows >= `rows` and columns >= D become zeros. vec8: 16-byte cp.async chunks (the
-// caller commits and waits), else plain element copies. All kThreads threads of the block take part.
+// Copies rows [0, rows) of a (rows, D) slice of global memory at row stride `ld` elements (last dim
+// contiguous) into a tile of kRows rows of D_MAX + 8 elements; rows >= `rows` and columns >= D become
+// zeros. vec8: 16-byte cp.async chunks (the caller commits and waits), else plain element copies. All
+// kThreads threads of the block take part.
 template <int kRows, int D_MAX, int kThreads, typename T>
-FF_DEVICE void stage_tile(T* tile, const T* src, int rows, int D, bool vec8) {
+FF_DEVICE void stage_tile(T* tile, const T* src, int64_t ld, int rows, int D, bool vec8) {
   constexpr int kStride = D_MAX + 8, kChunks = D_MAX / 8;
   for (int idx = static_cast<int>(threadIdx.x); idx < kRows * kChunks; idx += kThreads) {
     const int r = idx / kChunks, c = (idx % kChunks) * 8;
@@ -80,11 +83,11 @@ FF_DEVICE void stage_tile(T* tile, const T* src, int rows, int D, bool vec8) {
     const bool row_in = r < rows;
     if (vec8) {  // D % 8 == 0: a chunk is wholly inside or outside the row
       const bool in = row_in && c < D;
-      cp_async16(dst, in ? src + static_cast<int64_t>(r) * D + c : src, in ? 16 : 0);
+      cp_async16(dst, in ? src + r * ld + c : src, in ? 16 : 0);
     } else {
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        dst[e] = row_in && c + e < D ? src[static_cast<int64_t>(r) * D + c + e] : from_float<T>(0.0f);
+        dst[e] = row_in && c + e < D ? src[r * ld + c + e] : from_float<T>(0.0f);
       }
     }
   }
@@ -182,19 +185,20 @@ FF_DEVICE void store_row(T* dst, const float (&acc)[D_MAX / 8][4], int h, int t,
 }
 
 // Walks the tiles [0, n_tiles) of the walked side: stages tile `tile` of each of the kWalked sources
-// (src[w] + tile kTileN rows, `rows_left(tile)` valid rows) into its buffer, double-buffered when
-// kStages == 2 (tile + 1 is in flight while tile is computed), then calls body(tile, buffers) between
-// two block barriers. The owned tiles' copies (issued before) complete with the first tile's group.
+// (src[w] + tile kTileN rows of ld[w] elements, `rows_left(tile)` valid rows) into its buffer,
+// double-buffered when kStages == 2 (tile + 1 is in flight while tile is computed), then calls
+// body(tile, buffers) between two block barriers. The owned tiles' copies (issued before) complete with
+// the first tile's group.
 template <typename Cfg, int D_MAX, int kWalked, typename T, typename RowsLeft, typename Body>
-FF_DEVICE void walk_tiles(T* buffers, const T* const (&src)[kWalked], int n_tiles, int D, bool vec8,
-                          RowsLeft rows_left, Body body) {
+FF_DEVICE void walk_tiles(T* buffers, const T* const (&src)[kWalked], const int64_t (&ld)[kWalked], int n_tiles,
+                          int D, bool vec8, RowsLeft rows_left, Body body) {
   constexpr int kTileElems = Cfg::kTileN * (D_MAX + 8);
   auto stage = [&](int tile, int buf) {
 #pragma unroll
     for (int w = 0; w < kWalked; ++w) {
       stage_tile<Cfg::kTileN, D_MAX, Cfg::kThreads>(buffers + (buf * kWalked + w) * kTileElems,
-                                                    src[w] + static_cast<int64_t>(tile) * Cfg::kTileN * D,
-                                                    rows_left(tile), D, vec8);
+                                                    src[w] + tile * Cfg::kTileN * ld[w], ld[w], rows_left(tile),
+                                                    D, vec8);
     }
   };
   if (Cfg::kStages == 2 && n_tiles > 0) stage(0, 0);
@@ -234,16 +238,15 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdMmaConfig<D_MAX>::kThreads)
 
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int g = lane / 4, t = lane % 4;
-  const int bh = blockIdx.y, b = bh / p.H;
+  const int bh = blockIdx.y, b = bh / p.H, head = bh - b * p.H;
   const int i0 = blockIdx.x * Cfg::kRows;
   const bool* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.Lk : nullptr;
-  const int64_t kv_off = static_cast<int64_t>(bh) * p.Lk * p.D;
   const float neg_inf = -ff_inf();
   __shared__ uint64_t seed_s;  // the dropout seed (common.cuh load_seed), read by thread 0 for the block
   if (threadIdx.x == 0 && p.dropout_p > 0.0f) seed_s = load_seed(p.seed);  // seen after the first barrier
 
-  stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(q_s, p.q + (static_cast<int64_t>(bh) * p.Lq + i0) * p.D, p.Lq - i0,
-                                               p.D, p.vec8);
+  stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(
+      q_s, p.q + slice_offset(p.q_strides, b, head) + i0 * p.q_strides.row, p.q_strides.row, p.Lq - i0, p.D, p.vec8);
   float m[2] = {neg_inf, neg_inf}, l[2] = {0.0f, 0.0f};  // rows g, g + 8; l is this lane's share
   float acc[D_MAX / 8][4];
 #pragma unroll
@@ -253,9 +256,10 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdMmaConfig<D_MAX>::kThreads)
   }
 
   const int key_end = causal_key_end(p.causal, imin(i0 + Cfg::kRows, p.Lq), p.Lq, p.Lk);
-  const T* const src[2] = {p.k + kv_off, p.v + kv_off};
+  const T* const src[2] = {p.k + slice_offset(p.k_strides, b, head), p.v + slice_offset(p.v_strides, b, head)};
+  const int64_t ld[2] = {p.k_strides.row, p.v_strides.row};
   walk_tiles<Cfg, D_MAX, 2>(
-      reinterpret_cast<T*>(kv_s4), src, ceil_div(key_end, Cfg::kTileN), p.D, p.vec8,
+      reinterpret_cast<T*>(kv_s4), src, ld, ceil_div(key_end, Cfg::kTileN), p.D, p.vec8,
       [&](int tile) { return key_end - tile * Cfg::kTileN; },
       [&](int tile, const T* kv) {
         const int j0 = tile * Cfg::kTileN;
@@ -312,7 +316,8 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdMmaConfig<D_MAX>::kThreads)
     if (i < p.Lq) {
       const int64_t row = static_cast<int64_t>(bh) * p.Lq + i;
       // l = 0: no visible key (or only -inf scores) -> zeros and lse = -inf; l = NaN: out and lse NaN.
-      store_row<D_MAX>(p.out + row * p.D, acc, h, t, p.D, p.vec2, l_row == 0.0f ? 0.0f : 1.0f / l_row);
+      store_row<D_MAX>(p.out + slice_offset(p.out_strides, b, head) + i * p.out_strides.row, acc, h, t, p.D, p.vec2,
+                       l_row == 0.0f ? 0.0f : 1.0f / l_row);
       if (t == 0) p.lse[row] = l_row == 0.0f ? neg_inf : m[h] + logf(l_row);
     }
   }
@@ -332,17 +337,18 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdMmaConfig<D_MAX>::kThreads)
 
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int g = lane / 4, t = lane % 4;
-  const int bh = blockIdx.y, b = bh / p.H;
+  const int bh = blockIdx.y, b = bh / p.H, head = bh - b * p.H;
   const int i0 = blockIdx.x * Cfg::kRows;
   const bool* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.Lk : nullptr;
-  const int64_t q_off = (static_cast<int64_t>(bh) * p.Lq + i0) * p.D;
-  const int64_t kv_off = static_cast<int64_t>(bh) * p.Lk * p.D;
   const float neg_inf = -ff_inf();
   __shared__ uint64_t seed_s;  // the dropout seed (common.cuh load_seed), read by thread 0 for the block
   if (threadIdx.x == 0 && p.dropout_p > 0.0f) seed_s = load_seed(p.seed);  // seen after the first barrier
 
-  stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(q_s, p.q + q_off, p.Lq - i0, p.D, p.vec8);
-  stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(do_s, p.dout + q_off, p.Lq - i0, p.D, p.vec8);
+  stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(
+      q_s, p.q + slice_offset(p.q_strides, b, head) + i0 * p.q_strides.row, p.q_strides.row, p.Lq - i0, p.D, p.vec8);
+  stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(do_s,
+                                               p.dout + slice_offset(p.dout_strides, b, head) + i0 * p.dout_strides.row,
+                                               p.dout_strides.row, p.Lq - i0, p.D, p.vec8);
   float lse[2], delta[2], dq[D_MAX / 8][4];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -357,9 +363,10 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdMmaConfig<D_MAX>::kThreads)
   }
 
   const int key_end = causal_key_end(p.causal, imin(i0 + Cfg::kRows, p.Lq), p.Lq, p.Lk);
-  const T* const src[2] = {p.k + kv_off, p.v + kv_off};
+  const T* const src[2] = {p.k + slice_offset(p.k_strides, b, head), p.v + slice_offset(p.v_strides, b, head)};
+  const int64_t ld[2] = {p.k_strides.row, p.v_strides.row};
   walk_tiles<Cfg, D_MAX, 2>(
-      reinterpret_cast<T*>(kv_s4), src, ceil_div(key_end, Cfg::kTileN), p.D, p.vec8,
+      reinterpret_cast<T*>(kv_s4), src, ld, ceil_div(key_end, Cfg::kTileN), p.D, p.vec8,
       [&](int tile) { return key_end - tile * Cfg::kTileN; },
       [&](int tile, const T* kv) {
         const int j0 = tile * Cfg::kTileN;
@@ -393,7 +400,10 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdMmaConfig<D_MAX>::kThreads)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int i = i0 + 16 * warp + g + 8 * h;
-    if (i < p.Lq) store_row<D_MAX>(p.dq + (static_cast<int64_t>(bh) * p.Lq + i) * p.D, dq, h, t, p.D, p.vec2, p.scale);
+    if (i < p.Lq) {
+      store_row<D_MAX>(p.dq + slice_offset(p.dq_strides, b, head) + i * p.dq_strides.row, dq, h, t, p.D, p.vec2,
+                       p.scale);
+    }
   }
 }
 
@@ -411,16 +421,19 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdMmaConfig<D_MAX>::kThreads)
 
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int g = lane / 4, t = lane % 4;
-  const int bh = blockIdx.y, b = bh / p.H;
+  const int bh = blockIdx.y, b = bh / p.H, head = bh - b * p.H;
   const int j_blk = blockIdx.x * Cfg::kRows;
   const bool* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.Lk : nullptr;
-  const int64_t kv_off = (static_cast<int64_t>(bh) * p.Lk + j_blk) * p.D;
   const float neg_inf = -ff_inf();
   __shared__ uint64_t seed_s;  // the dropout seed (common.cuh load_seed), read by thread 0 for the block
   if (threadIdx.x == 0 && p.dropout_p > 0.0f) seed_s = load_seed(p.seed);  // seen after the first barrier
 
-  stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(k_s, p.k + kv_off, p.Lk - j_blk, p.D, p.vec8);
-  stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(v_s, p.v + kv_off, p.Lk - j_blk, p.D, p.vec8);
+  stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(
+      k_s, p.k + slice_offset(p.k_strides, b, head) + j_blk * p.k_strides.row, p.k_strides.row, p.Lk - j_blk, p.D,
+      p.vec8);
+  stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(
+      v_s, p.v + slice_offset(p.v_strides, b, head) + j_blk * p.v_strides.row, p.v_strides.row, p.Lk - j_blk, p.D,
+      p.vec8);
   bool key_ok[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -436,10 +449,11 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdMmaConfig<D_MAX>::kThreads)
 
   // Queries before the diagonal of the block's first key see none of its keys.
   const int first = p.causal ? imax(0, j_blk - (p.Lk - p.Lq)) / Cfg::kTileN * Cfg::kTileN : 0;
-  const int64_t q_off = (static_cast<int64_t>(bh) * p.Lq + first) * p.D;
-  const T* const src[2] = {p.q + q_off, p.dout + q_off};
+  const T* const src[2] = {p.q + slice_offset(p.q_strides, b, head) + first * p.q_strides.row,
+                           p.dout + slice_offset(p.dout_strides, b, head) + first * p.dout_strides.row};
+  const int64_t ld[2] = {p.q_strides.row, p.dout_strides.row};
   walk_tiles<Cfg, D_MAX, 2>(
-      reinterpret_cast<T*>(qdo_s4), src, ceil_div(imax(0, p.Lq - first), Cfg::kTileN), p.D, p.vec8,
+      reinterpret_cast<T*>(qdo_s4), src, ld, ceil_div(imax(0, p.Lq - first), Cfg::kTileN), p.D, p.vec8,
       [&](int tile) { return p.Lq - first - tile * Cfg::kTileN; },
       [&](int tile, const T* qdo) {
         const int i0 = first + tile * Cfg::kTileN;
@@ -476,9 +490,9 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdMmaConfig<D_MAX>::kThreads)
   for (int h = 0; h < 2; ++h) {
     const int j = j_blk + 16 * warp + g + 8 * h;
     if (j < p.Lk) {  // keys no query sees got no tile: zeros
-      const int64_t off = (static_cast<int64_t>(bh) * p.Lk + j) * p.D;
-      store_row<D_MAX>(p.dk + off, dk, h, t, p.D, p.vec2, p.scale);
-      store_row<D_MAX>(p.dv + off, dv, h, t, p.D, p.vec2, 1.0f);
+      store_row<D_MAX>(p.dk + slice_offset(p.dk_strides, b, head) + j * p.dk_strides.row, dk, h, t, p.D, p.vec2,
+                       p.scale);
+      store_row<D_MAX>(p.dv + slice_offset(p.dv_strides, b, head) + j * p.dv_strides.row, dv, h, t, p.D, p.vec2, 1.0f);
     }
   }
 }

@@ -42,14 +42,26 @@ inline typename DeviceType<scalar_t>::type* device_ptr_mut(at::Tensor& t) {
   return reinterpret_cast<typename DeviceType<scalar_t>::type*>(t.mutable_data_ptr<scalar_t>());
 }
 
-// A tensor the kernels may read: on this backend's device (CUDA, or CPU for cuda_sim) and contiguous.
-inline void check_input(const at::Tensor& t, const char* name) {
+// A tensor on this backend's device (CUDA, or CPU for cuda_sim).
+inline void check_device(const at::Tensor& t, const char* name) {
 #if defined(__CUDACC__)
   TORCH_CHECK(t.is_cuda(), "fastformer ", kBackend, " backend: ", name, " must be a CUDA tensor, got ", t.device());
 #else
   TORCH_CHECK(t.is_cpu(), "fastformer ", kBackend, " backend: ", name, " must be a CPU tensor, got ", t.device());
 #endif
+}
+
+// A tensor the kernels may read: on this backend's device and contiguous.
+inline void check_input(const at::Tensor& t, const char* name) {
+  check_device(t, name);
   TORCH_CHECK(t.is_contiguous(), "fastformer ", kBackend, " backend: ", name, " must be contiguous");
+}
+
+// A tensor the kernels read as rows at any strides: on this backend's device, its last dim contiguous.
+inline void check_rows(const at::Tensor& t, const char* name) {
+  check_device(t, name);
+  TORCH_CHECK(t.dim() >= 1 && (t.size(-1) <= 1 || t.stride(-1) == 1), "fastformer ", kBackend, " backend: ", name,
+              " must have a contiguous last dim, got strides ", t.strides());
 }
 
 // The dropout seed as the kernels take it: a pointer to the 0-dim int64 tensor of the call (csrc/ops.h

@@ -40,9 +40,9 @@ class MultiHeadAttention(nn.Module):
             nn.init.zeros_(m.bias)
 
     def _heads(self, x: Tensor, n: int) -> tuple[Tensor, ...]:
-        """(B, L, n * d) -> n tensors (B, H, L, Dh): views, which the CPU kernel reads in place (the GPU
-        kernels take contiguous copies); the CPU kernel's output comes back in (B, L, H, Dh) memory, so there
-        the reshape in forward copies nothing."""
+        """(B, L, n * d) -> n tensors (B, H, L, Dh): views, which the kernels (cpu, cuda, triton) read in place;
+        their output comes back in (B, L, H, Dh) memory, so the reshape in forward copies nothing (the torch
+        reference backend copies on both sides)."""
         B, L, _ = x.shape
         parts = x.view(B, L, n, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         return tuple(parts[i] for i in range(n))

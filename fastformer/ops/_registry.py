@@ -38,14 +38,13 @@ def register(op: str, *, fake_fwd: Callable, fake_bwd: Callable, py_fwd: Callabl
     """Fake kernels of ``<op>_fwd``/``<op>_bwd`` and their ``_py`` twins, and the twins' implementation.
 
     ``py_fwd``/``py_bwd`` take the schema's arguments, ``backend`` last, and run on any device. The twins'
-    fake kernels are ``fake_fwd_py``/``fake_bwd_py`` where the Python backends' outputs have other strides than
-    the C++ kernels' (attention), else the same.
+    fake kernels are ``fake_fwd_py``/``fake_bwd_py``, which take ``backend`` last too, where the outputs' strides
+    depend on the backend (attention: the torch reference's differ from the kernels'), else the C++ ops' fakes.
     """
-    for phase, fake, fake_py, impl in (("fwd", fake_fwd, fake_fwd_py or fake_fwd, py_fwd),
-                                       ("bwd", fake_bwd, fake_bwd_py or fake_bwd, py_bwd)):
+    for phase, fake, fake_py, impl in (("fwd", fake_fwd, fake_fwd_py, py_fwd), ("bwd", fake_bwd, fake_bwd_py, py_bwd)):
         name = f"fastformer::{op}_{phase}"
         torch.library.register_fake(name)(fake)
-        torch.library.register_fake(f"{name}_py")(lambda *args, fake=fake_py: fake(*args[:-1]))
+        torch.library.register_fake(f"{name}_py")(fake_py or (lambda *args, fake=fake: fake(*args[:-1])))
         torch.library.impl(f"{name}_py", "CompositeExplicitAutograd")(_without_autocast(impl))
 
 

@@ -20,13 +20,22 @@ from fastformer.ops._registry import C, dropout_seed, out_like
 
 
 def rows_like(x: Tensor) -> Tensor:
-    """An output of the C++ kernels shaped like x (B, H, L, D) in their layout (csrc/cpu/attention.cpp
-    rows_like, the same rule): on the CPU, always a view (B, H, L, D) of a contiguous (B, L, H, D) tensor, as
-    torch's CPU sdpa writes its output and gradients (transformers' projections then take out, dq, dk, dv
-    without a copy); the CUDA kernels, and the Python backends, write contiguous outputs."""
-    if x.device.type == "cpu":
-        return x.new_empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3]).transpose(1, 2)
-    return out_like(x)
+    """An output of the kernels shaped like x (B, H, L, D) in their layout, one rule for every kernel backend
+    and device (cpu, cuda, triton, cuda_sim: rows_like in csrc/cpu/attention.cpp, csrc/cuda/attention.cu and
+    fastformer/triton/attention.py): always a view (B, H, L, D) of a contiguous (B, L, H, D) tensor, whatever
+    the inputs' layout, as torch's CPU sdpa writes its output and gradients (the model's and transformers'
+    projections then take out, dq, dk, dv without a copy). The torch backend (the reference) writes
+    contiguous outputs."""
+    return x.new_empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3]).transpose(1, 2)
+
+
+def _layout(backend: str):
+    """How a ``_py`` twin on ``backend`` passes the (B, H, L, D) tensors and lays out its outputs: the kernels
+    read views in place (csrc/ops.h attention_layout copies only a tensor whose last dim is strided or whose
+    rows overlap) and write rows_like; the torch reference takes contiguous copies and writes contiguous."""
+    if backend == "torch":
+        return Tensor.contiguous, out_like
+    return C.attention_layout, rows_like
 
 
 def _fake_fwd(q, k, v, key_padding_mask, causal, dropout_p, scale, seed, like=rows_like):
@@ -46,7 +55,8 @@ def _py_fwd(q, k, v, key_padding_mask, causal, dropout_p, scale, seed, backend):
     C.check_seed(seed, dropout_p, q, "attention")
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     impl = _dispatch.implementation("attention", "fwd", backend)
-    return impl(q.contiguous(), k.contiguous(), v.contiguous(), mask, causal, dropout_p, scale, seed)
+    rows, _ = _layout(backend)
+    return impl(rows(q), rows(k), rows(v), mask, causal, dropout_p, scale, seed)
 
 
 def _py_bwd(dout, q, k, v, out, lse, key_padding_mask, causal, dropout_p, scale, seed, backend):
@@ -55,13 +65,14 @@ def _py_bwd(dout, q, k, v, out, lse, key_padding_mask, causal, dropout_p, scale,
     C.check_seed(seed, dropout_p, q, "attention")
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     impl = _dispatch.implementation("attention", "bwd", backend)
-    return impl(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(),
-                mask, causal, dropout_p, scale, seed)
+    rows, _ = _layout(backend)
+    return impl(rows(dout), rows(q), rows(k), rows(v), rows(out), lse.contiguous(), mask, causal, dropout_p, scale,
+                seed)
 
 
 _registry.register("attention", fake_fwd=_fake_fwd, fake_bwd=_fake_bwd, py_fwd=_py_fwd, py_bwd=_py_bwd,
-                   fake_fwd_py=lambda *args: _fake_fwd(*args, like=out_like),
-                   fake_bwd_py=lambda *args: _fake_bwd(*args, like=out_like))
+                   fake_fwd_py=lambda *args: _fake_fwd(*args[:-1], like=_layout(args[-1])[1]),
+                   fake_bwd_py=lambda *args: _fake_bwd(*args[:-1], like=_layout(args[-1])[1]))
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Optional[Tensor] = None,

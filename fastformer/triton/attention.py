@@ -1,7 +1,11 @@
 """Fused masked scaled dot-product attention in Triton, forward and backward (FlashAttention-2).
 
-Shapes: q (B, H, Lq, D), k and v (B, H, Lk, D) contiguous; key padding mask (B, Lk) bool; out like q;
-lse (B, H, Lq) float32. D is padded to BLOCK_D (a power of two >= 16) with masked loads; D <= 128.
+Shapes: q (B, H, Lq, D), k and v (B, H, Lk, D); key padding mask (B, Lk) bool; out like q; lse (B, H, Lq)
+float32. D is padded to BLOCK_D (a power of two >= 16) with masked loads; D <= 128.
+Layout (the rule of the CPU and CUDA kernels, csrc/ops.h attention_layout): q, k, v, out and dout are read
+in place at their batch, head and row strides (kernel arguments; the last dim contiguous), e.g. views
+(B, H, L, D) of (B, L, H, D) projections; out, dq, dk, dv are written as (B, H, L, D) views of contiguous
+(B, L, H, D) tensors (rows_like), whatever the inputs' layout; lse and delta are contiguous (B, H, Lq).
 
 Forward, grid (ceil(Lq / BLOCK_M), B H): a BLOCK_M tile of queries stays in registers while the program
 walks key blocks up to the tile's causal limit (blocks above the diagonal are never visited):
@@ -32,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastformer._ext import C
 from fastformer.triton._common import (
     MAX_HEAD_DIM,
     attention_autotune,
@@ -54,10 +59,21 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(ptr, bh, L, offs, offs_d, D, UPCAST: tl.constexpr):
-    """Rows ``offs`` of one (b, h) slice of a (B, H, L, D) tensor as a (rows, BLOCK_D) tile, zero-padded."""
-    tile = tl.load(ptr + (bh * L + offs[:, None]) * D + offs_d[None, :],
-                   mask=(offs[:, None] < L) & (offs_d[None, :] < D), other=0.0)
+def _slice(ptr, bh, H, stride_b, stride_h):
+    """Row 0 of the (b, h) = divmod(bh, H) slice of a (B, H, L, D) tensor at batch and head strides (int64 bh)."""
+    return ptr + (bh // H) * stride_b + (bh % H) * stride_h
+
+
+@triton.jit
+def _rows(ptr, stride_l, offs, offs_d):
+    """Pointers to columns ``offs_d`` of rows ``offs`` of one (b, h) slice (row 0 at ptr, row stride stride_l)."""
+    return ptr + offs[:, None].to(tl.int64) * stride_l + offs_d[None, :]
+
+
+@triton.jit
+def _load_tile(ptr, stride_l, L, offs, offs_d, D, UPCAST: tl.constexpr):
+    """Rows ``offs`` of one (b, h) slice (row 0 at ptr) as a (rows, BLOCK_D) tile, zero-padded."""
+    tile = tl.load(_rows(ptr, stride_l, offs, offs_d), mask=(offs[:, None] < L) & (offs_d[None, :] < D), other=0.0)
     if UPCAST:
         tile = tile.to(tl.float32)
     return tile
@@ -101,6 +117,10 @@ def _attn_fwd_kernel(
     kpm_ptr,  # (B, Lk) bool key padding mask (unused if not HAS_KPM)
     o_ptr,  # (B, H, Lq, D) output
     lse_ptr,  # (B, H, Lq) float32 row logsumexp, output
+    stride_qb, stride_qh, stride_ql,  # element strides (batch, head, row) of q; the last dim is contiguous
+    stride_kb, stride_kh, stride_kl,  # of k
+    stride_vb, stride_vh, stride_vl,  # of v
+    stride_ob, stride_oh, stride_ol,  # of o
     H, Lq, Lk, D,  # sizes
     scale,  # softmax scale
     p,  # dropout probability
@@ -113,7 +133,9 @@ def _attn_fwd_kernel(
     tile, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_tile(q_ptr, bh, Lq, offs_m, offs_d, D, UPCAST)
+    k_bh = _slice(k_ptr, bh, H, stride_kb, stride_kh)  # row 0 of this (b, h)
+    v_bh = _slice(v_ptr, bh, H, stride_vb, stride_vh)
+    q = _load_tile(_slice(q_ptr, bh, H, stride_qb, stride_qh), stride_ql, Lq, offs_m, offs_d, D, UPCAST)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -123,7 +145,7 @@ def _attn_fwd_kernel(
     for start_n in range(0, _causal_key_end(tile, Lq, Lk, BLOCK_M, CAUSAL), BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if _any_key(kpm_row, offs_n, Lk, HAS_KPM):  # an all-padding tile changes nothing: skipped
-            k = _load_tile(k_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
+            k = _load_tile(k_bh, stride_kl, Lk, offs_n, offs_d, D, UPCAST)
             s, visible = _scores(q, k, kpm_row, offs_m, offs_n, Lq, Lk, scale, HAS_KPM, CAUSAL, IEEE)
             s = tl.where(visible, s, float("-inf"))
             unbounded = (s != s) | (s == float("inf"))
@@ -138,7 +160,7 @@ def _attn_fwd_kernel(
             if HAS_DROPOUT:
                 keep = dropout_keep_rows(seed, bh * Lq + offs_m, start_n, Lk, p, BLOCK_M, BLOCK_N, GROUPS_OF_4)
                 prob = tl.where(keep, prob / (1.0 - p), 0.0)
-            v = _load_tile(v_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
+            v = _load_tile(v_bh, stride_vl, Lk, offs_n, offs_d, D, UPCAST)
             acc = acc * alpha[:, None] + _dot(prob.to(v.dtype), v, IEEE)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -146,24 +168,29 @@ def _attn_fwd_kernel(
     # A NaN or +inf visible score: the row's out and lse are NaN (as PyTorch's softmax gives).
     out = tl.where(bad[:, None] > 0, float("nan"), out)
     lse = tl.where(bad > 0, float("nan"), lse)
-    tl.store(o_ptr + (bh * Lq + offs_m[:, None]) * D + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
+    tl.store(_rows(_slice(o_ptr, bh, H, stride_ob, stride_oh), stride_ol, offs_m, offs_d),
+             out.to(o_ptr.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
     tl.store(lse_ptr + bh * Lq + offs_m, lse, mask=offs_m < Lq)
 
 
 @triton.jit
 def _attn_bwd_preprocess(
-    o_ptr, do_ptr,  # (B H Lq, D) output and its gradient
-    delta_ptr,  # (B H Lq,) float32 rowsum(dO O), output
-    rows, D,  # B H Lq and the head dim
+    o_ptr, do_ptr,  # (B, H, Lq, D) output and its gradient
+    delta_ptr,  # (B, H, Lq) float32 rowsum(dO O), output
+    stride_ob, stride_oh, stride_ol,  # element strides (batch, head, row) of o; the last dim is contiguous
+    stride_dob, stride_doh, stride_dol,  # of do
+    H, Lq, D,  # sizes
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tile, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    inside = (offs_m[:, None] < rows) & (offs_d[None, :] < D)
-    o = tl.load(o_ptr + offs_m[:, None] * D + offs_d[None, :], mask=inside, other=0.0).to(tl.float32)
-    do = tl.load(do_ptr + offs_m[:, None] * D + offs_d[None, :], mask=inside, other=0.0).to(tl.float32)
-    tl.store(delta_ptr + offs_m, tl.sum(o * do, 1), mask=offs_m < rows)
+    inside = (offs_m[:, None] < Lq) & (offs_d[None, :] < D)
+    o = tl.load(_rows(_slice(o_ptr, bh, H, stride_ob, stride_oh), stride_ol, offs_m, offs_d), mask=inside,
+                other=0.0).to(tl.float32)
+    do = tl.load(_rows(_slice(do_ptr, bh, H, stride_dob, stride_doh), stride_dol, offs_m, offs_d), mask=inside,
+                 other=0.0).to(tl.float32)
+    tl.store(delta_ptr + bh * Lq + offs_m, tl.sum(o * do, 1), mask=offs_m < Lq)
 
 
 @triton.jit
@@ -193,6 +220,12 @@ def _attn_bwd_dkdv_kernel(
     do_ptr,  # (B, H, Lq, D) gradient of the output
     lse_ptr, delta_ptr,  # (B, H, Lq) float32
     dk_ptr, dv_ptr,  # (B, H, Lk, D) outputs
+    stride_qb, stride_qh, stride_ql,  # element strides (batch, head, row) of q; the last dim is contiguous
+    stride_kb, stride_kh, stride_kl,  # of k
+    stride_vb, stride_vh, stride_vl,  # of v
+    stride_dob, stride_doh, stride_dol,  # of do
+    stride_dkb, stride_dkh, stride_dkl,  # of dk
+    stride_dvb, stride_dvh, stride_dvl,  # of dv
     H, Lq, Lk, D, scale, p, seed_ptr, L_BUCKET,
     HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
     IEEE: tl.constexpr, GROUPS_OF_4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -201,8 +234,10 @@ def _attn_bwd_dkdv_kernel(
     block, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k = _load_tile(k_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
-    v = _load_tile(v_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
+    q_bh = _slice(q_ptr, bh, H, stride_qb, stride_qh)  # row 0 of this (b, h)
+    do_bh = _slice(do_ptr, bh, H, stride_dob, stride_doh)
+    k = _load_tile(_slice(k_ptr, bh, H, stride_kb, stride_kh), stride_kl, Lk, offs_n, offs_d, D, UPCAST)
+    v = _load_tile(_slice(v_ptr, bh, H, stride_vb, stride_vh), stride_vl, Lk, offs_n, offs_d, D, UPCAST)
     kpm_row = kpm_ptr + (bh // H) * Lk
     seed = load_seed(seed_ptr, HAS_DROPOUT)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -213,8 +248,8 @@ def _attn_bwd_dkdv_kernel(
     first_m = tl.where(_any_key(kpm_row, offs_n, Lk, HAS_KPM), first_m, Lq)  # all padding: dK = dV = 0
     for start_m in range(first_m, Lq, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_tile(q_ptr, bh, Lq, offs_m, offs_d, D, UPCAST)
-        do = _load_tile(do_ptr, bh, Lq, offs_m, offs_d, D, UPCAST)
+        q = _load_tile(q_bh, stride_ql, Lq, offs_m, offs_d, D, UPCAST)
+        do = _load_tile(do_bh, stride_dol, Lq, offs_m, offs_d, D, UPCAST)
         lse = tl.load(lse_ptr + bh * Lq + offs_m, mask=offs_m < Lq, other=float("-inf"))
         delta = tl.load(delta_ptr + bh * Lq + offs_m, mask=offs_m < Lq, other=0.0)
         prob_dropped, ds = _backward_tile(q, do, k, v, kpm_row, lse, delta, offs_m, block * BLOCK_N, bh, Lq, Lk,
@@ -222,10 +257,11 @@ def _attn_bwd_dkdv_kernel(
                                           BLOCK_N)
         dv += _dot(tl.trans(prob_dropped.to(do.dtype)), do, IEEE)
         dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE)
-    out_offs = (bh * Lk + offs_n[:, None]) * D + offs_d[None, :]
     kv_mask = (offs_n[:, None] < Lk) & (offs_d[None, :] < D)
-    tl.store(dk_ptr + out_offs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(dv_ptr + out_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(_rows(_slice(dk_ptr, bh, H, stride_dkb, stride_dkh), stride_dkl, offs_n, offs_d),
+             (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(_rows(_slice(dv_ptr, bh, H, stride_dvb, stride_dvh), stride_dvl, offs_n, offs_d),
+             dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
 
 @attention_autotune("bwd")
@@ -233,6 +269,11 @@ def _attn_bwd_dkdv_kernel(
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, kpm_ptr, do_ptr, lse_ptr, delta_ptr,  # as in the dK/dV kernel
     dq_ptr,  # (B, H, Lq, D) output
+    stride_qb, stride_qh, stride_ql,  # element strides (batch, head, row) of q; the last dim is contiguous
+    stride_kb, stride_kh, stride_kl,  # of k
+    stride_vb, stride_vh, stride_vl,  # of v
+    stride_dob, stride_doh, stride_dol,  # of do
+    stride_dqb, stride_dqh, stride_dql,  # of dq
     H, Lq, Lk, D, scale, p, seed_ptr, L_BUCKET,
     HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
     IEEE: tl.constexpr, GROUPS_OF_4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -241,8 +282,10 @@ def _attn_bwd_dq_kernel(
     tile, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_tile(q_ptr, bh, Lq, offs_m, offs_d, D, UPCAST)
-    do = _load_tile(do_ptr, bh, Lq, offs_m, offs_d, D, UPCAST)
+    k_bh = _slice(k_ptr, bh, H, stride_kb, stride_kh)  # row 0 of this (b, h)
+    v_bh = _slice(v_ptr, bh, H, stride_vb, stride_vh)
+    q = _load_tile(_slice(q_ptr, bh, H, stride_qb, stride_qh), stride_ql, Lq, offs_m, offs_d, D, UPCAST)
+    do = _load_tile(_slice(do_ptr, bh, H, stride_dob, stride_doh), stride_dol, Lq, offs_m, offs_d, D, UPCAST)
     lse = tl.load(lse_ptr + bh * Lq + offs_m, mask=offs_m < Lq, other=float("-inf"))
     delta = tl.load(delta_ptr + bh * Lq + offs_m, mask=offs_m < Lq, other=0.0)
     kpm_row = kpm_ptr + (bh // H) * Lk
@@ -251,13 +294,13 @@ def _attn_bwd_dq_kernel(
     for start_n in range(0, _causal_key_end(tile, Lq, Lk, BLOCK_M, CAUSAL), BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if _any_key(kpm_row, offs_n, Lk, HAS_KPM):  # an all-padding tile adds nothing: skipped
-            k = _load_tile(k_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
-            v = _load_tile(v_ptr, bh, Lk, offs_n, offs_d, D, UPCAST)
+            k = _load_tile(k_bh, stride_kl, Lk, offs_n, offs_d, D, UPCAST)
+            v = _load_tile(v_bh, stride_vl, Lk, offs_n, offs_d, D, UPCAST)
             _, ds = _backward_tile(q, do, k, v, kpm_row, lse, delta, offs_m, start_n, bh, Lq, Lk, scale, p, seed,
                                    HAS_KPM, CAUSAL, HAS_DROPOUT, IEEE, GROUPS_OF_4, BLOCK_M, BLOCK_N)
             dq += _dot(ds.to(k.dtype), k, IEEE)
-    tl.store(dq_ptr + (bh * Lq + offs_m[:, None]) * D + offs_d[None, :], (dq * scale).to(dq_ptr.dtype.element_ty),
-             mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
+    tl.store(_rows(_slice(dq_ptr, bh, H, stride_dqb, stride_dqh), stride_dql, offs_m, offs_d),
+             (dq * scale).to(dq_ptr.dtype.element_ty), mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
 
 
 def _flags(q, k, key_padding_mask, causal, dropout_p):
@@ -269,41 +312,55 @@ def _flags(q, k, key_padding_mask, causal, dropout_p):
                 GROUPS_OF_4=k.shape[2] % 4 == 0)  # Lk % 4 == 0: one Philox evaluation per 4 probabilities
 
 
+def rows_like(x):
+    """out, dq, dk, dv shaped like x (B, H, L, D): a view of a contiguous (B, L, H, D) tensor, the layout every
+    kernel backend writes (csrc/cpu/attention.cpp rows_like, fastformer/ops/attention.py's fake kernels)."""
+    B, H, L, D = x.shape
+    return x.new_empty(B, L, H, D).transpose(1, 2)
+
+
+def _strides(t):
+    """The (batch, head, row) element strides of t (B, H, L, D) as the kernels take them (last dim contiguous)."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
 def attention_fwd(q, k, v, key_padding_mask, causal: bool, dropout_p: float, scale: float, seed):
     check("attention", q, k, v)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = C.attention_layout(q), C.attention_layout(k), C.attention_layout(v)  # in place, unless D is strided
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
-    out = torch.empty_like(q)
+    out = rows_like(q)
     lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
     if q.numel() == 0 or Lk == 0:  # nothing to compute (head dim 0 too): empty or zero rows, lse = -inf
         return out.zero_(), lse.fill_(float("-inf"))
     flags = _flags(q, k, key_padding_mask, causal, dropout_p)
     kpm = key_padding_mask.contiguous() if key_padding_mask is not None else q
     grid = lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)  # noqa: E731
-    _attn_fwd_kernel[grid](q, k, v, kpm, out, lse, H, Lq, Lk, D, scale, dropout_p, seed_pointer(seed, lse),
-                           length_bucket(max(Lq, Lk)), **flags)
+    _attn_fwd_kernel[grid](q, k, v, kpm, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out), H, Lq,
+                           Lk, D, scale, dropout_p, seed_pointer(seed, lse), length_bucket(max(Lq, Lk)), **flags)
     return out, lse
 
 
 def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal: bool, dropout_p: float, scale: float, seed):
     check("attention", dout, q, k, v, out)
-    dout, q, k, v, out, lse = (t.contiguous() for t in (dout, q, k, v, out, lse))
+    dout, q, k, v, out = (C.attention_layout(t) for t in (dout, q, k, v, out))
+    lse = lse.contiguous()
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = rows_like(q), rows_like(k), rows_like(v)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     flags = _flags(q, k, key_padding_mask, causal, dropout_p)
     kpm = key_padding_mask.contiguous() if key_padding_mask is not None else q
     delta = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
-    rows = B * H * Lq
-    _attn_bwd_preprocess[(triton.cdiv(rows, 64),)](out, dout, delta, rows, D, BLOCK_M=64,
-                                                   BLOCK_D=flags["BLOCK_D"])
+    _attn_bwd_preprocess[(triton.cdiv(Lq, 64), B * H)](out, dout, delta, *_strides(out), *_strides(dout), H, Lq, D,
+                                                       BLOCK_M=64, BLOCK_D=flags["BLOCK_D"])
     bucket = length_bucket(max(Lq, Lk))
     seed = seed_pointer(seed, lse)
     _attn_bwd_dkdv_kernel[lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), B * H)](
-        q, k, v, kpm, dout, lse, delta, dk, dv, H, Lq, Lk, D, scale, dropout_p, seed, bucket, **flags)
+        q, k, v, kpm, dout, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v), *_strides(dout),
+        *_strides(dk), *_strides(dv), H, Lq, Lk, D, scale, dropout_p, seed, bucket, **flags)
     _attn_bwd_dq_kernel[lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)](
-        q, k, v, kpm, dout, lse, delta, dq, H, Lq, Lk, D, scale, dropout_p, seed, bucket, **flags)
+        q, k, v, kpm, dout, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq),
+        H, Lq, Lk, D, scale, dropout_p, seed, bucket, **flags)
     return dq, dk, dv

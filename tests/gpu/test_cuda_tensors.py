@@ -10,8 +10,10 @@ import torch
 
 import fastformer
 from fastformer import ops
+from fastformer._ext import C
 
-from helpers import dtype_name, forward_backward, padding_mask, randn, upcast, visible_keys
+from helpers import (dtype_name, forward_backward, padding_mask, projection_views, randn, same_memory, upcast,
+                     visible_keys)
 from tolerances import assert_close
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -74,6 +76,43 @@ def test_attention(backend, dtype, case):
     visible = visible_keys(B, Lq, Lk, mask, causal)
     empty = (~visible.any(-1)).expand(B, H, Lq)
     assert (out.cpu()[empty] == 0).all() and (grads[0].cpu()[empty] == 0).all()
+
+
+# (B, H, Lq, Lk, D, mask kind, pad): pad NaN elements after each token's row of the projection buffers
+# (tests/helpers.py projection_views): 1 breaks every vector alignment, 4 the 16-byte one of 16-bit types.
+LAYOUT_CASES = [(2, 3, 97, 97, 40, "padding", 0), (2, 2, 1, 97, 64, "causal", 1), (4, 8, 128, 128, 64, "both", 4),
+                (2, 2, 113, 77, 20, "both", 1)]
+
+
+@pytest.mark.parametrize("backend,dtype,case", params(LAYOUT_CASES))
+def test_attention_reads_and_writes_projection_layout(backend, dtype, case):
+    """q, k, v as views of (B, L, H, D) projections (k and v interleaved, rows at strides that break vector
+    alignment) are read in place (csrc/ops.h attention_layout passes them as they are) and out, dq, dk, dv
+    come back in (B, L, H, D) memory, bit-identical to the results for contiguous copies, and within
+    tolerance of the float64 reference: tests/ops test_kernels_read_and_write_transformers_layout at GPU sizes."""
+    B, H, Lq, Lk, D, kind, pad = case
+    causal = kind in ("causal", "both")
+    mask = padding_mask(B, Lk) if kind in ("padding", "both") else None
+    gpu_mask = None if mask is None else mask.cuda()
+    _, (q, k, v) = projection_views(B, H, Lq, Lk, D, pad, dtype, device="cuda")
+    assert all(same_memory(C.attention_layout(t), t) for t in (q, k, v))
+    out = ops.attention(q, k, v, key_padding_mask=gpu_mask, causal=causal, backend=backend)
+    dout = randn(B, Lq, H, D, dtype=dtype).cuda().transpose(1, 2)  # (B, L, H, D) memory, as a projection's grad
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    contiguous = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
+    ref = ops.attention(*contiguous, key_padding_mask=gpu_mask, causal=causal, backend=backend)
+    ref_grads = torch.autograd.grad(ref, contiguous, dout.contiguous())
+    for t in (out, *grads, ref, *ref_grads):
+        assert t.transpose(1, 2).is_contiguous(), t.stride()
+    assert torch.equal(out, ref)
+    for g, rg in zip(grads, ref_grads):
+        assert torch.equal(g, rg)
+    (expected,), expected_grads = forward_backward(
+        lambda q, k, v: ops.attention(q, k, v, key_padding_mask=mask, causal=causal, backend="torch"),
+        upcast(cpu([q, k, v])), upcast(cpu([dout])))
+    assert_close(out.cpu(), expected, dtype, "out")
+    for name, g, eg in zip(("dq", "dk", "dv"), cpu(grads), expected_grads):
+        assert_close(g, eg, dtype, name)
 
 
 # (rows, N, mask)

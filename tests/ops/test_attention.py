@@ -12,17 +12,22 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from fastformer import ops
+from fastformer import _dispatch, ops
+from fastformer._ext import C
 from fastformer.ops import reference
 from helpers import (
     ALL_BACKENDS,
+    BACKENDS,
     FLOAT64_BACKENDS,
     SLOW_LIMITS,
     backend_dtype_cases,
+    dtype_name,
     forward_backward,
     kernel_op,
     padding_mask,
+    projection_views,
     randn,
+    same_memory,
     upcast,
     visible_keys,
 )
@@ -333,27 +338,76 @@ def test_triton_autotune_switch():
         assert out.stdout.strip() == expected
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
-@pytest.mark.parametrize("B,H,Lq,Lk,D,causal", [(2, 3, 7, 9, 16, False), (2, 3, 97, 97, 8, True),
-                                                 (1, 2, 1, 5, 4, False), (2, 4, 130, 140, 32, True)])
-def test_cpu_kernel_reads_and_writes_transformers_layout(dtype, B, H, Lq, Lk, D, causal):
-    """q, k, v as transformers hands them over (views (B, H, L, D) of (B, L, H, D) projections; k and v
-    interleaved in one tensor): the cpu backend reads them in place (csrc/ops.h attention_layout) and writes
-    out, dq, dk, dv as views of (B, L, H, D) tensors, as torch's CPU sdpa does, whatever the inputs' layout
-    (contiguous (B, H, L, D) ones too: transformers' key/value cache makes them), with results bit-identical to
-    contiguous copies' (one row, L = 1, included: its row stride is never stepped)."""
-    x = randn(B, Lq, H, D, dtype=dtype).requires_grad_()
-    kv = randn(B, Lk, 2, H, D, dtype=dtype).requires_grad_()
-    q, k, v = x.transpose(1, 2), kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
-    mask = padding_mask(B, Lk)
-    out = ops.attention(q, k, v, key_padding_mask=mask, causal=causal, backend="cpu")
-    dout = randn(*out.shape, dtype=dtype)
+# (B, H, Lq, Lk, D, mask kind, pad): pad extra elements (NaN) after the H D (q) or 2 H D (k, v) of each token's
+# row of the projection buffers, so the row stride is H D + pad: 1 breaks every vector alignment, 4 keeps
+# element pairs aligned but not 16-byte chunks (float16). The cpu backend takes larger shapes and float64
+# (no odd pad there: dgemm's float64 results depend on the rows' 16-byte alignment, so they are not
+# bit-identical to contiguous copies'); cuda_sim (~200x slower) and the Triton interpreter small ones,
+# cuda_sim also bfloat16 (the model plays compute capability 8.0: float16 and bfloat16 run the tensor-core
+# kernels, float32 the SIMT ones).
+LAYOUT_CASES = {
+    "cpu": [(2, 3, 7, 9, 16, "padding", 0), (2, 3, 97, 97, 8, "both", 2), (1, 2, 1, 5, 4, "none", 0),
+            (2, 4, 130, 140, 32, "causal", 4)],
+    "slow": [(2, 3, 7, 9, 40, "padding", 0), (2, 2, 1, 33, 20, "causal", 1), (2, 2, 33, 17, 32, "both", 4)],
+}
+LAYOUT_DTYPES = {"cpu": (torch.float32, torch.float16, torch.float64),
+                 "cuda_sim": (torch.float32, torch.float16, torch.bfloat16), "triton": (torch.float32, torch.float16)}
+
+
+def layout_params():
+    return [pytest.param(backend, dtype, case, id=f"{backend}-{dtype_name(dtype)}-" + "-".join(map(str, case)))
+            for backend in BACKENDS for dtype in LAYOUT_DTYPES[backend]
+            for case in LAYOUT_CASES["cpu" if backend == "cpu" else "slow"]]
+
+
+@pytest.mark.parametrize("backend,dtype,case", layout_params())
+def test_kernels_read_and_write_transformers_layout(backend, dtype, case, monkeypatch):
+    """q, k, v as transformers and fastformer.nn hand them over (views (B, H, L, D) of (B, L, H, D) projections;
+    k and v interleaved in one tensor; rows at a stride that breaks vector alignment): every kernel backend
+    (cpu; the CUDA kernels through cuda_sim; the Triton kernels in the interpreter) reads them in place
+    (csrc/ops.h attention_layout: no copy; the Python backends' functions receive the views themselves) and
+    writes out, dq, dk, dv as views of (B, L, H, D) tensors, as torch's CPU sdpa does, whatever the inputs'
+    layout (contiguous (B, H, L, D) ones too: transformers' key/value cache makes them), with results
+    bit-identical to contiguous copies' on the same backend and within tolerance of the float64 reference
+    (one row, L = 1, included: its row stride is never stepped)."""
+    B, H, Lq, Lk, D, kind, pad = case
+    causal, mask = kind in ("causal", "both"), padding_mask(B, Lk) if kind in ("padding", "both") else None
+    _, (q, k, v) = projection_views(B, H, Lq, Lk, D, pad, dtype)
+    for t in (q, k, v):
+        assert same_memory(C.attention_layout(t), t)
+    received = []  # the tensors that reach a Python backend's kernel function (csrc/cuda launcher, Triton host)
+    if backend != "cpu":
+        implementation = _dispatch.implementation
+
+        def recording(op, phase, name):
+            impl = implementation(op, phase, name)
+
+            def run(*args):
+                received.append((phase, args))
+                return impl(*args)
+            return run
+
+        monkeypatch.setattr(_dispatch, "implementation", recording)
+    out = ops.attention(q, k, v, key_padding_mask=mask, causal=causal, backend=backend)
+    dout = randn(B, Lq, H, D, dtype=dtype).transpose(1, 2)  # the out projection's gradient, (B, L, H, D) memory
     grads = torch.autograd.grad(out, (q, k, v), dout)
+    if backend != "cpu":
+        (fwd, fwd_args), (bwd, bwd_args) = received
+        assert (fwd, bwd) == ("fwd", "bwd")
+        assert all(same_memory(a, t) for a, t in zip(fwd_args[:3], (q, k, v)))
+        assert all(same_memory(a, t) for a, t in zip(bwd_args[:5], (dout, q, k, v, out)))
+        monkeypatch.undo()
     contiguous = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
-    ref = ops.attention(*contiguous, key_padding_mask=mask, causal=causal, backend="cpu")
+    ref = ops.attention(*contiguous, key_padding_mask=mask, causal=causal, backend=backend)
     ref_grads = torch.autograd.grad(ref, contiguous, dout.contiguous())
     for t in (out, *grads, ref, *ref_grads):  # (B, L, H, D) memory: no copy on the way back to a projection
         assert t.transpose(1, 2).is_contiguous(), t.stride()
     assert torch.equal(out, ref)
     for g, rg in zip(grads, ref_grads):
         assert torch.equal(g, rg)
+    (expected,), expected_grads = forward_backward(
+        lambda q, k, v: ops.attention(q, k, v, key_padding_mask=mask, causal=causal, backend="torch"),
+        upcast([q, k, v]), upcast([dout]))
+    assert_close(out, expected, dtype, "out")
+    for name, g, eg in zip(("dq", "dk", "dv"), grads, expected_grads):
+        assert_close(g, eg, dtype, name)
