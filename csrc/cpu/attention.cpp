@@ -336,7 +336,7 @@ Tensor rows_like(const Tensor& x) {
 }
 
 // The shape of a call; the arguments were checked by csrc/ops.h (the caller's errors); their last dims are
-// contiguous (csrc/ops.h rows_contiguous).
+// contiguous (csrc/ops.h attention_layout).
 AttnDims dims(const Tensor& q, const Tensor& k, bool causal) {
   return AttnDims{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), causal};
 }
