@@ -1,7 +1,7 @@
 """The triton backend's launch plans (csrc/triton/plans.cpp, fastformer/triton/plans.py) on the CPU.
 
 A configuration's first call runs its Triton implementation in Python and records it; later calls replay the
-plan in C++. On a GPU a replay launches the compiled kernels with cuLaunchKernel (tests/gpu/test_triton_plans.py);
+plan in C++. On a GPU a replay launches the compiled kernels with cuLaunchKernel (tests/gpu/test_triton_plans_on_cuda.py);
 here, under TRITON_INTERPRET=1, plans.on_cpu(True) registers the same C++ kernel for CPU tensors and a replay
 runs each recorded kernel in the interpreter through one Python call, so everything but cuLaunchKernel runs:
 the key, the recorder's classification, the allocations, the parameters (pointers at their offsets, scalars'
