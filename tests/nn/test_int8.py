@@ -15,6 +15,7 @@ from fastformer.nn.decoding import IncrementalDecoder
 from fastformer.nn import Transformer
 from fastformer.nn.linear import Int8Linear, Int8Weight, Linear
 from fastformer.nn.quantize import prepare
+from int8_fixture import CHECKPOINT as INT8_9AEA6A7, RECORDED as INT8_9AEA6A7_TOKENS
 from model_reference import varied_model
 from test_model_decoding import make_src
 from test_native_decoding import cpp_decoder_arguments, with_layer0
@@ -335,3 +336,25 @@ def test_cpp_decoder_binds_int8_projections_by_name():
     ]:
         with pytest.raises(ValueError, match=message):
             C.CpuDecoder(with_layer0(description, change))
+
+
+def test_int8_checkpoint_of_9aea6a7_loads_and_translates_as_recorded():
+    """An int8 checkpoint written by commit 9aea6a7's code (tests/nn/int8_fixture.py: a source embedding of its
+    own and an output bias, so every int8 name of that format) loads, by ``load_model`` and by ``prepare`` +
+    ``load_state_dict``, and gives the tokens recorded then, on the C++ step and on the full recompute."""
+    import json
+
+    from fastformer import checkpoint as ckpt
+
+    with open(INT8_9AEA6A7_TOKENS) as f:
+        recorded = json.load(f)["batches"]
+    model, _, state = ckpt.load_model(INT8_9AEA6A7)
+    loaded = prepare(Transformer(model.config), "int8")
+    loaded.load_state_dict(state["model"])
+    assert model.quantization == loaded.quantization == "int8"
+    for batch in recorded:
+        src = torch.tensor(batch["src"])
+        for case in batch["cases"]:
+            for m in (model, loaded):
+                assert m.generate(src, beam_size=case["beam"], use_cache=case["use_cache"]) == case["tokens"], \
+                    (case["beam"], case["use_cache"])
