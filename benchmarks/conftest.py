@@ -10,6 +10,12 @@ an H100 takes about 1 minute, 3 with --bench-sizes paper)::
 (``pytest tests`` and a bare ``pytest`` collect only tests/. Run benchmarks/ on its own: both folders have
 a test_attention.py and neither is a package, so one pytest call cannot import both.)
 
+Optional packages: the suite runs with any subset of them. ``pip install ".[test]"`` brings pytest-benchmark
+and every comparison's package (transformers, CTranslate2); without one, what needs it is left out with a
+reason that names the package and the extra that brings it (OPTIONAL): a test or module that needs it skips
+(``need``), and a contender inside a benchmark that runs anyway (CTranslate2 in test_decoding.py) is listed
+under "not compared" in the summary and in the JSON's session info (``optional``).
+
 What runs (docs/benchmarks.md, "What it compares", describes each file)
   test_<op>.py                 one per op of fastformer.ops.OPS: the op at translation shapes
   test_training_step.py        forward + backward + Adam step of a whole Transformer (tokens/s)
@@ -65,6 +71,8 @@ Derived figures in ``extra_info`` (from the median time)
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
 import os
 import statistics
@@ -229,6 +237,32 @@ def fastformer_backends(ctx: Context) -> list[str]:
 _CONTEXT = pytest.StashKey[Context]()
 _TIMED = pytest.StashKey[list]()  # the benchmark fixtures that timed something, for the summary table
 _COPY_GBPS = pytest.StashKey[float]()  # the copy_bandwidth fixture's result, for the session's info
+_NOT_COMPARED = pytest.StashKey[dict]()  # {package: why its comparisons are left out}, for the summary
+
+# The optional packages of the comparisons -> the extra of pyproject.toml that brings each (the test extra
+# brings transformers and ctranslate2 too; triton comes with PyPI's CUDA build of torch)
+OPTIONAL = {"transformers": "hf", "ctranslate2": "ctranslate2", "triton": "triton"}
+
+
+def missing_reason(package: str) -> str:
+    return f"{package} is not installed: pip install '.[{OPTIONAL[package]}]'"
+
+
+def need(package: str):
+    """The optional ``package``, imported; without it the calling test (at module level: the whole module)
+    skips with missing_reason, reported at the caller's line."""
+    __tracebackhide__ = True
+    return pytest.importorskip(package, reason=missing_reason(package))
+
+
+def optional(package: str, config):
+    """The optional ``package``, imported, or None: then its comparison is left out of a benchmark that runs
+    anyway, and listed under "not compared" (the summary, the JSON's session info)."""
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        config.stash[_NOT_COMPARED][package] = missing_reason(package)
+        return None
 
 
 def pytest_configure(config):
@@ -236,6 +270,9 @@ def pytest_configure(config):
         keep_freed_memory()  # before the benchmarks allocate anything large
     config.stash[_CONTEXT] = _context(config)
     config.stash[_TIMED] = []
+    config.stash[_NOT_COMPARED] = {}
+    if config.stash[_CONTEXT].cuda and importlib.util.find_spec("triton") is None:
+        config.stash[_NOT_COMPARED]["triton"] = missing_reason("triton")  # the triton backend on the GPU
 
 
 def pytest_generate_tests(metafunc):
@@ -461,6 +498,8 @@ def _session_info(config) -> dict:
         info["compute capability"] = "%d.%d" % torch.cuda.get_device_capability(ctx.device)
     if _COPY_GBPS in config.stash:
         info["copy GB/s"] = config.stash[_COPY_GBPS]
+    if config.stash[_NOT_COMPARED]:
+        info["not compared"] = dict(config.stash[_NOT_COMPARED])
     return info
 
 
@@ -472,7 +511,10 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
 
 @pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter, config):
-    """Prints the benchmarks as benchmarks/to_markdown.py renders them: times, figures, speedups."""
+    """Prints the comparisons left out for a missing package, then the benchmarks as benchmarks/to_markdown.py
+    renders them: times, figures, speedups."""
+    for reason in config.stash[_NOT_COMPARED].values():
+        terminalreporter.write_line(f"not compared: {reason}")
     timed = config.stash[_TIMED]
     if not timed:
         return

@@ -1,6 +1,7 @@
 """Beam-search decoding, side by side on the same weights: fastformer's ``generate`` against a plain-PyTorch
 decoder (benchmarks/plain_decoder.py, run by the same search) and against CTranslate2 on the model that
-``python -m fastformer.export --ctranslate2`` writes (when ctranslate2 is installed and the device is the CPU).
+``python -m fastformer.export --ctranslate2`` writes (on the CPU; without ctranslate2 it is left out, and the
+summary names it under "not compared").
 
 Compute types: float32, and int8 (``fastformer.quantize(model, "int8")`` beside CTranslate2's
 ``compute_type="int8"`` and beside fastformer's own float32 model; the plain decoder is float32 only).
@@ -36,6 +37,7 @@ import fastformer
 from fastformer.export import ctranslate2_translate, write_ctranslate2
 from fastformer.nn import Transformer, TransformerConfig
 from fastformer.nn.decoding import beam_search
+from conftest import optional  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
 from plain_decoder import PlainDecoder
 
 LENGTH_PENALTY, SOURCE_LENGTH = 0.6, 20
@@ -47,14 +49,13 @@ def pytest_generate_tests(metafunc):
     metafunc.parametrize("size", ["tiny"] if smoke else ["small", "base"])
 
 
-def _ctranslate2_translator(model, pieces, ctx, tmp_path, compute_type, threads):
-    """A CTranslate2 Translator of the exported model in ``compute_type``, or None (not installed, or not the
-    CPU)."""
-    try:
-        import ctranslate2
-    except ImportError:
-        return None
+def _ctranslate2_translator(model, pieces, ctx, config, tmp_path, compute_type, threads):
+    """A CTranslate2 Translator of the exported model in ``compute_type``, or None (not the CPU, or not
+    installed: then recorded under "not compared", conftest.optional)."""
     if ctx.device.type != "cpu":
+        return None
+    ctranslate2 = optional("ctranslate2", config)
+    if ctranslate2 is None:
         return None
     out = write_ctranslate2(model, pieces, str(tmp_path / "ct2"))
     return ctranslate2.Translator(out, device="cpu", compute_type=compute_type, inter_threads=1,
@@ -108,7 +109,7 @@ def test_decoding(bench, ctx, size, batch, beam, compute, tmp_path, threads):
             "fastformer float32": lambda: model.generate(src, beam_size=beam, **settings),
         }
     pieces = ["<pad>", "<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(4, config.vocab_size)]  # made-up vocabulary
-    translator = _ctranslate2_translator(model, pieces, ctx, tmp_path, compute, threads)
+    translator = _ctranslate2_translator(model, pieces, ctx, bench.request.config, tmp_path, compute, threads)
     if translator is not None:
         ids = [row[:-1] for row in src.tolist()]  # ctranslate2_translate appends the eos
         never = [[pieces[config.pad_id]], [pieces[config.bos_id]]]  # fastformer's search never produces them

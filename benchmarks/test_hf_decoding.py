@@ -70,7 +70,8 @@ others is among fastformer float32's final hypotheses; at full size a disagreeme
 only. (int8 engines agree with float32 on few whole sentences of this random model: its next token is a
 pseudo-random function of the last, so one rounding flip changes the rest of the sentence.)
 
-The CTranslate2 cases skip without ctranslate2, and the whole module on a GPU session (a 1-thread CPU
+Without transformers the whole module skips, without ctranslate2 the CTranslate2 cases (the reasons name the
+extra that brings each: conftest.need), and the whole module on a GPU session (a 1-thread CPU
 comparison: transformers' generate and CTranslate2 are measured on the CPU here).
 
     pytest benchmarks/test_hf_decoding.py --benchmark-only --benchmark-json hf_decoding.json
@@ -92,9 +93,11 @@ from typing import Callable, Optional
 
 import pytest
 import torch
-import transformers
 
 import fastformer
+from conftest import need  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
+
+transformers = need("transformers")  # without it the module skips, the reason naming the extra
 
 ENGINES = ("transformers sdpa", "ctranslate2 float32", "ctranslate2 int8", "fastformer float32", "fastformer int8")
 BASELINES = ("transformers sdpa", "ctranslate2 float32", "ctranslate2 int8")
@@ -379,7 +382,7 @@ def _agreement(suite: Suite, batch: int, engine: str) -> tuple[list[str], list[s
 @pytest.mark.parametrize("batch", [1, 32])
 def test_hf_decoding(bench, ctx, suite, engine, batch, one_thread, capsys):
     if engine.startswith("ctranslate2"):
-        pytest.importorskip("ctranslate2")
+        need("ctranslate2")
     smoke, shape = ctx.sizes.name == "smoke", suite.shape
     run = suite.run(engine, batch)
     if not smoke:

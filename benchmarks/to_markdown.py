@@ -8,7 +8,7 @@ median time, the derived figure (TFLOP/s for attention; GB/s and the fraction of
 measured in the same run for softmax, layer_norm_residual and cross_entropy; tokens/s for the training steps;
 sentences/s for generate) and the speedup over each baseline of the same op, shape and pass (for
 generate: over the same backend without the cache), measured in the same run. A line above the table
-gives the machine and the settings of the run.
+gives the machine and the settings of the run, and the optional packages whose comparisons the run left out.
 
 The call-overhead benchmarks (test_overhead.py, op "overhead") get a table of their own below it: per
 case, pass and device the median microseconds per call of fastformer's default backend and of the PyTorch
@@ -110,6 +110,8 @@ def header(session: dict, machine: dict | None = None, run: dict | None = None) 
             parts.append(f"{label} {session[key]}")
     if "copy GB/s" in session:
         parts.append(f"copy bandwidth {_sig(session['copy GB/s'])} GB/s (read + write)")
+    if session.get("not compared"):  # optional packages missing in the run (benchmarks/conftest.py OPTIONAL)
+        parts.append(f"not compared (not installed): {', '.join(session['not compared'])}")
     line = ", ".join(p for p in parts if p)
     commit = (run or {}).get("commit_info", {})
     if commit.get("id"):
