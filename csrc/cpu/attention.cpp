@@ -1,20 +1,22 @@
 // Fused masked scaled dot-product attention on the CPU, forward and backward: FlashAttention-2's
-// algorithm on tiles, with the tile products done by the BLAS torch links (sgemm_/dgemm_, which run
-// single-threaded inside each work item's OpenMP thread) and the softmax/mask/dropout work vectorized with at::vec.
+// algorithm on tiles, with the tile products done by fastformer's own register-blocked micro-kernel (tile_gemm.h,
+// no BLAS: the results depend on the values alone, not on the thread count, the buffers' placement or a BLAS's
+// mode) and the softmax/mask/dropout work vectorized with at::vec.
 //
 // Shapes: q (B, H, Lq, D), k and v (B, H, Lk, D), key_padding_mask (B, Lk), out (B, H, Lq, D),
 // lse (B, H, Lq) in the accumulation type acc_t (float for half/bfloat16/float, double for double).
 // Half inputs are converted tile by tile into acc_t buffers; float and double tiles are used in place.
 // Layout: any strides with the last dim contiguous (``Rows``): a tile is rows at a row stride, which the
-// BLAS takes as its leading dimension. So q, k, v as transformers passes them (views (B, H, L, D) of
+// tile products take as their leading dimension. So q, k, v as transformers passes them (views (B, H, L, D) of
 // (B, L, H, D) projections) are read in place, and out, dq, dk, dv are always written in that layout
 // (rows_like): no copy on the way in or out.
 //
 // Forward, one work item per (batch, head, tile of kBlockQ query rows), spread over threads:
 //   for each block of kBlockK keys up to the tile's causal limit:
-//     S = scale Q_t K_b^T                        (gemm, kBlockQ x kBlockK scores in a thread buffer)
+//     S = scale Q_t K_b^T                        (tile_gemm with K_b^T transposed into a thread buffer, D x kBlockK;
+//                                                 kBlockQ x kBlockK scores in a thread buffer)
 //     masked scores -> -inf; per row online softmax: m' = max(m, max S), l = l e^(m - m') + sum e^(S - m'),
-//     O *= e^(m - m'); P = e^(S - m') * dropout;  O += P V_b   (gemm)
+//     O *= e^(m - m'); P = e^(S - m') * dropout;  O += P V_b   (tile_gemm)
 //   out = O / l, lse = m + log l; a row with no visible key (or only -inf scores) gets out = 0, lse = -inf;
 //   one with a NaN or +inf visible score gets out = NaN, lse = NaN (its m turns NaN); invisible keys are
 //   never read into the softmax, whatever their scores.
@@ -22,7 +24,8 @@
 // leave the thread's cache (no Lq x Lk matrix).
 //
 // Backward, one work item per (batch, head) so dq, dk, dv need no atomics; FlashAttention-2's loop order
-// (key blocks outside, query tiles inside), probabilities recomputed from the saved logsumexp:
+// (key blocks outside, query tiles inside; K_b^T and V_b^T transposed once per key block), probabilities
+// recomputed from the saved logsumexp:
 //   P = e^(scale Q_t K_b^T - lse) (masked -> 0);  dP = dO_t V_b^T;  r = dropout factors of the forward
 //   dV_b += (P r)^T dO_t;  dS = P (dP r - D),  D_i = dO_i . O_i;  dQ_t += scale dS K_b;  dK_b += scale dS^T Q_t
 // Dropout: element (b, h, i, j) of the probability matrix has flat index ((b H + h) Lq + i) Lk + j in the
@@ -35,33 +38,11 @@
 
 #include "cpu/cpu_ops.h"
 #include "cpu/dropout.h"
+#include "cpu/tile_gemm.h"
 
 namespace fastformer::cpu {
 namespace {
 
-// Fortran BLAS exported by libtorch_cpu (MKL or OpenBLAS), LP64 integers; column-major.
-extern "C" {
-void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
-            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
-            const int* ldc);
-void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
-            const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
-            const int* ldc);
-}
-
-// Column-major C (m x n) = alpha op(A) op(B) + beta C, op = transpose when the flag is set.
-inline void blas_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-                      const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  const char ca = ta ? 'T' : 'N', cb = tb ? 'T' : 'N';
-  const int im = m, in = n, ik = k, ilda = lda, ildb = ldb, ildc = ldc;
-  sgemm_(&ca, &cb, &im, &in, &ik, &alpha, a, &ilda, b, &ildb, &beta, c, &ildc);
-}
-inline void blas_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const double* a, int64_t lda,
-                      const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
-  const char ca = ta ? 'T' : 'N', cb = tb ? 'T' : 'N';
-  const int im = m, in = n, ik = k, ilda = lda, ildb = ldb, ildc = ldc;
-  dgemm_(&ca, &cb, &im, &in, &ik, &alpha, a, &ilda, b, &ildb, &beta, c, &ildc);
-}
 constexpr int64_t kBlockQ = 64;   // query rows per tile
 constexpr int64_t kBlockK = 128;  // keys per block (the leading dimension of score tiles)
 
@@ -74,9 +55,7 @@ struct Rows {
 };
 template <typename T>
 Rows<T> rows_of(const Tensor& t) {
-  // one row: its stride is never stepped, but the BLAS wants a leading dimension >= D
-  const int64_t sl = t.size(2) <= 1 ? std::max<int64_t>({t.stride(2), t.size(3), 1}) : t.stride(2);
-  return Rows<T>{t.data_ptr<std::remove_const_t<T>>(), t.stride(0), t.stride(1), sl};
+  return Rows<T>{t.data_ptr<std::remove_const_t<T>>(), t.stride(0), t.stride(1), t.stride(2)};
 }
 
 // n rows of D elements at row stride ld as acc_t: {src, ld} when the types agree, else converted into
@@ -103,15 +82,6 @@ struct AttnDims {
   // First query row that can see key j (0 if not causal).
   int64_t first_query(int64_t j) const { return causal ? std::max<int64_t>(0, j - (Lk - Lq)) : 0; }
 };
-
-// Row-major C (m x n, ldc) = alpha * A (m x k, lda) * op(B) + beta * C, in BLAS's column-major terms.
-// b_transposed: B is stored row-major as (n x k) and used as its transpose (A B^T), else B is (k x n).
-template <typename T>
-inline void gemm_rm(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b, int64_t ldb,
-                    bool b_transposed, T beta, T* c, int64_t ldc) {
-  // Row-major C = A op(B)  <=>  column-major C^T = op(B)^T A^T.
-  blas_gemm(b_transposed, false, n, m, k, alpha, b, ldb, a, lda, beta, c, ldc);
-}
 
 // x[0:n] = exp(x[0:n] - m); returns the sum.
 template <typename T>
@@ -164,11 +134,9 @@ void attention_fwd_kernel(const Rows<const scalar_t> q, const Rows<const scalar_
   const int64_t bq = std::min(kBlockQ, s.Lq), ldk = std::min(kBlockK, s.Lk);  // buffer rows, score row stride
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   at::parallel_for(0, s.B * s.H * tiles, 1, [&](int64_t begin, int64_t end) {
-    Buffer<acc_t> sc(bq * ldk), o(bq * D), m(bq), l(bq), pad_bias(ldk),
-        drop(ldk), q_buf, k_buf, v_buf;
+    Buffer<acc_t> sc(bq * ldk), o(bq * D), m(bq), l(bq), pad_bias(ldk), drop(ldk), kt(D * ldk), q_buf, v_buf;
     if constexpr (!std::is_same_v<scalar_t, acc_t>) {
       q_buf.resize(bq * D);
-      k_buf.resize(ldk * D);
       v_buf.resize(ldk * D);
     }
     for (int64_t item = begin; item < end; ++item) {
@@ -182,13 +150,13 @@ void attention_fwd_kernel(const Rows<const scalar_t> q, const Rows<const scalar_
       const int64_t tile_key_end = s.key_end(i0 + nq - 1);
       for (int64_t j0 = 0; j0 < tile_key_end; j0 += kBlockK) {
         const int64_t nk = std::min(kBlockK, tile_key_end - j0);
-        const auto [kb, ldkb] = rows_as_acc(k.row(b, h, j0), nk, k.sl, D, k_buf);
+        transpose_rows(k.row(b, h, j0), nk, D, k.sl, kt.data(), ldk);  // K_b^T (D x nk)
         const auto [vb, ldvb] = rows_as_acc(v.row(b, h, j0), nk, v.sl, D, v_buf);
         if (pad != nullptr) {
           for (int64_t t = 0; t < nk; ++t) pad_bias[t] = pad[j0 + t] ? neg_inf : acc_t(0);
         }
         // S (nq x nk) = scale Q_t K_b^T
-        gemm_rm<acc_t>(nq, nk, D, static_cast<acc_t>(scale), qt, ldq, kb, ldkb, true, acc_t(0), sc.data(), ldk);
+        tile_gemm<acc_t>(nq, nk, D, static_cast<acc_t>(scale), qt, ldq, false, kt.data(), ldk, false, sc.data(), ldk);
         for (int64_t r = 0; r < nq; ++r) {
           const int64_t i = i0 + r;
           acc_t* p = sc.data() + r * ldk;
@@ -211,7 +179,7 @@ void attention_fwd_kernel(const Rows<const scalar_t> q, const Rows<const scalar_
           }
         }
         // O (nq x D) += P (nq x nk) V_b (nk x D)
-        gemm_rm<acc_t>(nq, D, nk, acc_t(1), sc.data(), ldk, vb, ldvb, false, acc_t(1), o.data(), D);
+        tile_gemm<acc_t>(nq, D, nk, acc_t(1), sc.data(), ldk, false, vb, ldvb, true, o.data(), D);
       }
       for (int64_t r = 0; r < nq; ++r) {
         const int64_t i = i0 + r;
@@ -244,12 +212,11 @@ void attention_bwd_kernel(const Rows<const scalar_t> dout, const Rows<const scal
   at::parallel_for(0, s.B * s.H, 1, [&](int64_t begin, int64_t end) {
     Buffer<acc_t> dq_acc(Lq * D), delta(Lq), o_row(D), do_row(D);
     Buffer<acc_t> p(bq * ldk), dp(bq * ldk), dk_acc(ldk * D), dv_acc(ldk * D);
-    Buffer<acc_t> pad_bias(ldk), drop(ldk), q_buf, do_buf, k_buf, v_buf;
+    Buffer<acc_t> pad_bias(ldk), drop(ldk), kt(D * ldk), vt(D * ldk), q_buf, do_buf, k_buf;
     if constexpr (!std::is_same_v<scalar_t, acc_t>) {
       q_buf.resize(Lq * D);
       do_buf.resize(Lq * D);
       k_buf.resize(ldk * D);
-      v_buf.resize(ldk * D);
     }
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / s.H, h = bh % s.H;
@@ -265,8 +232,9 @@ void attention_bwd_kernel(const Rows<const scalar_t> dout, const Rows<const scal
       const int64_t all_key_end = s.key_end(Lq - 1);
       for (int64_t j0 = 0; j0 < all_key_end; j0 += kBlockK) {
         const int64_t nk = std::min(kBlockK, all_key_end - j0);
-        const auto [kb, ldkb] = rows_as_acc(k.row(b, h, j0), nk, k.sl, D, k_buf);
-        const auto [vb, ldvb] = rows_as_acc(v.row(b, h, j0), nk, v.sl, D, v_buf);
+        const auto [kb, ldkb] = rows_as_acc(k.row(b, h, j0), nk, k.sl, D, k_buf);  // K_b (nk x D)
+        transpose_rows(kb, nk, D, ldkb, kt.data(), ldk);                             // K_b^T (D x nk)
+        transpose_rows(v.row(b, h, j0), nk, D, v.sl, vt.data(), ldk);                // V_b^T (D x nk)
         if (pad != nullptr) {
           for (int64_t t = 0; t < nk; ++t) pad_bias[t] = pad[j0 + t] ? neg_inf : acc_t(0);
         }
@@ -277,8 +245,8 @@ void attention_bwd_kernel(const Rows<const scalar_t> dout, const Rows<const scal
           const int64_t nq = std::min(kBlockQ, Lq - i0);
           const acc_t* qt = qa + i0 * ldq;
           const acc_t* dot = doa + i0 * lddo;
-          gemm_rm<acc_t>(nq, nk, D, scale_acc, qt, ldq, kb, ldkb, true, acc_t(0), p.data(), ldk);    // S
-          gemm_rm<acc_t>(nq, nk, D, acc_t(1), dot, lddo, vb, ldvb, true, acc_t(0), dp.data(), ldk);  // dO V^T
+          tile_gemm<acc_t>(nq, nk, D, scale_acc, qt, ldq, false, kt.data(), ldk, false, p.data(), ldk);    // S
+          tile_gemm<acc_t>(nq, nk, D, acc_t(1), dot, lddo, false, vt.data(), ldk, false, dp.data(), ldk);  // dO V^T
           for (int64_t r = 0; r < nq; ++r) {
             const int64_t i = i0 + r;
             acc_t* p_r = p.data() + r * ldk;
@@ -305,10 +273,9 @@ void attention_bwd_kernel(const Rows<const scalar_t> dout, const Rows<const scal
             if (dropout_p > 0) vec_mul(p_r, drop.data(), nk);
           }
           // dV_b (nk x D) += (P r)^T dO_t ; dK_b += scale dS^T Q_t ; dQ_t += scale dS K_b
-          // (column-major: dV_b^T (D x nk) += dO_t^T (D x nq) (P r) (nq x nk), likewise dK_b^T)
-          blas_gemm(false, true, D, nk, nq, acc_t(1), dot, lddo, p.data(), ldk, acc_t(1), dv_acc.data(), D);
-          blas_gemm(false, true, D, nk, nq, scale_acc, qt, ldq, dp.data(), ldk, acc_t(1), dk_acc.data(), D);
-          gemm_rm<acc_t>(nq, D, nk, scale_acc, dp.data(), ldk, kb, ldkb, false, acc_t(1), dq_acc.data() + i0 * D, D);
+          tile_gemm<acc_t>(nk, D, nq, acc_t(1), p.data(), ldk, true, dot, lddo, true, dv_acc.data(), D);
+          tile_gemm<acc_t>(nk, D, nq, scale_acc, dp.data(), ldk, true, qt, ldq, true, dk_acc.data(), D);
+          tile_gemm<acc_t>(nq, D, nk, scale_acc, dp.data(), ldk, false, kb, ldkb, true, dq_acc.data() + i0 * D, D);
         }
         for (int64_t t = 0; t < nk; ++t) {
           convert_row(dk_acc.data() + t * D, dk.row(b, h, j0 + t), D);

@@ -1,6 +1,9 @@
 """A result must not depend on the number of threads: every op of the cpu backend, forward and backward,
 gives bit-identical results with 1, 2 and 3 threads (a training run or a translation must not change with
-the machine's core count).
+the machine's core count). Nor on where its inputs lie: attention's tile products are fastformer's own
+(csrc/cpu/tile_gemm.h), because a BLAS may take alignment- and thread-dependent paths (MKL's default mode
+on Intel CPUs does), so the same call on views shifted by 1, 2, 3 and 8 elements, at 1, 2 and 3 threads,
+gives bit-identical results too.
 
 Shapes are odd on purpose, so that work splits unevenly over the threads: attention (4, 3, 113, 59) x
 (4, 3, 203, 59) has 24 query tiles of 64 rows, the last one short, and 12 (batch, head) items in the
@@ -117,3 +120,47 @@ def test_results_do_not_depend_on_the_thread_count(op, dtype, restore_threads):
             assert torch.isfinite(a).all(), f"{op} output {i} holds non-finite values"
             assert torch.equal(a, b), (f"{op} {dtype_name(dtype)}: output {i} with {n} threads differs from 1 "
                                        f"thread by up to {(a.double() - b.double()).abs().max().item():.3g}")
+
+
+OFFSETS = (0, 1, 2, 3, 8)
+
+
+def shifted(x, offset, transposed=False):
+    """x's values in a view that starts ``offset`` elements into a larger buffer (so its data pointer is
+    misaligned by offset elements); ``transposed``: a (B, H, L, D) view of (B, L, H, D) memory, the layout
+    the model's projections give."""
+    B, H, L, D = x.shape
+    buffer = torch.empty(x.numel() + offset, dtype=x.dtype)[offset:]
+    view = buffer.view(B, L, H, D).transpose(1, 2) if transposed else buffer.view(B, H, L, D)
+    view.copy_(x)
+    return view
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_attention_does_not_depend_on_memory_offsets(dtype, layout, restore_threads):
+    # Odd shapes: 113 queries (two tiles, the last short), 203 keys (a short last key block), D 59 (not a
+    # whole vector at any level); a mask with a fully padded batch row, causal, dropout.
+    q, k, v = randn(3, 2, 113, 59, dtype=dtype), randn(3, 2, 203, 59, dtype=dtype), randn(3, 2, 203, 59, dtype=dtype)
+    dout = randn(3, 2, 113, 59, dtype=dtype)
+    mask = torch.rand(3, 203) < 0.2
+    mask[1] = True
+
+    def run(offset):
+        inputs = [shifted(t, offset, layout == "blhd").requires_grad_() for t in (q, k, v)]
+        torch.manual_seed(7)
+        out = ops.attention(*inputs, key_padding_mask=mask, causal=True, dropout_p=0.1, backend="cpu")
+        return (out, *torch.autograd.grad(out, inputs, shifted(dout, offset)))
+
+    torch.set_num_threads(1)
+    expected = run(0)
+    for a in expected:
+        assert torch.isfinite(a).all()
+    for threads in THREADS:
+        torch.set_num_threads(threads)
+        for offset in OFFSETS:
+            for i, (a, b) in enumerate(zip(expected, run(offset))):
+                assert torch.equal(a, b), (
+                    f"attention {dtype_name(dtype)} {layout}: output {i} with inputs {offset} elements off and "
+                    f"{threads} threads differs from aligned, 1 thread, by up to "
+                    f"{(a.double() - b.double()).abs().max().item():.3g}")
