@@ -7,6 +7,8 @@ process's batch position and RNG states; see fastformer.training.resume). A quan
 (``model_state`` of a ``fastformer.quantize`` model; ``python -m fastformer.convert --quantize int8``)
 also holds ``quantization`` ("int8"): its state dict holds the projections' int8 weights and scales
 (fastformer/nn/linear.py ``Int8Linear``), and ``load_model`` gives the quantized model back, on the CPU.
+A file that does not load, lacks an entry, or whose weights do not fit its config or hold NaN or inf
+(``nonfinite``) is refused with ``CheckpointError`` naming the file (and the tensor).
 Files are ``checkpoint_<step>.pt`` in the run folder; the last ``keep`` are kept.
 """
 from __future__ import annotations
@@ -83,6 +85,16 @@ def load(path: str) -> dict:
     return state
 
 
+def nonfinite(tensors: dict) -> str | None:
+    """The first floating-point tensor of a state dict that holds NaN or inf, described ("NAME holds K
+    non-finite values (NaN or inf) of N"), or None where every value is finite. A model with such a weight
+    gives NaN logits (a diverged training run, a corrupt file): loading and converting refuse it, naming
+    the tensor. One pass over the weights (isfinite, then a count only where it fails)."""
+    for name, tensor in tensors.items():
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            return f"{name} holds {bad} non-finite value{'s' if bad > 1 else ''} (NaN or inf) of {tensor.numel()}"
+    return None
 
 
 def model_state(model: Transformer, tokenizer: Tokenizer, **extra) -> dict:
@@ -116,6 +128,9 @@ def from_state(state: dict, path: str, backend: str | None = None,
     if quantized is not None and torch.device(device).type != "cpu":
         raise CheckpointError(f"{resolve(path)} holds an {quantized} model, which runs on the CPU; load it with "
                               f"device 'cpu' (--device cpu), not {device!r}")
+    bad = nonfinite(state["model"]) if isinstance(state["model"], dict) else None
+    if bad is not None:
+        raise CheckpointError(f"{resolve(path)}: {bad}: its weights are not finite (a diverged or corrupt model)")
     try:
         config = TransformerConfig.from_dict(state["config"])
         model = Transformer(config, backend=backend)

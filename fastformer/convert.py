@@ -9,6 +9,12 @@ Without it the model is written as it is (float32, or int8 already), without the
 (optimizer, resume state): a checkpoint to ship.
 
 A transformers folder's checkpoint also records where it came from (``source``: the family and the folder).
+
+What cannot be read correctly ends the program with exit status 1 and one line naming the file (and the
+field or tensor), no traceback: ``hf_convert.ConversionError`` (a config.json that is not JSON or lacks a
+field, weights that are truncated, hold NaN or inf, or disagree with the config in shape, a missing
+tokenizer file that decides the ids, e.g. an M2M-100 folder without vocab.json) and
+``checkpoint.CheckpointError`` (a corrupt fastformer checkpoint, or one whose weights are not finite).
 """
 from __future__ import annotations
 
@@ -49,8 +55,8 @@ def convert(source: str, out: str, quantize: str | None = None) -> dict:
 
         try:
             model, tokenizer = from_transformers(source)
-        except ConversionError as exc:
-            raise ckpt.CheckpointError(f"{source}: {exc}") from exc
+        except ConversionError as exc:  # its message names the file (and the field or tensor)
+            raise ckpt.CheckpointError(str(exc)) from exc
         with open(os.path.join(source, "config.json"), encoding="utf-8") as f:
             family = json.load(f).get("model_type")
         extra = {"source": {"transformers": family, "folder": os.path.abspath(source)}}

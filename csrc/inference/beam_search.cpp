@@ -15,6 +15,9 @@
 //     candidate stops the walk;
 //   - a sentence stops when K hypotheses have finished, at its length limit, or with no beam left;
 //     otherwise beams short of K are filled with idle copies of the first (score -inf);
+//   - a sentence that stops with no finished hypothesis (every candidate -inf or NaN: a model whose logits
+//     are NaN, e.g. NaN weights, or whose eos is -inf at the limit) ends with one empty hypothesis of
+//     score -inf, so that every sentence has a best hypothesis; the other sentences are unaffected;
 //   - every row starts from the start token (the config's decoder start: bos, or pad for Marian); the
 //     `forced` tokens (NLLB's target language) are the only candidates of the first steps, each with
 //     log-probability 0 (transformers' forced_bos_token_id), whatever the logits say.
@@ -207,10 +210,12 @@ class BeamSearch {
   }
 
  public:
-  // Per sentence of the batch, its finished hypotheses (tokens without bos/eos, score), best first, at most K.
+  // Per sentence of the batch, its finished hypotheses (tokens without bos/eos, score), best first, at most K;
+  // at least one: a sentence none finished (no candidate was ever finite) gets the empty one, score -inf.
   std::vector<std::vector<std::pair<std::vector<int64_t>, double>>> hypotheses() const {
     auto out = finished_;
     for (auto& hyps : out) {
+      if (hyps.empty()) hyps.emplace_back(std::vector<int64_t>(), kNegInf);
       std::stable_sort(hyps.begin(), hyps.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
       if (static_cast<int64_t>(hyps.size()) > K_) hyps.resize(K_);
     }
@@ -258,7 +263,8 @@ void bind_beam_search(pybind11::module_& m) {
       .def_property_readonly("parents", &BeamSearch::parents, "(N',) the rows of the last step the live rows continue")
       .def_property_readonly("sentences", &BeamSearch::sentences,
                              "the live sentences the last step kept (None: all of them)")
-      .def("hypotheses", &BeamSearch::hypotheses, "per sentence, its finished (tokens, score), best first");
+      .def("hypotheses", &BeamSearch::hypotheses,
+           "per sentence, its finished (tokens, score), best first; ([], -inf) for a sentence none finished");
 }
 
 }  // namespace fastformer

@@ -41,7 +41,9 @@ Rules (pinned by tests/nn/test_model_decoding.py): a sentence of n source tokens
 produced; score = sum of log-probabilities (eos included) / ((5 + len) / 6) ** alpha with len counting
 the eos (GNMT's length penalty); an eos among the best K of the 2K candidates of a sentence ends a
 hypothesis; a sentence stops when K hypotheses have finished or at its length limit; a NaN logit is a
-token that cannot be produced (as -inf), on both candidate paths.
+token that cannot be produced (as -inf), on both candidate paths; a sentence left with no finite candidate
+before any hypothesis finished (all its logits NaN, e.g. a model with NaN weights) ends with one empty
+hypothesis, ([], -inf), and the other sentences of the batch are decoded as without it.
 """
 from __future__ import annotations
 

@@ -171,7 +171,9 @@ class Transformer(nn.Module):
         hypotheses have finished. beam_size=1 is greedy decoding. ``use_cache=False`` recomputes the
         whole prefix at each step (for tests and benchmarks). The decoder starts from config.start_id;
         ``forced_tokens`` (a converted NLLB or M2M-100 model's target-language token) are the first tokens
-        of every hypothesis, with log-probability 0, on top of the length limit."""
+        of every hypothesis, with log-probability 0, on top of the length limit. A sentence whose logits are
+        all NaN before any hypothesis finished (NaN weights) gets one empty hypothesis, ([], -inf); the other
+        sentences are decoded as without it."""
         if beam_size < 1:
             raise ValueError(f"beam_size must be >= 1, got {beam_size}")
         was_training = self.training

@@ -204,6 +204,31 @@ def test_converted_beam_search_matches_transformers_in_the_matching_mode(small_w
     assert limit in lengths and min(lengths) < limit, lengths
 
 
+def test_converted_m2m_beam_search_matches_transformers_before_the_limit(m2m_dir):
+    """The matching mode on M2M-100 (docs/transformers.md): beam 4, no length penalty, early_stopping=True,
+    the target language forced first; transformers also needs bos in bad_words_ids (M2M-100's bos is not its
+    pad) and forced_eos_token_id (its config sets none). A sentence whose 4 hypotheses all finish before the
+    length limit gets the same tokens; one that reaches the limit may not (the eos there is scored
+    differently). The eos row of the (tied) embedding is scaled so that both kinds occur."""
+    hf = load_hf("m2m", m2m_dir)
+    model, tokenizer = fastformer.from_transformers(m2m_dir)
+    cfg, limit, de = model.config, 12, tokenizer.language_id("de")
+    with torch.no_grad():
+        hf.model.shared.weight[cfg.eos_id] *= 2.5
+        model.embed.weight[cfg.eos_id] *= 2.5
+    words = " ".join(TEXT).split()
+    texts = [" ".join(words[i:i + 3 + i % 5]) for i in range(0, 60, 3)]
+    src = collate(tokenizer.encode(texts), pad_id=cfg.pad_id, eos_id=cfg.eos_id)
+    out = hf.generate(input_ids=src, attention_mask=src.ne(cfg.pad_id), num_beams=4, do_sample=False,
+                      max_new_tokens=limit + 2, length_penalty=0.0, early_stopping=True, forced_bos_token_id=de,
+                      forced_eos_token_id=cfg.eos_id, bad_words_ids=[[cfg.pad_id], [cfg.bos_id]])
+    expected = [row[1:][: row[1:].index(cfg.eos_id)] for row in out.tolist()]
+    hyps = model.beam_search(src, beam_size=4, length_penalty=0.0, max_len_a=0, max_len_b=limit, forced_tokens=[de])
+    early = [i for i, h in enumerate(hyps) if all(len(tokens) <= limit for tokens, _ in h)]  # the limit: 1 + 12
+    assert 5 <= len(early) < len(texts), early
+    assert [hyps[i][0][0] for i in early] == [expected[i] for i in early]
+
+
 def test_m2m_target_language_changes_the_translation(m2m_dir):
     model, tokenizer = fastformer.from_transformers(m2m_dir)
     src, _ = batch(model, tokenizer)

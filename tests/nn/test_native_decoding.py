@@ -197,6 +197,31 @@ def test_search_kernel_and_torch_ops_treat_nan_alike(K, V):
         assert scores == pytest.approx([s for _, s in b], rel=1e-6, abs=1e-6)
 
 
+@pytest.mark.parametrize("beam", [1, 4])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])  # the C++ step and search kernel; the Python step, torch ops
+def test_a_sentence_whose_logits_are_all_nan_ends_empty_and_the_others_do_not_change(backend, beam):
+    """A model with a NaN weight (here the embedding row of a token only sentence 1 holds: its encoder output,
+    and so every logit of its rows, is NaN) decodes without an IndexError: sentence 1 ends with one empty
+    hypothesis of score -inf, and the other sentences get what they get in a batch without sentence 1."""
+    config = TransformerConfig.tiny()
+    model = varied_model(config, backend, seed=4, dtype=torch.float32)
+    poison = 5
+    src = make_src(config, [6, 7, 4])
+    src[src == poison] = poison + 1
+    src[1, 2] = poison
+    with torch.no_grad():
+        model.embed.weight[poison] = float("nan")
+        memory, padding = model.encode(src)
+        assert (IncrementalDecoder(model, memory, padding, beam, 3).native is not None) == (backend == "cpu")
+    hyps = model.beam_search(src, beam_size=beam)
+    assert hyps[1] == [([], float("-inf"))]
+    assert model.generate(src, beam_size=beam)[1] == []
+    others = model.beam_search(src[[0, 2]], beam_size=beam)
+    assert [[t for t, _ in h] for h in (hyps[0], hyps[2])] == [[t for t, _ in h] for h in others]
+    assert [s for _, s in hyps[0] + hyps[2]] == pytest.approx([s for _, s in others[0] + others[1]], rel=1e-5)
+    assert all(len(h[0][0]) > 0 and h[0][1] > float("-inf") for h in others), "the other sentences must decode"
+
+
 def test_search_kernel_gives_float64_log_softmax_scores():
     """Greedy over one step: the finished hypothesis' score is the float64 log-softmax of its eos."""
     V = 1000
