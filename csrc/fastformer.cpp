@@ -238,18 +238,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "PACKED_LINEAR_PANEL / PACKED_LINEAR_STRIP, K, PACKED_LINEAR_STRIP), W^T's columns in contiguous strips, "
         "zeros past n");
   m.def("quantize_int8", &fastformer::quantize_int8, py::arg("weight"),
-        "a float32 weight (n, K) quantized per output channel (csrc/gemm/gemm.h's rule) -> (panels int8 "
-        "(ceil(n / 32), ceil(K / 4), 32, 4), scale float32 (n,), colsum int32 (n,))");
-  m.def("dequantize_int8", &fastformer::dequantize_int8, py::arg("panels"), py::arg("scale"), py::arg("n"),
-        py::arg("K"), "Wq s_w as a float32 (n, K) weight, from quantize_int8's panels and scale");
-  m.def("int8_embedding", &fastformer::int8_embedding, py::arg("ids"), py::arg("panels"), py::arg("scale"),
+        "a float32 weight (n, K) quantized per output channel (csrc/gemm/gemm.h's rule) -> (weight int8, packed "
+        "(ceil(n / 32), ceil(K / 4), 32, 4), weight_scale float32 (n,), weight_colsum int32 (n,))");
+  m.def("dequantize_int8", &fastformer::dequantize_int8, py::arg("weight"), py::arg("weight_scale"), py::arg("n"),
+        py::arg("K"), "Wq s_w as a float32 (n, K) weight, from quantize_int8's weight and weight_scale");
+  m.def("int8_embedding", &fastformer::int8_embedding, py::arg("ids"), py::arg("weight"), py::arg("weight_scale"),
         py::arg("n"), py::arg("K"), "rows ids (int64, any shape) of quantize_int8's weight (n, K), dequantized: "
         "(*ids.shape, K) float32; a quantized model's embedding lookup");
   m.def("packed_linear", &fastformer::packed_linear, py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("n"),
         "y (M, n) = x (M, K) W^T + bias, float32 on the CPU, W packed by pack_linear: the model's projections at "
         "inference");
-  m.def("int8_linear", &fastformer::int8_linear, py::arg("x"), py::arg("panels"), py::arg("scale"),
-        py::arg("colsum"), py::arg("bias"), py::arg("n"), py::arg("variant") = "",
+  m.def("int8_linear", &fastformer::int8_linear, py::arg("x"), py::arg("weight"), py::arg("weight_scale"),
+        py::arg("weight_colsum"), py::arg("bias"), py::arg("n"), py::arg("variant") = "",
         "y (M, n) = x (M, K) W^T + bias with W quantized by quantize_int8 and x per row "
         "(csrc/gemm/int8_linear.cpp): a quantized model's projections; variant: one of int8_variants() (\"\": the best)");
   m.def("int8_variants", &fastformer::int8_variants,

@@ -6,7 +6,8 @@ was chosen), ``step``, and for resuming ``optimizer``, ``train_state`` and ``ran
 process's batch position and RNG states; see fastformer.training.resume). A quantized model's checkpoint
 (``model_state`` of a ``fastformer.quantize`` model; ``python -m fastformer.convert --quantize int8``)
 also holds ``quantization`` ("int8"): its state dict holds the projections' int8 weights and scales
-(fastformer/nn/linear.py ``Int8Linear``), and ``load_model`` gives the quantized model back, on the CPU.
+(fastformer/nn/linear.py ``Int8Linear``, ``Int8Embedding``), and ``load_model`` gives the quantized model
+back, on the CPU (the int8 checkpoints of 9aea6a7's format too: ``Transformer`` maps their keys on load).
 A file that does not load, lacks an entry, or whose weights do not fit its config or hold NaN or inf
 (``nonfinite``) is refused with ``CheckpointError`` naming the file (and the tensor).
 Files are ``checkpoint_<step>.pt`` in the run folder; the last ``keep`` are kept.

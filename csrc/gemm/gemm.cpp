@@ -36,36 +36,48 @@ void check_tensor(const at::Tensor& t, at::ScalarType dtype, const std::vector<i
 
 namespace {
 
-const float* bias_of(const c10::optional<at::Tensor>& bias, int64_t n, const std::string& who, const std::string& name) {
+const float* bias_of(const c10::optional<at::Tensor>& bias, int64_t n, const std::string& who,
+                     const std::string& bias_name) {
   if (!bias.has_value()) return nullptr;
-  check_tensor(*bias, at::kFloat, {n}, who, name + ".bias");
+  check_tensor(*bias, at::kFloat, {n}, who, bias_name);
   return bias->const_data_ptr<float>();
+}
+
+// "<name>.<part>", or the part alone for an unnamed projection (an entry point's arguments).
+std::string part_name(const std::string& name, const char* part) { return name.empty() ? part : name + "." + part; }
+
+void check_sizes(int64_t K, int64_t n, const std::string& who, const std::string& name) {
+  TORCH_CHECK_VALUE(n >= 0 && K >= 0, who, ": ", name.empty() ? "" : name + ": ", "n and K must be >= 0, got ", n,
+                    " and ", K);
 }
 
 }  // namespace
 
 PackedProjection packed_projection(const at::Tensor& panels, const c10::optional<at::Tensor>& bias, int64_t K,
-                                   int64_t n, const std::string& who, const std::string& name) {
-  TORCH_CHECK_VALUE(n >= 0 && K >= 0, who, ": ", name, ": n and K must be >= 0, got ", n, " and ", K);
-  check_tensor(panels, at::kFloat, packed_panels_shape(n, K), who, name + ".panels");
+                                   int64_t n, const std::string& who, const std::string& name,
+                                   const std::string& bias_name) {
+  check_sizes(K, n, who, name);
+  check_tensor(panels, at::kFloat, packed_panels_shape(n, K), who, part_name(name, "panels"));
   PackedProjection w{};
   w.panels = panels.const_data_ptr<float>();
-  w.bias = bias_of(bias, n, who, name);
+  w.bias = bias_of(bias, n, who, bias_name);
   return w;
 }
 
-PackedProjection int8_projection(const at::Tensor& panels, const at::Tensor& scale, const at::Tensor& colsum,
-                                 const c10::optional<at::Tensor>& bias, int64_t K, int64_t n, const std::string& who,
-                                 const std::string& name) {
-  TORCH_CHECK_VALUE(n >= 0 && K >= 0, who, ": ", name, ": n and K must be >= 0, got ", n, " and ", K);
-  TORCH_CHECK_VALUE(K <= kInt8MaxInputs, who, ": ", name, ": int8 projections take at most 65,536 inputs (the int32 "
-                    "accumulator's range), got ", K);
-  check_tensor(panels, at::kChar, int8_panels_shape(n, K), who, name + ".int8_panels");
-  check_tensor(scale, at::kFloat, {n}, who, name + ".int8_scale");
-  check_tensor(colsum, at::kInt, {n}, who, name + ".int8_colsum");
+PackedProjection int8_projection(const at::Tensor& weight, const at::Tensor& weight_scale,
+                                 const at::Tensor& weight_colsum, const c10::optional<at::Tensor>& bias, int64_t K,
+                                 int64_t n, const std::string& who, const std::string& name,
+                                 const std::string& bias_name) {
+  check_sizes(K, n, who, name);
+  TORCH_CHECK_VALUE(K <= kInt8MaxInputs, who, ": ", name.empty() ? "" : name + ": ", "int8 projections take at "
+                    "most 65,536 inputs (the int32 accumulator's range), got ", K);
+  check_tensor(weight, at::kChar, int8_weight_shape(n, K), who, part_name(name, "weight"));
+  check_tensor(weight_scale, at::kFloat, {n}, who, part_name(name, "weight_scale"));
+  check_tensor(weight_colsum, at::kInt, {n}, who, part_name(name, "weight_colsum"));
   PackedProjection w{};
-  w.int8 = {panels.const_data_ptr<int8_t>(), scale.const_data_ptr<float>(), colsum.const_data_ptr<int32_t>()};
-  w.bias = bias_of(bias, n, who, name);
+  w.int8 = {weight.const_data_ptr<int8_t>(), weight_scale.const_data_ptr<float>(),
+            weight_colsum.const_data_ptr<int32_t>()};
+  w.bias = bias_of(bias, n, who, bias_name);
   return w;
 }
 
@@ -94,54 +106,47 @@ at::Tensor pack_linear(const at::Tensor& weight) {
   return panels;
 }
 
-// The weight rule of gemm.h: per output channel its step and its int8 values, packed; colsum on the way.
+// The int8 rule of gemm.h per output channel, packed (int8_index); weight_colsum on the way.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_int8(const at::Tensor& weight) {
   check_weight(weight, "quantize_int8");
   const at::Tensor w = weight.contiguous();
-  const int64_t n = w.size(0), K = w.size(1), P = kPackedLinearPanel, K4 = (K + 3) / 4;
+  const int64_t n = w.size(0), K = w.size(1), K4 = (K + 3) / 4;
   TORCH_CHECK_VALUE(K <= kInt8MaxInputs, "fastformer quantize_int8: int8 projections take at most 65,536 inputs (the "
                     "int32 accumulator's range), got ", K);
-  at::Tensor panels = at::zeros(int8_panels_shape(n, K), w.options().dtype(at::kChar));
+  at::Tensor packed = at::zeros(int8_weight_shape(n, K), w.options().dtype(at::kChar));
   at::Tensor scale = at::empty({n}, w.options());
   at::Tensor colsum = at::empty({n}, w.options().dtype(at::kInt));
   const float* src = w.const_data_ptr<float>();
-  int8_t* dst = panels.mutable_data_ptr<int8_t>();
+  int8_t* dst = packed.mutable_data_ptr<int8_t>();
   for (int64_t row = 0; row < n; ++row) {
-    const float* r = src + row * K;
-    float amax = 0.0f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(r[k]));
-    const float inv = int8_inverse_step(amax);
-    const int64_t p = row / P, j = row % P;
     int32_t sum = 0;
-    for (int64_t k = 0; k < K; ++k) {
-      const int8_t q = quantize_int8_value(r[k], inv);
-      dst[((p * K4 + k / 4) * P + j) * 4 + k % 4] = q;
+    scale.mutable_data_ptr<float>()[row] = quantize_int8_row(src + row * K, K, [&](int64_t k, int8_t q) {
+      dst[int8_index(row, k, K4)] = q;
       sum += q;
-    }
-    scale.mutable_data_ptr<float>()[row] = amax / 127.0f;
+    });
     colsum.mutable_data_ptr<int32_t>()[row] = sum;
   }
-  return {panels, scale, colsum};
+  return {packed, scale, colsum};
 }
 
 // Wq s_w as float32 (n, K): the quantized model's weight where the int8 kernel does not apply.
-at::Tensor dequantize_int8(const at::Tensor& panels, const at::Tensor& scale, int64_t n, int64_t K) {
+at::Tensor dequantize_int8(const at::Tensor& weight, const at::Tensor& weight_scale, int64_t n, int64_t K) {
   const std::string who = "fastformer dequantize_int8";
-  check_tensor(panels, at::kChar, int8_panels_shape(n, K), who, "panels");
-  check_tensor(scale, at::kFloat, {n}, who, "scale");
-  at::Tensor out = at::empty({n, K}, scale.options());
-  const Int8Weight w{panels.const_data_ptr<int8_t>(), scale.const_data_ptr<float>(), nullptr};
+  check_tensor(weight, at::kChar, int8_weight_shape(n, K), who, "weight");
+  check_tensor(weight_scale, at::kFloat, {n}, who, "weight_scale");
+  at::Tensor out = at::empty({n, K}, weight_scale.options());
+  const Int8Weight w{weight.const_data_ptr<int8_t>(), weight_scale.const_data_ptr<float>(), nullptr};
   float* dst = out.mutable_data_ptr<float>();
   for (int64_t row = 0; row < n; ++row) int8_row(w, row, K, dst + row * K);
   return out;
 }
 
 // Memory: K int8 values and a scale read, K floats written, per id.
-at::Tensor int8_embedding(const at::Tensor& ids, const at::Tensor& panels, const at::Tensor& scale, int64_t n,
+at::Tensor int8_embedding(const at::Tensor& ids, const at::Tensor& weight, const at::Tensor& weight_scale, int64_t n,
                           int64_t K) {
   const std::string who = "fastformer int8_embedding";
-  check_tensor(panels, at::kChar, int8_panels_shape(n, K), who, "panels");
-  check_tensor(scale, at::kFloat, {n}, who, "scale");
+  check_tensor(weight, at::kChar, int8_weight_shape(n, K), who, "weight");
+  check_tensor(weight_scale, at::kFloat, {n}, who, "weight_scale");
   TORCH_CHECK_VALUE(ids.scalar_type() == at::kLong && ids.device().is_cpu(), who, ": ids must be an int64 CPU tensor, "
                     "got ", dtype_name(ids.scalar_type()), " on ", ids.device());
   const at::Tensor flat = ids.contiguous().view(-1);
@@ -151,8 +156,8 @@ at::Tensor int8_embedding(const at::Tensor& ids, const at::Tensor& panels, const
   }
   std::vector<int64_t> shape = ids.sizes().vec();
   shape.push_back(K);
-  at::Tensor out = at::empty(shape, scale.options());
-  const Int8Weight w{panels.const_data_ptr<int8_t>(), scale.const_data_ptr<float>(), nullptr};
+  at::Tensor out = at::empty(shape, weight_scale.options());
+  const Int8Weight w{weight.const_data_ptr<int8_t>(), weight_scale.const_data_ptr<float>(), nullptr};
   float* dst = out.mutable_data_ptr<float>();
   for (int64_t i = 0; i < flat.numel(); ++i) int8_row(w, id[i], K, dst + i * K);
   return out;
@@ -172,7 +177,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, const c1
                          int64_t n) {
   check_x(x, "packed_linear");
   const std::optional<at::Tensor> b = contiguous(bias);  // ops.h
-  packed_projection(panels, b, x.size(1), n, "fastformer packed_linear", "weight");
+  packed_projection(panels, b, x.size(1), n, "fastformer packed_linear", "", "bias");
   return cpu_kernels().gemm.packed_linear(x.contiguous(), panels, b, n);
 }
 
@@ -182,12 +187,13 @@ std::vector<std::string> int8_variants() {
   return names;
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scale,
-                       const at::Tensor& colsum, const c10::optional<at::Tensor>& bias, int64_t n,
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                       const at::Tensor& weight_colsum, const c10::optional<at::Tensor>& bias, int64_t n,
                        const std::string& variant) {
   check_x(x, "int8_linear");
   const std::optional<at::Tensor> b = contiguous(bias);  // ops.h
-  const PackedProjection w = int8_projection(panels, scale, colsum, b, x.size(1), n, "fastformer int8_linear", "weight");
+  const PackedProjection w = int8_projection(weight, weight_scale, weight_colsum, b, x.size(1), n,
+                                             "fastformer int8_linear", "", "bias");
   int index = 0;
   if (!variant.empty()) {
     const std::vector<std::string> names = int8_variants();

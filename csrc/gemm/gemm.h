@@ -16,16 +16,23 @@
 //     (with the strips interleaved, K x 32, it read every other line: half of each line fetched unused by
 //     that pass, and the L1 sets of the odd lines idle: 84 -> 91 GFLOP/s on the output projection's shape
 //     at M = 128 in a harness of both layouts, AVX2 EPYC, 1 thread; packed_linear 91 with y's rows aligned)
-//   int8 panels    (ceil(n / P), ceil(K / 4), P, 4): panels[p][g][j][i] = Wq[p P + j][4 g + i]
-// The int8 rule (CTranslate2's int8 on the CPU), weights once, activations per call:
-//   per output channel n: s_w[n] = max_k |W[n, k]| / 127, Wq[n, k] = round-half-even(W[n, k] (127 / max_k
-//     |W[n, k]|)) in [-127, 127] (float32 products; a channel of zeros stays zeros): quantize_int8;
-//   per row m of x: the same rule over the row, s_x[m] and xq (int8_linear.cpp, vectorized);
-//   y[m, n] = float(sum_k xq[m, k] Wq[n, k]) (s_x[m] s_w[n]) + b[n]; colsum[n] = sum_k Wq[n, k] (the VNNI
-//   kernels' correction for their unsigned operand). K <= kInt8MaxInputs keeps the int32 sums exact.
+//   int8 weight    (ceil(n / P), ceil(K / 4), P, 4): weight[p][g][j][i] = Wq[p P + j][4 g + i] (int8_index)
+// An int8 weight is three tensors, named as in the state dict (fastformer/nn/linear.py Int8Linear), in Python
+// (Int8Weight), here (Int8Weight) and in the C++ decoder's dict ("<name>.weight", ...): weight (Wq, packed),
+// weight_scale (s_w) and weight_colsum (sum_k Wq[n, k], the VNNI kernels' correction for their unsigned operand).
+// The int8 rule (CTranslate2's int8 on the CPU), one rule for the weights (once, per output channel:
+// quantize_int8) and the activations (per call, per row of x: int8_linear.cpp, vectorized, the same results):
+//   a row r of K floats: amax = max_k |r[k]|, NaN if some r[k] is NaN;
+//   amax finite: s = amax / 127 and q[k] = round-half-even(r[k] (127 / amax)) in [-127, 127] (float32 products;
+//     a row of zeros: s = 0, q = 0);
+//   amax not finite (a NaN or an infinity in the row): s = NaN and q = 0, so every output that row meets is NaN,
+//     as in float32 (where it would be NaN or an infinity): a non-finite value is never quantized to +-127;
+//   y[m, n] = float(sum_k xq[m, k] Wq[n, k]) (s_x[m] s_w[n]) + b[n]. K <= kInt8MaxInputs keeps the int32 sums
+//   exact.
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -43,35 +50,59 @@ inline std::vector<int64_t> packed_panels_shape(int64_t n, int64_t K) {
 inline int64_t packed_column_offset(int64_t c, int64_t K) {
   return (c / kPackedLinearStrip) * K * kPackedLinearStrip + c % kPackedLinearStrip;
 }
-inline std::vector<int64_t> int8_panels_shape(int64_t n, int64_t K) {
+inline std::vector<int64_t> int8_weight_shape(int64_t n, int64_t K) {
   return {panel_count(n), (K + 3) / 4, kPackedLinearPanel, 4};
 }
+// Where Wq[row, k] lies in an int8 weight of K4 = ceil(K / 4) groups: the one place the layout's index is
+// written (quantize_int8, int8_row, and the int8 kernel's panels and tiles).
+inline int64_t int8_index(int64_t row, int64_t k, int64_t K4) {
+  return (((row / kPackedLinearPanel) * K4 + k / 4) * kPackedLinearPanel + row % kPackedLinearPanel) * 4 + k % 4;
+}
 
-// The int8 rule of one value: x (127 / amax) rounded half to even and clamped; inv = 127 / amax (0 for a
-// zero row or channel). The weights (gemm.cpp) take it as it is; the activations' vectorized form
-// (int8_linear.cpp) computes the same.
-inline float int8_inverse_step(float amax) { return amax > 0.0f ? 127.0f / amax : 0.0f; }
+// The int8 rule (above) of a row whose amax is known, as the scale s and the factor of its values: inv =
+// 127 / amax, or 0 where q is 0 (a row of zeros, a non-finite row). quantize_int8_value applies it to a
+// value of a row with inv > 0 (finite values only: it would clamp a NaN to -127).
+struct Int8Step {
+  float scale;
+  float inv;
+};
+inline Int8Step int8_step(float amax) {
+  if (!std::isfinite(amax)) return {std::numeric_limits<float>::quiet_NaN(), 0.0f};
+  return {amax / 127.0f, amax > 0.0f ? 127.0f / amax : 0.0f};
+}
 inline int8_t quantize_int8_value(float x, float inv) {
   return static_cast<int8_t>(std::fmin(127.0f, std::fmax(-127.0f, std::nearbyint(x * inv))));
 }
+// The rule over one row r of K floats: store(k, q[k]) for every k; returns s. The weights' form
+// (quantize_int8); the activations' vectorized form (int8_linear.cpp quantize_rows) gives the same.
+template <typename Store>
+inline float quantize_int8_row(const float* r, int64_t K, Store&& store) {
+  float amax = 0.0f;
+  for (int64_t k = 0; k < K; ++k) {
+    const float a = std::fabs(r[k]);
+    amax = a > amax || std::isnan(a) ? a : amax;  // a NaN stays: nothing compares greater
+  }
+  const Int8Step step = int8_step(amax);
+  for (int64_t k = 0; k < K; ++k) store(k, step.inv > 0.0f ? quantize_int8_value(r[k], step.inv) : int8_t{0});
+  return step.scale;
+}
 
-// A weight quantized to int8, as the kernels read it.
+// A weight quantized to int8, as the kernels read it (the state dict's names).
 struct Int8Weight {
-  const int8_t* panels;   // int8_panels_shape(n, K)
-  const float* scale;     // (n,): s_w
-  const int32_t* colsum;  // (n,): sum_k Wq[n, k]
+  const int8_t* weight;          // int8_weight_shape(n, K): Wq, packed
+  const float* weight_scale;     // (n,): s_w
+  const int32_t* weight_colsum;  // (n,): sum_k Wq[n, k]
 };
 
 // Row `row` of an int8 weight (n, K) as float32, out[k] = Wq[row, k] s_w[row]: dequantize_int8, and the
-// embedding lookup of a quantized model, whose embedding is its output projection's int8 weight.
+// embedding lookup of a quantized model (int8_embedding; the C++ decoder step).
 inline void int8_row(const Int8Weight& w, int64_t row, int64_t K, float* out) {
-  const int64_t P = kPackedLinearPanel, K4 = (K + 3) / 4;
-  const int8_t* first = w.panels + ((row / P) * K4 * P + row % P) * 4;  // Wq[row, 0]; Wq[row, k] 4 P (k / 4) further
-  const float step = w.scale[row];
-  for (int64_t k = 0; k < K; ++k) out[k] = static_cast<float>(first[(k / 4) * P * 4 + k % 4]) * step;
+  const int64_t K4 = (K + 3) / 4;
+  const float step = w.weight_scale[row];
+  for (int64_t k = 0; k < K; ++k) out[k] = static_cast<float>(w.weight[int8_index(row, k, K4)]) * step;
 }
 
-// A projection y = x W^T + b: W as float32 panels, or quantized (int8.panels != nullptr).
+// A projection y = x W^T + b: W as float32 panels, or quantized (int8.weight != nullptr).
 struct PackedProjection {
   const float* panels;  // packed_panels_shape(n, K); nullptr when int8
   const float* bias;    // (n,) or nullptr
@@ -89,25 +120,29 @@ namespace fastformer {
 // ValueError unless t is a contiguous CPU tensor of this dtype and shape: "<who>: <what> must be ...".
 void check_tensor(const at::Tensor& t, at::ScalarType dtype, const std::vector<int64_t>& shape, const std::string& who,
                   const std::string& what);
-// The weight of a projection K -> n as float32 panels, or as int8 (panels, scale, colsum), checked; K within
-// kInt8MaxInputs for int8. `who` names the caller, `name` the weight, in messages.
+// The weight of a projection K -> n as float32 panels, or as int8 (weight, weight_scale, weight_colsum), checked;
+// K within kInt8MaxInputs for int8. `who` names the caller in messages, `name` the projection: its tensors are
+// "<name>.panels", "<name>.weight", ... and the bias `bias_name` (the bare names when name is empty).
 PackedProjection packed_projection(const at::Tensor& panels, const c10::optional<at::Tensor>& bias, int64_t K,
-                                   int64_t n, const std::string& who, const std::string& name);
-PackedProjection int8_projection(const at::Tensor& panels, const at::Tensor& scale, const at::Tensor& colsum,
-                                 const c10::optional<at::Tensor>& bias, int64_t K, int64_t n, const std::string& who,
-                                 const std::string& name);
+                                   int64_t n, const std::string& who, const std::string& name,
+                                   const std::string& bias_name);
+PackedProjection int8_projection(const at::Tensor& weight, const at::Tensor& weight_scale,
+                                 const at::Tensor& weight_colsum, const c10::optional<at::Tensor>& bias, int64_t K,
+                                 int64_t n, const std::string& who, const std::string& name,
+                                 const std::string& bias_name);
 
 // Python's entry points (bound in csrc/fastformer.cpp).
 at::Tensor pack_linear(const at::Tensor& weight);                                    // (n, K) -> panels
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_int8(const at::Tensor& weight);  // -> panels, scale, colsum
-at::Tensor dequantize_int8(const at::Tensor& panels, const at::Tensor& scale, int64_t n, int64_t K);  // -> (n, K)
+// -> weight, weight_scale, weight_colsum
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_int8(const at::Tensor& weight);
+at::Tensor dequantize_int8(const at::Tensor& weight, const at::Tensor& weight_scale, int64_t n, int64_t K);  // (n, K)
 // Rows ids (any shape, int64 in [0, n)) of the int8 weight (n, K), dequantized: (*ids.shape, K) float32.
-at::Tensor int8_embedding(const at::Tensor& ids, const at::Tensor& panels, const at::Tensor& scale, int64_t n,
+at::Tensor int8_embedding(const at::Tensor& ids, const at::Tensor& weight, const at::Tensor& weight_scale, int64_t n,
                           int64_t K);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
                          int64_t n);
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scale,
-                       const at::Tensor& colsum, const c10::optional<at::Tensor>& bias, int64_t n,
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                       const at::Tensor& weight_colsum, const c10::optional<at::Tensor>& bias, int64_t n,
                        const std::string& variant);
 std::vector<std::string> int8_variants();  // this CPU's at the loaded level, best first
 

@@ -4,16 +4,17 @@
 // is chosen at run time (int8_variants below).
 //
 // Arithmetic (the same as CTranslate2's int8 on the CPU), checked against a float64 reference of it in
-// tests/nn/test_int8.py:
-//   weight, once (csrc/gemm/gemm.cpp quantize_int8; csrc/gemm/gemm.h states the rule): per output channel n, s_w[n] = max_k |W[n, k]| / 127 and
-//     Wq[n, k] = round(W[n, k] * (127 / max_k |W[n, k]|)) in [-127, 127];
-//   activations, per call: per row m, s_x[m] = max_k |x[m, k]| / 127 and
-//     xq[m, k] = round-half-even(x[m, k] * (127 / max_k |x[m, k]|)) in [-127, 127] (float32 products);
+// tests/nn/test_int8.py; csrc/gemm/gemm.h states the int8 rule, one rule for both operands:
+//   weight, once (csrc/gemm/gemm.cpp quantize_int8): per output channel n, s_w[n] and Wq[n, :];
+//   activations, per call (quantize_rows below, vectorized, the same results as gemm.h's quantize_int8_row):
+//     per row m, s_x[m] = max_k |x[m, k]| / 127 and xq[m, k] = round-half-even(x[m, k] * (127 / max_k |x[m, k]|))
+//     in [-127, 127] (float32 products); a row with a NaN or an infinity: s_x[m] = NaN, xq[m, :] = 0;
 //   acc[m, n] = sum_k xq[m, k] Wq[n, k] in int32 (exact; vnni's unsigned sum, up to K 255 127, stays below 2^31 for
 //     K <= 65,536, which the callers check);
-//   y[m, n] = float(acc[m, n]) * (s_x[m] s_w[n]) + b[n] in float32. A row of zeros gives y = b.
-// Shapes: x (M, K) float32; panels (ceil(N / 32), K4 = ceil(K / 4), 32, 4) int8 (csrc/gemm/int8_linear_tile.h
-// has the layout; zeros past N and past K); s_w (N,) float32; colsum[n] = sum_k Wq[n, k] (N,) int32; bias
+//   y[m, n] = float(acc[m, n]) * (s_x[m] s_w[n]) + b[n] in float32. A row of zeros gives y = b; a non-finite row
+//   of x (or channel of W) gives NaN outputs.
+// Shapes: x (M, K) float32; the weight Wq (ceil(N / 32), K4 = ceil(K / 4), 32, 4) int8 (gemm.h int8_index;
+// zeros past N and past K); weight_scale s_w (N,) float32; weight_colsum[n] = sum_k Wq[n, k] (N,) int32; bias
 // (N,) or none; y (M, N).
 // The dot products (4 byte products summed into an int32 lane):
 //   avx512_vnni: vpdpbusd on 16 lanes (unsigned x signed bytes: the activations go in as xq + 128, and
@@ -205,8 +206,8 @@ const Runnable& runnable() {
 }
 
 // Rows of x (M, K) as bytes q (M, K4 4): xq + offset (see the top), zero-padded past K (offset bytes),
-// and their scales s_x (M,). Vectorized (at::vec: abs, max, multiply, round-half-even, clamp), rows split
-// over threads; a row's bytes depend on that row alone.
+// and their scales s_x (M,): gemm.h's rule (int8_step), vectorized (at::vec: abs, a NaN-propagating max,
+// multiply, round-half-even, clamp), rows split over threads; a row's bytes depend on that row alone.
 void quantize_rows(const float* x, int64_t M, int64_t K, int offset, uint8_t* q, float* scales) {
   using Vec = at::vec::Vectorized<float>;
   const int64_t stride = (K + 3) / 4 * 4;
@@ -218,12 +219,13 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int offset, uint8_t* q,
                                                         [](Vec a, Vec b) { return at::vec::maximum(a, b); }, row, K);
       uint8_t* out = q + m * stride;
       std::fill(out + K, out + stride, static_cast<uint8_t>(offset));
-      scales[m] = amax / 127.0f;
-      if (!(amax > 0.0f)) {  // a row of zeros (or NaN): xq = 0
+      const Int8Step step = int8_step(amax);
+      scales[m] = step.scale;
+      if (!(step.inv > 0.0f)) {  // a row of zeros, or one with a NaN or an infinity: xq = 0
         std::fill(out, out + K, static_cast<uint8_t>(offset));
         continue;
       }
-      const Vec inv(127.0f / amax), lo(-127.0f), hi(127.0f);
+      const Vec inv(step.inv), lo(-127.0f), hi(127.0f);
       for (int64_t k0 = 0; k0 < K; k0 += 256) {
         const int64_t n = std::min<int64_t>(256, K - k0);
         at::vec::map([&](Vec v) { return at::vec::clamp((v * inv).round(), lo, hi); }, chunk, row + k0, n);
@@ -264,14 +266,14 @@ void int8_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& w,
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t p = u / blocks, b0 = u % blocks * block, b1 = std::min(M, b0 + block);
       const int64_t n0 = p * kInt8Panel, width = std::min<int64_t>(kInt8Panel, n - n0);
-      const int8_t* panel = w.panels + p * K4 * kInt8Panel * 4;
+      const int8_t* panel = w.weight + int8_index(n0, 0, K4);
       for (int64_t m0 = b0; m0 < b1; m0 += v.rows) {
         const int rows = static_cast<int>(std::min<int64_t>(v.rows, b1 - m0));
         v.tile(rows, q.get() + m0 * stride, stride, K4, panel, acc);
         // The epilogue, on local restrict pointers so that it vectorizes.
         const int32_t off = v.offset;
-        const int32_t* __restrict colsum = w.colsum + n0;
-        const float* __restrict sw = w.scale + n0;
+        const int32_t* __restrict colsum = w.weight_colsum + n0;
+        const float* __restrict sw = w.weight_scale + n0;
         for (int r = 0; r < rows; ++r) {
           float* __restrict out = y + (m0 + r) * y_stride + n0;
           const int32_t* __restrict a = acc + r * kInt8Panel;

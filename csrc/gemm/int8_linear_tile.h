@@ -10,9 +10,9 @@
 //     Reg dot(Reg acc, const Row& a, Reg w);  // acc[lane] += sum of 4 byte products of column `lane`
 //     void store(int32_t* out, Reg);
 //   };
-// Panel layout (int8): (ceil(N / 32), K4, 32, 4): for each group of 4 k (K4 = ceil(K / 4), zeros past K)
-// the 32 columns' 4 bytes each, 128 contiguous bytes; so for one k4 a Reg holds kLanes columns' 4 weights,
-// and one broadcast of a row's 4 activation bytes meets them all. Memory traffic: the panel (K4 x 128
+// Panel layout (int8, csrc/gemm/gemm.h int8_index): (ceil(N / 32), K4, 32, 4): for each group of 4 k (K4 =
+// ceil(K / 4), zeros past K) the 32 columns' 4 bytes each, 128 contiguous bytes; so for one k4 a Reg holds
+// kLanes columns' 4 weights, and one broadcast of a row's 4 activation bytes meets them all. Memory traffic: the panel (K4 x 128
 // bytes) once per group of kRows rows, the rows' bytes from L1.
 
 // acc (R, 32) int32 = a (R rows of K4 x 4 bytes, row stride a_stride) . panel (K4, 32, 4).
@@ -24,7 +24,7 @@ void tile_rows(const uint8_t* a, int64_t a_stride, int64_t K4, const int8_t* pan
     for (int v = 0; v < kRegs; ++v) acc[r][v] = Isa::zero();
   for (int64_t k4 = 0; k4 < K4; ++k4) {
     typename Isa::Reg w[kRegs];
-    for (int v = 0; v < kRegs; ++v) w[v] = Isa::load(panel + (k4 * kInt8Panel + v * Isa::kLanes) * 4);
+    for (int v = 0; v < kRegs; ++v) w[v] = Isa::load(panel + int8_index(v * Isa::kLanes, 4 * k4, K4));
     for (int r = 0; r < R; ++r) {
       const typename Isa::Row row = Isa::row(a + r * a_stride + k4 * 4);
       for (int v = 0; v < kRegs; ++v) acc[r][v] = Isa::dot(acc[r][v], row, w[v]);

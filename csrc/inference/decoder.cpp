@@ -18,16 +18,18 @@
 //   activation  the feed-forward's: "relu", "gelu" or "silu";  norm_first, eps: the LayerNorms' placement
 //   heads, d_ff
 //   layers      per layer its weights by the description's names: a linear layer's "<name>.panels"
-//               (csrc/gemm/gemm.h's float32 layout) or, quantized, "<name>.int8_panels", "<name>.int8_scale",
-//               "<name>.int8_colsum", and "<name>.bias"; a LayerNorm's "<name>.weight", "<name>.bias". Each is
-//               looked up by its name and checked against the shape its role gives it, and a weight the
-//               description does not use is refused: a swapped self_out/cross_q/cross_out (all d x d) cannot
-//               get in by position, and a weight added to the description cannot be left out silently.
+//               (csrc/gemm/gemm.h's float32 layout) or, quantized, its int8 weight by the state dict's names,
+//               "<name>.weight", "<name>.weight_scale", "<name>.weight_colsum"; and "<name>.bias"; a LayerNorm's
+//               "<name>.weight", "<name>.bias". Each is looked up by its name and checked against the shape its
+//               role gives it, and a weight the description does not use is refused: a swapped
+//               self_out/cross_q/cross_out (all d x d) cannot get in by position, and a weight added to the
+//               description cannot be left out silently.
 //   final_norm  {"final_norm.weight", "final_norm.bias"} for pre-norm, {} for post-norm
-//   embed (V, d), or None in a quantized model (its embedding is the int8 output weight); embed_scale;
-//   positions (>= steps, d)
-//   output      the output projection d -> V by name: {"output.panels"} or {"output.int8_*"}, and
-//               "output.bias" (V,) where the model has an output bias (Marian's final_logits_bias)
+//   embed       the target embedding, which is also the output projection d -> V (tied), by the state dict's
+//               names: "embed.weight" (V, d) float32 and its panels "embed.panels", or, quantized, the int8
+//               "embed.weight", "embed.weight_scale", "embed.weight_colsum" (the lookup dequantizes its rows);
+//               and "output_bias" (V,) where the model has one (Marian's final_logits_bias)
+//   embed_scale; positions (>= steps, d)
 //   cross       per layer (k, v), each (B, H, S, Dh);  src_padding (B, S) bool or None
 //   beams, steps
 #include <torch/python.h>  // pybind11, tensor casters (torch/extension.h adds the C++ frontend: 16 s to compile)
@@ -101,15 +103,19 @@ class Binder {
     bound_.insert(name);
     return it->second;
   }
-  // A linear layer in -> out: float32 packed panels ("<name>.panels") or the int8 weight
-  // ("<name>.int8_panels", "<name>.int8_scale", "<name>.int8_colsum"); a bias ("<name>.bias") unless bias is false.
-  PackedProjection linear(const std::string& name, int64_t in, int64_t out, bool bias = true) {
-    const c10::optional<Tensor> b = bias ? c10::optional<Tensor>(find(name + ".bias")) : c10::nullopt;
-    if (weights_.count(name + ".int8_panels")) {
-      return int8_projection(find(name + ".int8_panels"), find(name + ".int8_scale"), find(name + ".int8_colsum"), b,
-                             in, out, where_, name);
+  bool has(const std::string& name) const { return weights_.count(name) > 0; }
+  // A linear layer in -> out: float32 packed panels ("<name>.panels") or the int8 weight ("<name>.weight",
+  // "<name>.weight_scale", "<name>.weight_colsum"; told apart by the scale); a bias by the name `bias` ("": none).
+  PackedProjection linear(const std::string& name, int64_t in, int64_t out, const std::string& bias) {
+    const c10::optional<Tensor> b = bias.empty() ? c10::nullopt : c10::optional<Tensor>(find(bias));
+    if (has(name + ".weight_scale")) {
+      return int8_projection(find(name + ".weight"), find(name + ".weight_scale"), find(name + ".weight_colsum"), b,
+                             in, out, where_, name, bias);
     }
-    return packed_projection(find(name + ".panels"), b, in, out, where_, name);
+    return packed_projection(find(name + ".panels"), b, in, out, where_, name, bias);
+  }
+  PackedProjection linear(const std::string& name, int64_t in, int64_t out) {
+    return linear(name, in, out, name + ".bias");
   }
   std::pair<const float*, const float*> norm(const std::string& name, int64_t d) {
     const Tensor& weight = find(name + ".weight");
@@ -215,10 +221,9 @@ class CpuDecoder {
     const int64_t heads = f.take<int64_t>("heads"), d_ff = f.take<int64_t>("d_ff");
     layers_ = f.take<std::vector<Named>>("layers");
     final_norm_ = f.take<Named>("final_norm");
-    const c10::optional<Tensor> embed = f.optional<Tensor>("embed");
+    embed_ = f.take<Named>("embed");
     const double embed_scale = f.take<double>("embed_scale");
     positions_ = f.take<Tensor>("positions");
-    output_ = f.take<Named>("output");
     const auto cross = f.take<std::vector<std::pair<Tensor, Tensor>>>("cross");
     const c10::optional<Tensor> src_padding = f.optional<Tensor>("src_padding");
     const int64_t beams = f.take<int64_t>("beams"), steps = f.take<int64_t>("steps");
@@ -226,26 +231,29 @@ class CpuDecoder {
 
     TORCH_CHECK_VALUE(beams >= 1 && heads >= 1 && d_ff >= 1 && steps >= 1, kWho,
                       ": beams, heads, d_ff and steps must be >= 1");
-    // (V, d) from the embedding, or in a quantized model (embed None) from its int8 output projection
+    // (V, d) from the embedding's float32 table, or in a quantized model from its int8 weight's scales (V,)
+    // and the positions (d)
+    Binder embedding(embed_, "the target embedding");
+    const bool int8 = embedding.has("embed.weight_scale");
+    const Tensor& table = embedding.find("embed.weight");
     int64_t V = -1, d = -1;
-    if (embed.has_value()) {
-      TORCH_CHECK_VALUE(embed->dim() == 2, kWho, ": embed must be (V, d)");
-      embed_ = *embed;
-      V = embed_.size(0);
-      d = embed_.size(1);
-    } else {
-      const auto scale = output_.find("output.int8_scale");
-      TORCH_CHECK_VALUE(scale != output_.end() && scale->second.dim() == 1 && positions_.dim() == 2, kWho,
-                        ": without embed the output projection must be int8 (its rows are the embedding)");
-      V = scale->second.size(0);
+    if (int8) {
+      const Tensor& scale = embedding.find("embed.weight_scale");
+      TORCH_CHECK_VALUE(scale.dim() == 1 && positions_.dim() == 2, kWho,
+                        ": embed.weight_scale must be (V,) and positions (steps, d)");
+      V = scale.size(0);
       d = positions_.size(1);
+    } else {
+      TORCH_CHECK_VALUE(table.dim() == 2, kWho, ": embed.weight must be (V, d)");
+      V = table.size(0);
+      d = table.size(1);
     }
     TORCH_CHECK_VALUE(d % heads == 0, kWho, ": d_model ", d, " is not divisible by ", heads, " heads");
     TORCH_CHECK_VALUE(!layers_.empty(), kWho, ": no decoder layers");
     const int64_t L = static_cast<int64_t>(layers_.size());
     TORCH_CHECK_VALUE(static_cast<int64_t>(cross.size()) == L, kWho, ": cross must hold a (k, v) pair per layer");
     TORCH_CHECK_VALUE(norm_first || final_norm_.empty(), kWho, ": a post-norm decoder has no final LayerNorm");
-    if (embed.has_value()) check_tensor(embed_, at::kFloat, {V, d}, kWho, "embed");
+    if (!int8) check_tensor(table, at::kFloat, {V, d}, kWho, "embed.weight");
     TORCH_CHECK_VALUE(positions_.dim() == 2 && positions_.size(0) >= steps, kWho, ": positions must hold >= ", steps,
                       " rows");
     check_tensor(positions_, at::kFloat, {positions_.size(0), d}, kWho, "positions");
@@ -282,15 +290,11 @@ class CpuDecoder {
     step_.norm_first = norm_first;
     step_.eps = static_cast<float>(eps);
     step_.embed_scale = static_cast<float>(embed_scale);
-    step_.embed = embed.has_value() ? embed_.const_data_ptr<float>() : nullptr;
+    step_.embed = int8 ? nullptr : table.const_data_ptr<float>();
     step_.final_norm_weight = final.first;
     step_.final_norm_bias = final.second;
-    {
-      Binder w(output_, "the output projection");
-      step_.output = w.linear("output", d, V, /*bias=*/output_.count("output.bias") > 0);  // config.output_bias
-      w.done();
-    }
-    step_.embed_int8 = step_.output.int8;  // read only when embed is None, then int8 (checked above)
+    step_.output = embedding.linear("embed", d, V, embedding.has("output_bias") ? "output_bias" : "");
+    embedding.done();
     step_.int8_variant = 0;
     step_.layers.resize(L);
     for (int64_t l = 0; l < L; ++l) {
@@ -389,9 +393,9 @@ class CpuDecoder {
   std::vector<Named> layers_;  // kept alive: the step holds pointers into them
   std::vector<Tensor> cross_;  // per layer k, v
   c10::optional<Tensor> src_padding_;
-  Tensor embed_, positions_;
+  Tensor positions_;
   Named final_norm_;
-  Named output_;
+  Named embed_;
   std::vector<Tensor> caches_;  // per layer: keys, values (N0, H, T, Dh)
   std::vector<int64_t> slots_;  // (N, T): the cache row of each live row's earlier positions
   DecoderStep step_{};

@@ -6,7 +6,7 @@
 // Driven by the decoder layer's description (csrc/inference/inference.h: each layer's sublayers, in the
 // order fastformer/nn/layers.py DECODER_SUBLAYERS gives; the norm placement and the activation). Per step,
 // with x (N, d) the residual stream in a scratch buffer:
-//   x = embed[token] * embed_scale + position[t]   (a quantized model: its int8 output weight's row)
+//   x = embed[token] * embed_scale + position[t]   (a quantized model: its int8 embedding's row, dequantized)
 //   per sublayer f of every layer, in order, post-norm
 //       x = LayerNorm_f(x + f(x)),
 //   or pre-norm (h = LayerNorm_first(x) first)
@@ -47,7 +47,7 @@ namespace {
 void project(const float* x, int64_t M, int64_t K, const PackedProjection& w, float* y, int64_t n, int variant,
              int64_t y_stride = -1) {
   if (y_stride < 0) y_stride = n;
-  if (w.int8.panels != nullptr) return int8_linear_rows(x, M, K, w.int8, w.bias, y, n, y_stride, variant);
+  if (w.int8.weight != nullptr) return int8_linear_rows(x, M, K, w.int8, w.bias, y, n, y_stride, variant);
   packed_linear_rows(x, M, K, w.panels, w.bias, y, n, y_stride);
 }
 
@@ -155,7 +155,7 @@ void decoder_step(const DecoderStep& s) {
       if (s.embed != nullptr) {
         e = s.embed + s.tokens[r] * d;
       } else {
-        int8_row(s.embed_int8, s.tokens[r], d, xr);
+        int8_row(s.output.int8, s.tokens[r], d, xr);
       }
       for (int64_t j = 0; j < d; ++j) xr[j] = e[j] * s.embed_scale + s.position_row[j];
     }

@@ -64,14 +64,14 @@ struct DecoderStep {
   float embed_scale;           // the embedding's factor (sqrt(d) for the paper's model)
   const int64_t* tokens;       // (N,): the token at position t of each row
   const int64_t* slots;        // (N, T): position j < t of row r is in cache row slots[r T + j]
-  const float* embed;          // (V, d): the target embedding; nullptr in a quantized model, whose embedding
-  Int8Weight embed_int8;       // is its output projection's int8 weight (output.int8): rows read by int8_row
+  const float* embed;          // (V, d): the target embedding; nullptr in a quantized model, whose rows are
+                               // read from the int8 weight of the tied output projection (output.int8, int8_row)
   const float* position_row;   // (d,): the position encoding of position t
   const bool* src_padding;     // (n, S), true at padding; nullptr when no source has padding
   std::vector<DecoderLayerStep> layers;
   const float* final_norm_weight;  // pre-norm only (nullptr for post-norm)
   const float* final_norm_bias;
-  PackedProjection output;     // the output projection: d -> V
+  PackedProjection output;     // the output projection d -> V: the target embedding, tied
   float* logits;               // (N, V), written; rows logits_stride (>= V) floats apart
   int64_t logits_stride;
   int int8_variant;            // which of int8_variants() the int8 projections use (0: the best)

@@ -57,7 +57,7 @@ from fastformer import _dispatch, ops
 from fastformer._ext import C
 from fastformer.nn.layers import (ACTIVATIONS, DECODER_LAYER, DECODER_SUBLAYERS, decoder_layer_weights,
                                   run_sublayers)
-from fastformer.nn.linear import linear, packed_applies, packed_panels
+from fastformer.nn.linear import Int8Embedding, linear, packed_applies, packed_panels
 
 Hypotheses = list[tuple[list[int], float]]
 
@@ -75,11 +75,12 @@ def length_limit(n: int, a: float, b: float) -> int:
 
 
 def _projection(name: str, weight: Optional[Tensor], int8) -> dict[str, Tensor]:
-    """A projection's weight as the C++ step binds it (csrc/inference/decoder.cpp Binder::linear): packed
-    float32 panels, or the int8 form of a quantized model."""
+    """A projection's weight as the C++ step binds it (csrc/inference/decoder.cpp Binder::linear): its packed
+    float32 panels ("<name>.panels"), or a quantized model's int8 weight by its state dict names ("<name>.weight",
+    "<name>.weight_scale", "<name>.weight_colsum")."""
     if int8 is None:
         return {name + ".panels": packed_panels(weight)}
-    return {name + ".int8_panels": int8.panels, name + ".int8_scale": int8.scale, name + ".int8_colsum": int8.colsum}
+    return {f"{name}.{field}": tensor for field, tensor in int8._asdict().items()}
 
 
 # The cross-attention's k|v projection: applied here to the encoder memory once per sentence, not in a step.
@@ -111,8 +112,6 @@ class IncrementalDecoder:
         self.H, self.Dh, self.d = cfg.n_heads, cfg.head_dim, cfg.d_model
         # Each layer's weights by name (fastformer/nn/layers.py DECODER_LAYER), shapes checked.
         self.weights = [decoder_layer_weights(layer, cfg) for layer in model.decoder.layers]
-        # (V, d): also the output projection; None in a quantized model (its int8 output weight's rows)
-        self.embed = None if model.embed is None else model.embed.weight
         B, S, d = memory.shape
         # Cross-attention keys/values, once per sentence: (B, S, 2d) -> k, v (B, H, S, Dh).
         self.cross = []
@@ -166,28 +165,23 @@ class IncrementalDecoder:
             "d_ff": cfg.d_ff,
             "layers": layers,
             "final_norm": {"final_norm.weight": final.weight, "final_norm.bias": final.bias} if cfg.norm_first else {},
-            "embed": self.embed,
+            "embed": self._embedding(),
             "embed_scale": math.sqrt(cfg.d_model) if cfg.scale_embedding else 1.0,
             "positions": model.positions(steps, torch.float32, cross_k.device).contiguous(),
-            "output": self._output(),
             "cross": self.cross,
             "src_padding": self.src_padding,
             "beams": self.K,
             "steps": steps,
         })
 
-    def _output(self) -> dict[str, Tensor]:
-        """The output projection as the C++ step binds it: the embedding's panels or the int8 output
-        projection, and the output bias if the model has one (config.output_bias)."""
-        output = self.model.output_projection
-        if output is not None:  # quantized: its bias is the output bias
-            named = _projection("output", None, output.int8())
-            bias = output.bias
-        else:
-            named = _projection("output", self.embed, None)
-            bias = self.model.output_bias
+    def _embedding(self) -> dict[str, Tensor]:
+        """The target embedding, also the output projection, as the C++ step binds it: "embed.weight" (V, d)
+        and its panels, or the int8 weight; and the output bias if the model has one (config.output_bias)."""
+        embed, bias = self.model.embed, self.model.output_bias
+        named = {"embed.weight": embed.weight.detach(),
+                 **_projection("embed", embed.weight, embed.int8() if isinstance(embed, Int8Embedding) else None)}
         if bias is not None:
-            named["output.bias"] = bias.detach()
+            named["output_bias"] = bias.detach()
         return named
 
     def select(self, parents: Tensor, sentences: Optional[Tensor]) -> None:

@@ -13,12 +13,17 @@ The panels are one more copy of the weight, made at the first such call and kept
 tensor, weakly) until the weight changes in place (its version counter moves: an optimizer step) or is
 replaced; they are not part of the state dict.
 
+``Embedding`` (an ``nn.Embedding``) is the model's token table; ``project(h, bias)`` is the output projection
+tied to it (h E^T + b).
+
 A model quantized by ``fastformer.quantize(model, "int8")`` (fastformer/nn/quantize.py) has ``Int8Linear``
-projections in place of ``Linear``: the int8 weight (in the kernel's packed layout) and its scales are buffers
-of the state dict, no float copy is kept; the same rule picks ``fastformer._C.int8_linear``
-(csrc/gemm/int8_linear.cpp: int8 weights, activations quantized per row), and elsewhere ``F.linear`` on the
-weight dequantized for that call. The packed layouts and the quantization rule are C++'s
-(csrc/gemm/gemm.h): ``C.pack_linear``, ``C.quantize_int8``, ``C.dequantize_int8``.
+projections in place of ``Linear`` and ``Int8Embedding`` tables in place of ``Embedding``: the same state dict
+names (``weight``, ``bias``) plus ``weight_scale`` and ``weight_colsum``, the int8 weight in the kernel's
+packed layout, no float copy kept. The three parts of an int8 weight carry these names everywhere: the
+state dict, ``Int8Weight`` here, csrc/gemm/gemm.h's ``Int8Weight`` and the C++ decoder's dict. The same rule
+picks ``fastformer._C.int8_linear`` (csrc/gemm/int8_linear.cpp: int8 weights, activations quantized per row),
+and elsewhere ``F.linear`` on the weight dequantized for that call. The packed layouts and the quantization
+rule are C++'s (csrc/gemm/gemm.h): ``C.pack_linear``, ``C.quantize_int8``, ``C.dequantize_int8``.
 """
 from __future__ import annotations
 
@@ -35,11 +40,11 @@ _PANELS = WeakIdKeyDictionary()  # weight -> (its (data_ptr, version, shape) whe
 
 
 class Int8Weight(NamedTuple):
-    """A weight (out, in) quantized to int8 per output channel, as ``C.quantize_int8`` returns it (the views of an
-    ``Int8Linear``'s buffers)."""
-    panels: Tensor  # int8 (ceil(out / P), ceil(in / 4), P, 4): Wq in the kernel's layout (csrc/gemm/gemm.h)
-    scale: Tensor   # float32 (out,): s_w, W ~ Wq s_w
-    colsum: Tensor  # int32 (out,): sum_k Wq[n, k]
+    """A weight (out, in) quantized to int8 per output channel, as ``C.quantize_int8`` returns it (an int8 module's
+    buffers, by their state dict names)."""
+    weight: Tensor         # int8 (ceil(out / P), ceil(in / 4), P, 4): Wq in the kernel's layout (csrc/gemm/gemm.h)
+    weight_scale: Tensor   # float32 (out,): s_w, W ~ Wq s_w
+    weight_colsum: Tensor  # int32 (out,): sum_k Wq[n, k]
 
 
 def pack_panels(weight: Tensor) -> Tensor:
@@ -75,12 +80,11 @@ def linear(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor] = None,
     quantized model's projection; ``weight`` is then None), the int8 kernel where ``packed_applies(x)``, else
     ``F.linear`` on the weight dequantized for this call."""
     if int8 is not None:
-        out = int8.scale.shape[0]
+        out = int8.weight_scale.shape[0]
         if packed_applies(x):
-            y = C.int8_linear(x.reshape(-1, x.shape[-1]), int8.panels, int8.scale, int8.colsum,
-                              None if bias is None else bias.detach(), out)
+            y = C.int8_linear(x.reshape(-1, x.shape[-1]), *int8, None if bias is None else bias.detach(), out)
             return y.view(*x.shape[:-1], out)
-        dequantized = C.dequantize_int8(int8.panels, int8.scale, out, x.shape[-1])
+        dequantized = C.dequantize_int8(int8.weight, int8.weight_scale, out, x.shape[-1])
         return F.linear(x, dequantized.to(x.dtype), None if bias is None else bias.to(x.dtype))
     if packed_applies(x):
         panels = packed_panels(weight)
@@ -98,21 +102,29 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` (same parameter, same state dict) whose table is also a projection: ``project(h, bias)``
+    = h E^T + b through ``linear`` above (the Transformer's output projection, tied to its target embedding)."""
+
+    quantization = None
+
+    def project(self, h: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+        """h (..., dim) -> (..., num_embeddings)."""
+        return linear(h, self.weight, bias)
+
+
 class Int8Linear(nn.Module):
     """A projection of a quantized model: y = x W^T + b with W (out, in) held as int8 per output channel.
     Its state dict: ``weight`` int8 in the kernel's packed layout (ceil(out / P), ceil(in / 4), P, 4),
     ``weight_scale`` float32 (out,), ``weight_colsum`` int32 (out,) and ``bias`` float32 (out,) or none; all
     buffers (nothing to train), about a quarter of the float32 bytes. ``Int8Linear(in, out, bias)`` makes an
-    empty one for ``load_state_dict``; ``Int8Linear.quantize(weight, bias)`` quantizes a float32 weight."""
+    empty one for ``load_state_dict``; ``Int8Linear.quantize(weight, bias)`` quantizes a float32 weight;
+    ``from_float`` does either for a ``Linear``."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        # zeros in the layout C++ owns (csrc/gemm/gemm.h), not written again here
-        panels, scale, colsum = C.quantize_int8(torch.zeros(out_features, in_features))
-        self.register_buffer("weight", panels)
-        self.register_buffer("weight_scale", scale)
-        self.register_buffer("weight_colsum", colsum)
+        _register_int8(self, out_features, in_features)
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
 
     @classmethod
@@ -120,10 +132,17 @@ class Int8Linear(nn.Module):
         """The int8 form of a float32 (out, in) weight and its bias (``C.quantize_int8``: csrc/gemm/gemm.h)."""
         out, inp = weight.shape
         module = cls(inp, out, bias is not None)
-        module.weight, module.weight_scale, module.weight_colsum = C.quantize_int8(weight.detach().float().cpu())
+        _quantize_into(module, weight)
         if bias is not None:
             module.bias = bias.detach().float().cpu().clone()
         return module
+
+    @classmethod
+    def from_float(cls, linear: Linear, quantize: bool = True) -> "Int8Linear":
+        """``linear`` quantized, or (``quantize=False``) an empty module of its shape for ``load_state_dict``."""
+        if quantize:
+            return cls.quantize(linear.weight, linear.bias)
+        return cls(linear.in_features, linear.out_features, linear.bias is not None)
 
     def int8(self) -> Int8Weight:
         return Int8Weight(self.weight, self.weight_scale, self.weight_colsum)
@@ -136,30 +155,65 @@ class Int8Linear(nn.Module):
 
 
 class Int8Embedding(nn.Module):
-    """A quantized model's source embedding (``Transformer.src_embed`` of a model with separate vocabularies):
-    the (num, dim) table in int8, per row, by the projections' rule and in their packed layout (``C.quantize_int8``:
-    csrc/gemm/gemm.h), as the target's rows are the int8 output projection's. A lookup dequantizes the rows
-    it reads (``C.int8_embedding``). Its state dict: ``weight`` int8 (packed) and ``weight_scale`` float32
-    (num,); no float copy. ``Int8Embedding(num, dim)`` makes an empty one for ``load_state_dict``;
-    ``Int8Embedding.quantize(weight)`` quantizes a float32 table."""
+    """A quantized model's ``Embedding``: the (num, dim) table in int8, per row, by the projections' rule and in
+    their packed layout (``C.quantize_int8``: csrc/gemm/gemm.h), as CTranslate2's int8 quantizes its embeddings.
+    A lookup dequantizes the rows it reads (``C.int8_embedding``); ``project(h, bias)`` is the int8 projection
+    on the same weight (``C.int8_linear``: the tied output projection). Its state dict: ``weight`` int8
+    (packed), ``weight_scale`` float32 (num,) and ``weight_colsum`` int32 (num,), no float copy.
+    ``Int8Embedding(num, dim)`` makes an empty one for ``load_state_dict``; ``Int8Embedding.quantize(weight)``
+    quantizes a float32 table; ``from_float`` does either for an ``Embedding``."""
+
+    quantization = "int8"
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        panels, scale, _ = C.quantize_int8(torch.zeros(num_embeddings, embedding_dim))
-        self.register_buffer("weight", panels)
-        self.register_buffer("weight_scale", scale)
+        _register_int8(self, num_embeddings, embedding_dim)
 
     @classmethod
     def quantize(cls, weight: Tensor) -> "Int8Embedding":
         num, dim = weight.shape
         module = cls(num, dim)
-        module.weight, module.weight_scale, _ = C.quantize_int8(weight.detach().float().cpu())
+        _quantize_into(module, weight)
         return module
+
+    @classmethod
+    def from_float(cls, embedding: Embedding, quantize: bool = True) -> "Int8Embedding":
+        """``embedding`` quantized, or (``quantize=False``) an empty module of its shape for ``load_state_dict``."""
+        if quantize:
+            return cls.quantize(embedding.weight)
+        return cls(embedding.num_embeddings, embedding.embedding_dim)
+
+    def int8(self) -> Int8Weight:
+        return Int8Weight(self.weight, self.weight_scale, self.weight_colsum)
 
     def forward(self, tokens: Tensor) -> Tensor:
         """tokens (any shape, int64 in [0, num)) -> (*tokens.shape, dim) float32."""
         return C.int8_embedding(tokens, self.weight, self.weight_scale, self.num_embeddings, self.embedding_dim)
 
+    def project(self, h: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+        """h (..., dim) -> (..., num_embeddings): ``linear`` on the int8 weight."""
+        return linear(h, None, bias, self.int8())
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A source table saved by 9aea6a7's code has no weight_colsum (it was never a projection): the int8
+        # values' sums per row, from the packed weight (csrc/gemm/gemm.h: zeros past dim and past num).
+        weight = state_dict.get(prefix + "weight")
+        if prefix + "weight_colsum" not in state_dict and weight is not None and weight.dim() == 4:
+            state_dict[prefix + "weight_colsum"] = weight.sum((1, 3), dtype=torch.int32).reshape(-1)[: self.num_embeddings]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int8"
+
+
+def _register_int8(module: nn.Module, out: int, inp: int) -> None:
+    """An int8 weight (out, in)'s buffers on ``module``, zeros in the layout C++ owns (csrc/gemm/gemm.h)."""
+    for name, tensor in zip(Int8Weight._fields, C.quantize_int8(torch.zeros(out, inp))):
+        module.register_buffer(name, tensor)
+
+
+def _quantize_into(module: nn.Module, weight: Tensor) -> None:
+    """``module``'s int8 buffers set to ``C.quantize_int8`` of a float (out, in) weight."""
+    for name, tensor in zip(Int8Weight._fields, C.quantize_int8(weight.detach().float().cpu())):
+        setattr(module, name, tensor)

@@ -9,11 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fastformer._ext import C
 from fastformer.nn import decoding
 from fastformer.nn.config import TransformerConfig
 from fastformer.nn.layers import Decoder, Encoder
-from fastformer.nn.linear import linear
+from fastformer.nn.linear import Embedding
 
 
 def sinusoid_table(n_positions: int, d_model: int) -> Tensor:
@@ -50,6 +49,8 @@ class Transformer(nn.Module):
     vocabulary); embeddings are scaled by sqrt(d_model) and summed with sinusoidal positions. A model with
     config.src_vocab_size (converted Marian models with separate vocabularies) embeds the source with its own
     matrix, ``src_embed``; the target's stays tied to the projection.
+    A quantized model (``fastformer.quantize``) is this class with int8 modules in place of the float ones
+    (fastformer/nn/quantize.py): its tables are ``Int8Embedding``s, its projections ``Int8Linear``s.
     Padding (config.pad_id) in src is masked from every attention; target padding must be at the end.
     ``backend`` is passed to every fastformer op (None: the dispatcher's default).
     Token ids are checked against the vocabularies on every call (a host synchronization on a GPU);
@@ -61,26 +62,34 @@ class Transformer(nn.Module):
         super().__init__()
         self.config, self.backend = config, backend
         self.check_token_values = True
-        self.embed = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_id)
+        # The target's table, also the output projection (``project``): an Embedding, in a quantized model an
+        # Int8Embedding; the source's own table where config.src_vocab_size, else None.
+        self.embed: nn.Module = Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_id)
         nn.init.normal_(self.embed.weight, mean=0.0, std=config.d_model ** -0.5)
-        # nn.Embedding; a quantized model's is an Int8Embedding (fastformer/nn/quantize.py)
         self.src_embed: Optional[nn.Module] = None
         if config.src_vocab_size is not None:
-            self.src_embed = nn.Embedding(config.src_vocab_size, config.d_model, padding_idx=config.pad_id)
+            self.src_embed = Embedding(config.src_vocab_size, config.d_model, padding_idx=config.pad_id)
             nn.init.normal_(self.src_embed.weight, mean=0.0, std=config.d_model ** -0.5)
         with torch.no_grad():
             for table in (self.embed, self.src_embed):
                 if table is not None:
                     table.weight[config.pad_id].zero_()
         self._position_cache: dict = {}  # (device, dtype) -> position table, computed in float64 then cast
-        # Marian's final_logits_bias (config.output_bias); a quantized model holds it in output_projection.
+        # Marian's final_logits_bias (config.output_bias), float32 in a quantized model too.
         self.output_bias = nn.Parameter(torch.zeros(config.vocab_size)) if config.output_bias else None
         self.encoder = Encoder(config, backend)
         self.decoder = Decoder(config, backend)
-        # The output projection is the embedding, transposed; a quantized model holds its int8 form here
-        # (an Int8Linear without bias: fastformer/nn/quantize.py), else None. A quantized model's embed is
-        # None: its lookup reads the int8 rows.
-        self.output_projection: Optional[nn.Module] = None
+
+    # The int8 checkpoints of 9aea6a7's code held the target table's int8 form as an Int8Linear,
+    # output_projection, whose bias was the output bias: their names today.
+    _RENAMED = {"output_projection.weight": "embed.weight", "output_projection.weight_scale": "embed.weight_scale",
+                "output_projection.weight_colsum": "embed.weight_colsum", "output_projection.bias": "output_bias"}
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for old, new in self._RENAMED.items():
+            if prefix + old in state_dict:
+                state_dict[prefix + new] = state_dict.pop(prefix + old)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # ------------------------------------------------------------------------------------------
     def positions(self, length: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -96,13 +105,7 @@ class Transformer(nn.Module):
     def _embed(self, tokens: Tensor, offset: int = 0, source: bool = False) -> Tensor:
         """The scaled embeddings of tokens (B, L) plus the positions offset .. offset + L - 1; the source's
         table where it has its own (source=True and config.src_vocab_size)."""
-        if source and self.src_embed is not None:
-            rows = self.src_embed(tokens)
-        elif self.embed is None:  # quantized: the rows of the int8 output projection (fastformer/nn/quantize.py)
-            out = self.output_projection
-            rows = C.int8_embedding(tokens, out.weight, out.weight_scale, out.out_features, out.in_features)
-        else:
-            rows = self.embed(tokens)
+        rows = (self.src_embed if source and self.src_embed is not None else self.embed)(tokens)
         x = rows * math.sqrt(self.config.d_model) if self.config.scale_embedding else rows
         x = x + self.positions(offset + tokens.shape[1], x.dtype, x.device)[offset:]
         return F.dropout(x, self.config.dropout, self.training)
@@ -141,15 +144,14 @@ class Transformer(nn.Module):
 
     @property
     def quantization(self) -> Optional[str]:
-        """"int8" for a model of ``fastformer.quantize`` (or ``fastformer.nn.quantize.prepare``), else None."""
-        return None if self.output_projection is None else "int8"
+        """"int8" for a model of ``fastformer.quantize`` (or ``fastformer.nn.quantize.prepare``), else None: its
+        embedding's."""
+        return self.embed.quantization
 
     def project(self, h: Tensor) -> Tensor:
         """Logits (..., vocab) of decoder states (..., d): the embedding matrix, transposed (int8 in a quantized
         model), plus the output bias (config.output_bias)."""
-        if self.output_projection is not None:
-            return self.output_projection(h)
-        return linear(h, self.embed.weight, self.output_bias)
+        return self.embed.project(h, self.output_bias)
 
     def forward(self, src: Tensor, tgt_in: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         """Logits (B, T, vocab); with a bool ``positions`` mask (B, T), only those positions' logits, (n, vocab)

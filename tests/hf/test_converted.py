@@ -313,8 +313,8 @@ def test_convert_cli_writes_float_and_int8_checkpoints(marian_dir, tmp_path, cap
     src, _ = batch(model, tokenizer)
     assert loaded.generate(src) == model.generate(src)
     quantized, _, state = ckpt.load_model(int8_path)
-    assert state["quantization"] == "int8" and quantized.output_bias is None
-    assert quantized.output_projection.bias is not None  # final_logits_bias, in the int8 output projection
+    assert state["quantization"] == "int8" and isinstance(quantized.embed, Int8Embedding)
+    assert torch.equal(quantized.output_bias, model.output_bias)  # final_logits_bias, float32 beside the int8 table
     assert quantized.generate(src) == fastformer.quantize(model, "int8").generate(src)
     assert "wrote the int8 checkpoint" in capsys.readouterr().err
 

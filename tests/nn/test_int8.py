@@ -13,7 +13,7 @@ from fastformer._ext import C
 from fastformer.nn import TransformerConfig
 from fastformer.nn.decoding import IncrementalDecoder
 from fastformer.nn import Transformer
-from fastformer.nn.linear import Int8Linear, Int8Weight, Linear
+from fastformer.nn.linear import Embedding, Int8Embedding, Int8Linear, Int8Weight, Linear
 from fastformer.nn.quantize import prepare
 from int8_fixture import CHECKPOINT as INT8_9AEA6A7, RECORDED as INT8_9AEA6A7_TOKENS
 from model_reference import varied_model
@@ -77,7 +77,7 @@ def test_this_cpu_runs_a_variant_of_its_level():
 def test_int8_linear_matches_the_float64_reference_of_its_arithmetic(variant, M, K, N, bias):
     x, weight, b = make_case(M, K, N, bias)
     q = quantize_weight(weight)
-    y = C.int8_linear(x, q.panels, q.scale, q.colsum, b, N, variant)
+    y = C.int8_linear(x, q.weight, q.weight_scale, q.weight_colsum, b, N, variant)
     ref = int8_linear_reference(x, weight, b)
     # float32 epilogue: the int32 sum rounded to float, times a float32 product of the scales, plus the bias
     torch.testing.assert_close(y.double(), ref, rtol=2e-6, atol=2e-6 * float(ref.abs().max()) + 1e-7)
@@ -92,7 +92,7 @@ def test_int8_variants_agree_bit_for_bit(M, K, N):
     """The same int32 sums, whichever dot-product instruction made them, and the same epilogue."""
     x, weight, b = make_case(M, K, N, seed=1)
     q = quantize_weight(weight)
-    outs = [C.int8_linear(x, q.panels, q.scale, q.colsum, b, N, v) for v in VARIANTS]
+    outs = [C.int8_linear(x, q.weight, q.weight_scale, q.weight_colsum, b, N, v) for v in VARIANTS]
     for v, y in zip(VARIANTS[1:], outs[1:]):
         assert torch.equal(y, outs[0]), (VARIANTS[0], v)
 
@@ -107,7 +107,7 @@ def test_int8_linear_does_not_depend_on_the_thread_count(M, K, N):
         outs = []
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            outs.append(C.int8_linear(x, q.panels, q.scale, q.colsum, b, N))
+            outs.append(C.int8_linear(x, q.weight, q.weight_scale, q.weight_colsum, b, N))
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
@@ -117,25 +117,76 @@ def test_quantize_weight_packs_and_dequantizes():
     weight = torch.randn(70, 13)
     weight[5] = 0.0
     q = quantize_weight(weight)
-    assert q.panels.dtype == torch.int8 and q.panels.shape == (3, 4, 32, 4)
-    assert q.panels.abs().max() <= 127
-    dequantized = C.dequantize_int8(q.panels, q.scale, 70, 13)
+    assert q.weight.dtype == torch.int8 and q.weight.shape == (3, 4, 32, 4)
+    assert q.weight.abs().max() <= 127
+    dequantized = C.dequantize_int8(q.weight, q.weight_scale, 70, 13)
     # every weight within half a step of its dequantized value, the largest of a channel exactly +-127 steps
-    assert ((dequantized - weight).abs() <= q.scale[:, None] / 2 * (1 + 1e-5)).all()
-    unpacked = q.panels.transpose(1, 2).reshape(96, 16)[:70, :13].float()
-    torch.testing.assert_close(unpacked * q.scale[:, None], dequantized)
-    assert torch.equal(q.colsum, unpacked.sum(1).int())
+    assert ((dequantized - weight).abs() <= q.weight_scale[:, None] / 2 * (1 + 1e-5)).all()
+    unpacked = q.weight.transpose(1, 2).reshape(96, 16)[:70, :13].float()
+    torch.testing.assert_close(unpacked * q.weight_scale[:, None], dequantized)
+    assert torch.equal(q.weight_colsum, unpacked.sum(1).int())
     assert (unpacked.abs().amax(1)[torch.arange(70) != 5] == 127).all() and not unpacked[5].any()
-    assert torch.equal(q.panels.transpose(1, 2).reshape(96, 16)[70:], torch.zeros(26, 16, dtype=torch.int8))
+    assert torch.equal(q.weight.transpose(1, 2).reshape(96, 16)[70:], torch.zeros(26, 16, dtype=torch.int8))
     # the rule stated in csrc/gemm/gemm.h, written out here in float32: round half to even
     inv = 127.0 / weight.abs().amax(1, keepdim=True)
     expected = torch.round(weight * torch.where(inv.isfinite(), inv, 0)).clamp(-127, 127)
     assert torch.equal(unpacked, expected)
     # a quantized model's embedding lookup: rows of the same dequantized weight, for ids of any shape
     ids = torch.tensor([[5, 0, 69], [31, 32, 33]])
-    rows = C.int8_embedding(ids, q.panels, q.scale, 70, 13)
+    rows = C.int8_embedding(ids, q.weight, q.weight_scale, 70, 13)
     assert rows.shape == (2, 3, 13) and torch.equal(rows, dequantized[ids])
-    assert C.int8_embedding(torch.zeros(0, dtype=torch.long), q.panels, q.scale, 70, 13).shape == (0, 13)
+    assert C.int8_embedding(torch.zeros(0, dtype=torch.long), q.weight, q.weight_scale, 70, 13).shape == (0, 13)
+
+
+def unpacked(q, n, K):
+    """Wq (n, K) of an Int8Weight: its packed weight (P, K4, 32, 4) read back."""
+    return q.weight.transpose(1, 2).reshape(-1, q.weight.shape[1] * 4)[:n, :K]
+
+
+def test_a_non_finite_weight_channel_quantizes_to_zeros_and_a_nan_scale():
+    """The one int8 rule (csrc/gemm/gemm.h): a channel with a NaN or an infinity gets int8 values 0 (never
+    -127 or 127), a NaN scale and column sum 0, so its outputs are NaN; the other channels are untouched."""
+    weight = torch.randn(40, 13)
+    weight[3, 5] = float("nan")
+    weight[7, 12] = float("inf")
+    weight[8, 0] = -float("inf")
+    q = quantize_weight(weight)
+    bad = torch.tensor([3, 7, 8])
+    good = torch.ones(40, dtype=torch.bool)
+    good[bad] = False
+    assert not unpacked(q, 40, 13)[bad].any() and not q.weight_colsum[bad].any()
+    assert q.weight_scale[bad].isnan().all() and q.weight_scale[good].isfinite().all()
+    clean = quantize_weight(torch.where(good[:, None], weight, 0.0))
+    assert torch.equal(unpacked(q, 40, 13)[good], unpacked(clean, 40, 13)[good])
+    assert torch.equal(q.weight_scale[good], clean.weight_scale[good])
+    x = torch.randn(5, 13)
+    for variant in VARIANTS:
+        y = C.int8_linear(x, *q, None, 40, variant)
+        assert y[:, bad].isnan().all() and y[:, good].isfinite().all(), variant
+    assert C.dequantize_int8(q.weight, q.weight_scale, 40, 13)[bad].isnan().all()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("K", [7, 97])
+def test_activations_take_the_weights_rule_exactly(variant, K):
+    """The kernel's vectorized activation quantization gives exactly the scalar rule that quantizes the weights
+    (C.quantize_int8 of x), NaN and infinity included: through an identity weight (Wq = 127 I, s_w = 1/127)
+    y[m, n] = float(127 xq[m, n]) (s_x[m] s_w[n]) in float32, bit for bit; a row with a NaN (first, last, in
+    the vector tail) or an infinity gives NaN outputs, a row of zeros zeros."""
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(9, K, generator=g) * 3
+    x[1, 0] = float("nan")
+    x[2, K - 1] = float("nan")
+    x[3, K // 2] = float("inf")
+    x[4, 1] = -float("inf")
+    x[5] = 0.0
+    x[6, 2:] = 1e-30  # tiny values beside a larger one
+    eye = quantize_weight(torch.eye(K))
+    y = C.int8_linear(x, *eye, None, K, variant)
+    rule = quantize_weight(x)  # the scalar rule, as the weights take it
+    expected = (127 * unpacked(rule, 9, K).int()).float() * (rule.weight_scale[:, None] * eye.weight_scale[None, :])
+    torch.testing.assert_close(y, expected, rtol=0, atol=0, equal_nan=True)
+    assert y[1:5].isnan().all() and not y[5].any() and y[[0, 6, 7, 8]].isfinite().all()
 
 
 def test_pack_linear_is_the_packed_kernels_layout():
@@ -152,7 +203,7 @@ def test_pack_linear_is_the_packed_kernels_layout():
     (lambda: C.quantize_int8(torch.randn(3, 4).double()), "expected a 2-D float32 CPU weight"),
     (lambda: C.quantize_int8(torch.zeros(1, 65537)), "at most 65,536 inputs"),
     (lambda: C.pack_linear(torch.randn(3)), "expected a 2-D float32 CPU weight"),
-    (lambda: C.dequantize_int8(torch.zeros(1, 2, 32, 4, dtype=torch.int8), torch.zeros(3), 3, 9), "panels must be"),
+    (lambda: C.dequantize_int8(torch.zeros(1, 2, 32, 4, dtype=torch.int8), torch.zeros(3), 3, 9), "weight must be"),
     (lambda: C.int8_embedding(torch.tensor([3]), torch.zeros(1, 3, 32, 4, dtype=torch.int8), torch.zeros(3), 3, 9),
      r"id 3 is outside \[0, 3\)"),
     (lambda: C.int8_embedding(torch.tensor([-1]), torch.zeros(1, 3, 32, 4, dtype=torch.int8), torch.zeros(3), 3, 9),
@@ -168,15 +219,15 @@ def test_weight_preparation_bad_arguments_raise(call, message):
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda x, q, b: C.int8_linear(x.double(), q.panels, q.scale, q.colsum, b, 33), "x must be a 2-D float32"),
-    (lambda x, q, b: C.int8_linear(x, q.panels.float(), q.scale, q.colsum, b, 33), "int8_panels must be a contiguous int8"),
-    (lambda x, q, b: C.int8_linear(x, q.panels, q.scale, q.colsum, b, 65), "int8_panels must be a contiguous int8"),
-    (lambda x, q, b: C.int8_linear(x[:, :4], q.panels, q.scale, q.colsum, b, 33), "int8_panels must be a contiguous"),
-    (lambda x, q, b: C.int8_linear(x, q.panels, q.scale.double(), q.colsum, b, 33), "int8_scale must be a contiguous float32"),
-    (lambda x, q, b: C.int8_linear(x, q.panels, q.scale, q.colsum.long(), b, 33), "int8_colsum must be a contiguous int32"),
-    (lambda x, q, b: C.int8_linear(x, q.panels, q.scale, q.colsum, b[:5], 33), "bias must be a contiguous float32"),
-    (lambda x, q, b: C.int8_linear(x, q.panels, q.scale, q.colsum, b, 33, "sse9"), 'variant "sse9" does not run'),
-    (lambda x, q, b: C.int8_linear(torch.zeros(1, 65537), q.panels, q.scale, q.colsum, b, 33), "at most 65,536"),
+    (lambda x, q, b: C.int8_linear(x.double(), q.weight, q.weight_scale, q.weight_colsum, b, 33), "x must be a 2-D float32"),
+    (lambda x, q, b: C.int8_linear(x, q.weight.float(), q.weight_scale, q.weight_colsum, b, 33), "weight must be a contiguous int8"),
+    (lambda x, q, b: C.int8_linear(x, q.weight, q.weight_scale, q.weight_colsum, b, 65), "weight must be a contiguous int8"),
+    (lambda x, q, b: C.int8_linear(x[:, :4], q.weight, q.weight_scale, q.weight_colsum, b, 33), "weight must be a contiguous"),
+    (lambda x, q, b: C.int8_linear(x, q.weight, q.weight_scale.double(), q.weight_colsum, b, 33), "weight_scale must be a contiguous float32"),
+    (lambda x, q, b: C.int8_linear(x, q.weight, q.weight_scale, q.weight_colsum.long(), b, 33), "weight_colsum must be a contiguous int32"),
+    (lambda x, q, b: C.int8_linear(x, q.weight, q.weight_scale, q.weight_colsum, b[:5], 33), "bias must be a contiguous float32"),
+    (lambda x, q, b: C.int8_linear(x, q.weight, q.weight_scale, q.weight_colsum, b, 33, "sse9"), 'variant "sse9" does not run'),
+    (lambda x, q, b: C.int8_linear(torch.zeros(1, 65537), q.weight, q.weight_scale, q.weight_colsum, b, 33), "at most 65,536"),
 ])
 def test_int8_linear_bad_arguments_raise(call, message):
     x, weight, b = make_case(4, 7, 33)
@@ -195,19 +246,23 @@ def test_quantize_copies_the_model_and_quantizes_every_projection():
     before = copy.deepcopy(model.state_dict())
     quantized = fastformer.quantize(model, "int8")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the original untouched
-    assert not any(isinstance(m, Linear) for m in quantized.modules())
+    assert not any(isinstance(m, (Linear, Embedding)) for m in quantized.modules())
     int8 = [m for m in quantized.modules() if isinstance(m, Int8Linear)]
-    assert len(int8) == len([m for m in model.modules() if isinstance(m, Linear)]) + 1  # and the output projection
-    assert quantized.output_projection is not None and quantized.quantization == "int8" and model.quantization is None
+    assert len(int8) == len([m for m in model.modules() if isinstance(m, Linear)])
+    # the same class, the same names: the target's table (also the output projection) is an Int8Embedding
+    assert type(quantized) is type(model) and isinstance(quantized.embed, Int8Embedding)
+    assert quantized.quantization == "int8" and model.quantization is None
     assert not any(p.requires_grad for p in quantized.parameters())
-    # no float copy of a quantized weight, the embedding's included (its lookup reads the output projection's
-    # int8 rows): the float32 tensors left are norms, biases and scales
+    # no float copy of a quantized weight, the embedding's included: the float32 tensors left are norms,
+    # biases and scales; the state dict's names are the float model's and each int8 weight's scale and sums
     state = quantized.state_dict()
     floats = {k for k, v in state.items() if v.dtype == torch.float32 and v.dim() == 2}
-    assert floats == set() and quantized.embed is None and "embed.weight" not in state, floats
+    assert floats == set() and state["embed.weight"].dtype == torch.int8, floats
+    assert set(state) == set(model.state_dict()) | {k.replace(".weight", f".weight_{part}") for k, v in
+                                                    model.state_dict().items() if v.dim() == 2 for part in ("scale", "colsum")}
     layer = quantized.decoder.layers[0].ffn.fc1
     expected = quantize_weight(model.decoder.layers[0].ffn.fc1.weight)
-    assert torch.equal(layer.weight, expected.panels) and torch.equal(layer.weight_scale, expected.scale)
+    assert torch.equal(layer.weight, expected.weight) and torch.equal(layer.weight_scale, expected.weight_scale)
     assert torch.equal(layer.bias, model.decoder.layers[0].ffn.fc1.bias)
 
 
@@ -222,7 +277,7 @@ def test_int8_weights_round_trip_through_the_state_dict(tmp_path):
     torch.save(quantized.state_dict(), tmp_path / "int8.pt")
     state = torch.load(tmp_path / "int8.pt", weights_only=True)
     assert state["decoder.layers.0.ffn.fc1.weight"].dtype == torch.int8
-    assert state["output_projection.weight_scale"].shape == (97,)
+    assert state["embed.weight_scale"].shape == (97,)
     loaded = prepare(Transformer(config), "int8")
     loaded.load_state_dict(state)
     src = make_src(config, [9, 7, 12, 5])
@@ -320,19 +375,20 @@ def test_quantized_generate_takes_the_float_models_arguments():
 
 
 def test_cpp_decoder_binds_int8_projections_by_name():
-    """A quantized model's projections cross into the C++ step as "<name>.int8_panels", "<name>.int8_scale" and
-    "<name>.int8_colsum" (the output projection as "output.int8_*"), each checked like the float32 panels."""
+    """A quantized model's projections cross into the C++ step by their state dict names, "<name>.weight",
+    "<name>.weight_scale" and "<name>.weight_colsum" (the tied embedding and output projection as "embed.*"),
+    each checked like the float32 panels."""
     model = fastformer.quantize(varied_model(CONFIG, "cpu", seed=4, dtype=torch.float32))
     description = cpp_decoder_arguments(CONFIG, model)
-    assert set(description["output"]) == {"output.int8_panels", "output.int8_scale", "output.int8_colsum"}
-    assert "ffn.fc1.int8_panels" in description["layers"][0] and "ffn.fc1.panels" not in description["layers"][0]
+    assert set(description["embed"]) == {"embed.weight", "embed.weight_scale", "embed.weight_colsum"}
+    assert "ffn.fc1.weight" in description["layers"][0] and "ffn.fc1.panels" not in description["layers"][0]
     C.CpuDecoder(description)  # as given: accepted
     for change, message in [
-        (lambda w: w.update({"ffn.fc1.int8_panels": w["ffn.fc2.int8_panels"]}),
-         "ffn.fc1.int8_panels must be a contiguous int8 CPU tensor of shape"),
-        (lambda w: w.update({"ffn.fc1.int8_scale": w["ffn.fc1.int8_scale"].double()}),
-         "ffn.fc1.int8_scale must be a contiguous float32"),
-        (lambda w: w.pop("ffn.fc1.int8_colsum"), 'has no weight "ffn.fc1.int8_colsum"'),
+        (lambda w: w.update({"ffn.fc1.weight": w["ffn.fc2.weight"]}),
+         "ffn.fc1.weight must be a contiguous int8 CPU tensor of shape"),
+        (lambda w: w.update({"ffn.fc1.weight_scale": w["ffn.fc1.weight_scale"].double()}),
+         "ffn.fc1.weight_scale must be a contiguous float32"),
+        (lambda w: w.pop("ffn.fc1.weight_colsum"), 'has no weight "ffn.fc1.weight_colsum"'),
     ]:
         with pytest.raises(ValueError, match=message):
             C.CpuDecoder(with_layer0(description, change))

@@ -342,6 +342,7 @@ def test_cpp_decoder_binds_every_weight_of_the_description():
     expected = {f"{w.name}.{part}" for w in DECODER_LAYER if w.name != "cross_attn.kv_proj"
                 for part in (("weight", "bias") if w.kind == "norm" else ("panels", "bias"))}
     assert all(set(layer) == expected for layer in description["layers"])
+    assert set(description["embed"]) == {"embed.weight", "embed.panels"}  # the table and its tied projection
     assert [kind for kind, _, _ in description["sublayers"]] == [s.kind for s in DECODER_SUBLAYERS]
     assert [norm for _, norm, _ in description["sublayers"]] == [s.norm for s in DECODER_SUBLAYERS]
 
