@@ -9,7 +9,7 @@ import time
 import torch
 
 from fastformer.cli import progress
-from fastformer.runtime import provenance, trim_freed_memory
+from fastformer.runtime import provenance, resident_bytes, trim_freed_memory
 from fastformer.training.evaluation import evaluate_dev, final_test
 from fastformer.training.resume import save_checkpoint
 from fastformer.training.setup import Run
@@ -69,7 +69,8 @@ def train(run: Run) -> None:
             record = {"kind": "train", "step": state["step"], "epoch": run.batches.epoch,
                       "loss": round(loss_sum / update["tokens"], 4),
                       "nll": round(nll_sum / update["tokens"], 4), "lr": update["lr"],
-                      "tokens_per_s": round(tok_s, 1), "train_minutes": round(state["train_seconds"] / 60, 2)}
+                      "tokens_per_s": round(tok_s, 1), "train_minutes": round(state["train_seconds"] / 60, 2),
+                      "rss_gib": round(resident_bytes() / 2**30, 3)}  # resident memory now (the peak: summary)
             run.log.write(record)
             bar.set_postfix(upd=state["step"], loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:.0f}",
                             lr=f"{update['lr']:.2e}", refresh=False)  # a refresh here would defeat mininterval

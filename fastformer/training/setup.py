@@ -14,7 +14,7 @@ from fastformer.cli import usage_error
 from fastformer.data import Tokenizer, load_bible, load_text_files
 from fastformer.data.corpus import ParallelCorpus
 from fastformer.nn import Transformer, TransformerConfig
-from fastformer.runtime import keep_freed_memory, native_bf16_cpu
+from fastformer.runtime import bound_onednn_cache, keep_freed_memory, native_bf16_cpu
 from fastformer.training import resume
 from fastformer.training.batches import BatchStream
 from fastformer.training.processes import Processes
@@ -50,7 +50,9 @@ class Run:
 
 
 def configure_process(args: argparse.Namespace) -> None:
-    """Process-wide settings: torch's thread count, glibc malloc's policy."""
+    """Process-wide settings: torch's thread count, glibc malloc's policy, oneDNN's primitive cache
+    (fastformer/runtime.py: the bounds on the process's memory)."""
+    bound_onednn_cache()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.malloc == "keep":
