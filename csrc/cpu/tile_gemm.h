@@ -17,14 +17,17 @@
 // accumulators, four B vectors and one broadcast of A in its 32 registers; avx2: 6 x 16 floats in its 16). Loop
 // order: column blocks outside, row blocks inside, so a column block's k rows of B stay in L1 while every row
 // block streams past them. Memory traffic per call: A read once per column block, B once, C once (twice when
-// accumulating). Columns past the last whole block are read and written with partial vectors (the same
-// arithmetic); rows past the last whole block take a smaller row block.
+// accumulating). The loop over k holds the accumulators in registers: no branch and no partial load in it
+// (GCC kept them on the stack, stored every iteration, while the loop also handled a short last block).
+// Columns past the last whole block go through zero-padded copies (the same arithmetic); rows past the last
+// whole block take a smaller row block.
 #pragma once
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace fastformer::cpu {
 
@@ -37,26 +40,23 @@ constexpr int tile_vectors() {
   return sizeof(at::vec::Vectorized<T>) >= 64 ? 4 : 2;
 }
 
-// rows (<= kTileRows) rows of C from row i0, columns [j0, j0 + width), width <= NV vectors.
+// rows (<= kTileRows) rows of C, from row i0, by NV whole vectors of columns from column j0:
+//   acc = op(A)[i0 : i0 + rows, :] B[:, j0 : j0 + NV V]  (kept in registers: no branch, no partial load in the loop)
+// then C = alpha acc (+ C). B's block is whole here: tile_gemm_impl pads a short last block first.
 template <typename T, int rows, bool a_transposed>
-inline void tile_block(int64_t i0, int64_t j0, int64_t width, int64_t k, T alpha, const T* a, int64_t lda,
-                       const T* b, int64_t ldb, bool accumulate, T* c, int64_t ldc) {
+inline void tile_block(int64_t i0, int64_t j0, int64_t k, T alpha, const T* a, int64_t lda, const T* b, int64_t ldb,
+                       bool accumulate, T* c, int64_t ldc) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t V = Vec::size();
   constexpr int NV = tile_vectors<T>();
-  int64_t lanes[NV];  // lanes of each column vector in use: V, or fewer in the last block (0 past its end)
-  for (int v = 0; v < NV; ++v) lanes[v] = std::clamp<int64_t>(width - v * V, 0, V);
-  const bool whole = width == NV * V;
   Vec acc[rows][NV];
   for (int r = 0; r < rows; ++r) {
     for (int v = 0; v < NV; ++v) acc[r][v] = Vec(T(0));
   }
-  for (int64_t t = 0; t < k; ++t) {
-    const T* bt = b + t * ldb + j0;
+  const T* bt = b + j0;
+  for (int64_t t = 0; t < k; ++t, bt += ldb) {
     Vec bv[NV];
-    for (int v = 0; v < NV; ++v) {
-      bv[v] = whole ? Vec::loadu(bt + v * V) : (lanes[v] > 0 ? Vec::loadu(bt + v * V, lanes[v]) : Vec(T(0)));
-    }
+    for (int v = 0; v < NV; ++v) bv[v] = Vec::loadu(bt + v * V);
     for (int r = 0; r < rows; ++r) {
       const Vec ar(a_transposed ? a[t * lda + i0 + r] : a[(i0 + r) * lda + t]);
       for (int v = 0; v < NV; ++v) acc[r][v] = at::vec::fmadd(ar, bv[v], acc[r][v]);
@@ -67,14 +67,27 @@ inline void tile_block(int64_t i0, int64_t j0, int64_t width, int64_t k, T alpha
     T* cr = c + (i0 + r) * ldc + j0;
     for (int v = 0; v < NV; ++v) {
       Vec cv = acc[r][v] * valpha;
-      if (whole) {
-        if (accumulate) cv = cv + Vec::loadu(cr + v * V);
-        cv.store(cr + v * V);
-      } else if (lanes[v] > 0) {
-        if (accumulate) cv = cv + Vec::loadu(cr + v * V, lanes[v]);
-        cv.store(cr + v * V, lanes[v]);
-      }
+      if (accumulate) cv = cv + Vec::loadu(cr + v * V);
+      cv.store(cr + v * V);
     }
+  }
+}
+
+// Row blocks of kTileRows down one column block (then the remaining rows as one smaller block).
+template <typename T, bool a_transposed>
+inline void tile_column(int64_t m, int64_t j0, int64_t k, T alpha, const T* a, int64_t lda, const T* b, int64_t ldb,
+                        bool accumulate, T* c, int64_t ldc) {
+  int64_t i0 = 0;
+  for (; i0 + kTileRows <= m; i0 += kTileRows) {
+    tile_block<T, kTileRows, a_transposed>(i0, j0, k, alpha, a, lda, b, ldb, accumulate, c, ldc);
+  }
+  switch (m - i0) {
+    case 5: tile_block<T, 5, a_transposed>(i0, j0, k, alpha, a, lda, b, ldb, accumulate, c, ldc); break;
+    case 4: tile_block<T, 4, a_transposed>(i0, j0, k, alpha, a, lda, b, ldb, accumulate, c, ldc); break;
+    case 3: tile_block<T, 3, a_transposed>(i0, j0, k, alpha, a, lda, b, ldb, accumulate, c, ldc); break;
+    case 2: tile_block<T, 2, a_transposed>(i0, j0, k, alpha, a, lda, b, ldb, accumulate, c, ldc); break;
+    case 1: tile_block<T, 1, a_transposed>(i0, j0, k, alpha, a, lda, b, ldb, accumulate, c, ldc); break;
+    default: break;
   }
 }
 
@@ -82,21 +95,22 @@ template <typename T, bool a_transposed>
 inline void tile_gemm_impl(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
                            int64_t ldb, bool accumulate, T* c, int64_t ldc) {
   constexpr int64_t W = tile_vectors<T>() * at::vec::Vectorized<T>::size();
-  for (int64_t j0 = 0; j0 < n; j0 += W) {
-    const int64_t width = std::min(W, n - j0);
-    int64_t i0 = 0;
-    for (; i0 + kTileRows <= m; i0 += kTileRows) {
-      tile_block<T, kTileRows, a_transposed>(i0, j0, width, k, alpha, a, lda, b, ldb, accumulate, c, ldc);
-    }
-    switch (m - i0) {
-      case 5: tile_block<T, 5, a_transposed>(i0, j0, width, k, alpha, a, lda, b, ldb, accumulate, c, ldc); break;
-      case 4: tile_block<T, 4, a_transposed>(i0, j0, width, k, alpha, a, lda, b, ldb, accumulate, c, ldc); break;
-      case 3: tile_block<T, 3, a_transposed>(i0, j0, width, k, alpha, a, lda, b, ldb, accumulate, c, ldc); break;
-      case 2: tile_block<T, 2, a_transposed>(i0, j0, width, k, alpha, a, lda, b, ldb, accumulate, c, ldc); break;
-      case 1: tile_block<T, 1, a_transposed>(i0, j0, width, k, alpha, a, lda, b, ldb, accumulate, c, ldc); break;
-      default: break;
-    }
+  const int64_t whole = n / W * W;
+  for (int64_t j0 = 0; j0 < whole; j0 += W) tile_column<T, a_transposed>(m, j0, k, alpha, a, lda, b, ldb, accumulate, c, ldc);
+  const int64_t width = n - whole;
+  if (width == 0) return;
+  // The last, short column block: B's columns copied into a zero-padded k x W panel and C's into an m x W
+  // panel, the same block kernel run on them (so these columns are computed exactly as whole ones), C's
+  // columns copied back. Memory: k x W and 2 m x W more.
+  thread_local std::vector<T> b_pad, c_pad;
+  b_pad.assign(k * W, T(0));
+  c_pad.assign(m * W, T(0));
+  for (int64_t t = 0; t < k; ++t) std::copy(b + t * ldb + whole, b + t * ldb + n, b_pad.data() + t * W);
+  if (accumulate) {
+    for (int64_t i = 0; i < m; ++i) std::copy(c + i * ldc + whole, c + i * ldc + n, c_pad.data() + i * W);
   }
+  tile_column<T, a_transposed>(m, 0, k, alpha, a, lda, b_pad.data(), W, accumulate, c_pad.data(), W);
+  for (int64_t i = 0; i < m; ++i) std::copy(c_pad.data() + i * W, c_pad.data() + i * W + width, c + i * ldc + whole);
 }
 
 // C (m x n, ldc) = alpha op(A) B (+ C when accumulate); see the top of this file.
