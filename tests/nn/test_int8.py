@@ -99,7 +99,8 @@ def test_int8_variants_agree_bit_for_bit(M, K, N):
 
 @pytest.mark.parametrize("M, K, N", [(64, 203, 1000), (113, 1031, 70), (203, 512, 40)])
 def test_int8_linear_does_not_depend_on_the_thread_count(M, K, N):
-    """Many panels; few panels and many rows (split by row blocks too), unevenly over 2 and 3 threads."""
+    """Many panels; few panels and many rows (split by row blocks too), unevenly over 2 and 3 threads; x
+    read at memory offsets of 0, 1, 2, 3 and 8 elements (a misaligned data pointer)."""
     x, weight, b = make_case(M, K, N, seed=2)
     q = quantize_weight(weight)
     threads = torch.get_num_threads()
@@ -107,10 +108,12 @@ def test_int8_linear_does_not_depend_on_the_thread_count(M, K, N):
         outs = []
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            outs.append(C.int8_linear(x, q.weight, q.weight_scale, q.weight_colsum, b, N))
+            for offset in (0, 1, 2, 3, 8):
+                shifted = torch.empty(x.numel() + offset)[offset:].view(x.shape).copy_(x)
+                outs.append(C.int8_linear(shifted, q.weight, q.weight_scale, q.weight_colsum, b, N))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert all(torch.equal(outs[0], y) for y in outs[1:])
 
 
 def test_quantize_weight_packs_and_dequantizes():

@@ -40,10 +40,17 @@ def test_packed_linear_splits_panels_over_threads(threads, M):
     assert_close(y, x.double() @ w.double().t() + b.double(), torch.float32, "y")
 
 
+def shifted(x, offset):
+    """x's values in a view ``offset`` elements into a larger buffer: a data pointer misaligned by offset."""
+    view = torch.empty(x.numel() + offset, dtype=x.dtype)[offset:].view(x.shape)
+    return view.copy_(x)
+
+
 @pytest.mark.parametrize("M", [4, 40, 128])
 def test_packed_linear_is_bit_identical_on_1_2_and_3_threads(M):
     """The panels split over threads, each panel's arithmetic the same on any thread (128 rows: AVX2's 6-row
-    groups and the 4 + 4 split of the last 8)."""
+    groups and the 4 + 4 split of the last 8), and x read at any memory offset (no BLAS: the result depends
+    on the values alone)."""
     x, w, b = randn(M, 256, dtype=torch.float32), randn(8001, 256, dtype=torch.float32), randn(8001,
                                                                                               dtype=torch.float32)
     panels, before = pack_panels(w), torch.get_num_threads()
@@ -51,7 +58,7 @@ def test_packed_linear_is_bit_identical_on_1_2_and_3_threads(M):
         outputs = []
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            outputs.append(C.packed_linear(x, panels, b, 8001))
+            outputs += [C.packed_linear(shifted(x, offset), panels, b, 8001) for offset in (0, 1, 2, 3, 8)]
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(outputs[0], y) for y in outputs[1:])
