@@ -119,6 +119,19 @@ def projection_views(B, H, Lq, Lk, D, pad, dtype, device="cpu"):
     return (xq, xkv), (q, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2))
 
 
+def assert_layout_kept(attention, q, k, v, out, grads, dout):
+    """``attention``'s out and grads on the views q, k, v (with upstream ``dout``) are (B, L, H, D) memory, as
+    are those of the same call on contiguous copies, and bit-identical to them."""
+    contiguous = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
+    ref = attention(*contiguous)
+    ref_grads = torch.autograd.grad(ref, contiguous, dout.contiguous())
+    for t in (out, *grads, ref, *ref_grads):  # (B, L, H, D) memory: no copy on the way back to a projection
+        assert t.transpose(1, 2).is_contiguous(), t.stride()
+    assert torch.equal(out, ref)
+    for g, rg in zip(grads, ref_grads):
+        assert torch.equal(g, rg)
+
+
 def same_memory(a, b):
     """Whether a and b are the same elements of the same memory (one data pointer, shape and strides)."""
     return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape

@@ -12,7 +12,7 @@ import fastformer
 from fastformer import ops
 from fastformer._ext import C
 
-from helpers import (dtype_name, forward_backward, padding_mask, projection_views, randn, same_memory, upcast,
+from helpers import (assert_layout_kept, dtype_name, forward_backward, padding_mask, projection_views, randn, same_memory, upcast,
                      visible_keys)
 from tolerances import assert_close
 
@@ -99,14 +99,8 @@ def test_attention_reads_and_writes_projection_layout(backend, dtype, case):
     out = ops.attention(q, k, v, key_padding_mask=gpu_mask, causal=causal, backend=backend)
     dout = randn(B, Lq, H, D, dtype=dtype).cuda().transpose(1, 2)  # (B, L, H, D) memory, as a projection's grad
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    contiguous = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
-    ref = ops.attention(*contiguous, key_padding_mask=gpu_mask, causal=causal, backend=backend)
-    ref_grads = torch.autograd.grad(ref, contiguous, dout.contiguous())
-    for t in (out, *grads, ref, *ref_grads):
-        assert t.transpose(1, 2).is_contiguous(), t.stride()
-    assert torch.equal(out, ref)
-    for g, rg in zip(grads, ref_grads):
-        assert torch.equal(g, rg)
+    assert_layout_kept(lambda *qkv: ops.attention(*qkv, key_padding_mask=gpu_mask, causal=causal, backend=backend),
+                       q, k, v, out, grads, dout)
     (expected,), expected_grads = forward_backward(
         lambda q, k, v: ops.attention(q, k, v, key_padding_mask=mask, causal=causal, backend="torch"),
         upcast(cpu([q, k, v])), upcast(cpu([dout])))

@@ -66,7 +66,7 @@ def truncate(path):
     path.write_bytes(data[: len(data) // 2])
 
 
-def refused(folder, *parts):
+def assert_refused(folder, *parts):
     """from_transformers raises ConversionError whose one-line message holds every part; returns it."""
     with pytest.raises(ConversionError) as info:
         fastformer.from_transformers(str(folder))
@@ -107,7 +107,7 @@ def test_the_cli_refuses_on_one_line_with_exit_1(folders, tmp_path, breakage, pa
 def test_a_missing_tokenizer_file_that_decides_the_ids_is_refused(folders, tmp_path, family, name):
     folder = copy(folders, family, tmp_path)
     os.remove(folder / name)
-    refused(folder, str(folder), f"has no {name}")
+    assert_refused(folder, str(folder), f"has no {name}")
     _, tokenizer = hf_convert.from_transformers(str(folder), tokenizer=False)  # the weights alone still convert
     assert tokenizer is None
 
@@ -120,11 +120,11 @@ def test_m2m100_and_nllb_are_told_apart_or_refused(folders, tmp_path):
     _, tokenizer = fastformer.from_transformers(str(folder))
     assert tokenizer.encode(TEXT) == fastformer.from_transformers(folders["m2m"])[1].encode(TEXT)
     os.remove(folder / "vocab.json")
-    refused(folder, "has no vocab.json and no tokenizer_config.json naming its tokenizer_class")
+    assert_refused(folder, "has no vocab.json and no tokenizer_config.json naming its tokenizer_class")
     edit_json(folder / "tokenizer_config.json", tokenizer_class="NllbTokenizer")
-    refused(folder, "NLLB tokenizer's language codes are in neither tokenizer.json")
+    assert_refused(folder, "NLLB tokenizer's language codes are in neither tokenizer.json")
     edit_json(folder / "tokenizer_config.json", tokenizer_class="BertTokenizer")
-    refused(folder, "tokenizer_config.json's tokenizer_class 'BertTokenizer' is neither M2M100Tokenizer nor "
+    assert_refused(folder, "tokenizer_config.json's tokenizer_class 'BertTokenizer' is neither M2M100Tokenizer nor "
                     "NllbTokenizer")
 
 
@@ -143,14 +143,14 @@ def test_m2m100_and_nllb_are_told_apart_or_refused(folders, tmp_path):
 def test_a_config_field_missing_or_of_the_wrong_type_is_refused_by_name(folders, tmp_path, family, change, parts):
     folder = copy(folders, family, tmp_path)
     edit_json(folder / "config.json", **change)
-    refused(folder, str(folder / "config.json"), *parts)
+    assert_refused(folder, str(folder / "config.json"), *parts)
 
 
 @pytest.mark.parametrize("junk", ["{not json", "[1, 2]", b"\xff\xfe\x00"])
 def test_a_config_json_that_is_not_a_json_object_is_refused(folders, tmp_path, junk):
     folder = copy(folders, "m2m", tmp_path)
     (folder / "config.json").write_bytes(junk if isinstance(junk, bytes) else junk.encode())
-    message = refused(folder, str(folder / "config.json"))
+    message = assert_refused(folder, str(folder / "config.json"))
     assert "is not valid JSON" in message or "holds a JSON list, not an object" in message
     with pytest.raises(SystemExit, match=f"error: {folder / 'config.json'}"):
         convert_main([str(folder), "--out", str(tmp_path / "x.pt")])
@@ -161,19 +161,19 @@ def test_weights_that_disagree_with_the_config_are_refused_naming_the_tensor_and
     with open(folder / "config.json") as f:
         vocab = json.load(f)["vocab_size"]
     edit_json(folder / "config.json", d_model=64)  # every tensor is now of another shape: the first one named
-    refused(folder, str(folder / "model.safetensors"), "model.shared.weight (the embedding) has shape "
+    assert_refused(folder, str(folder / "model.safetensors"), "model.shared.weight (the embedding) has shape "
             f"({vocab}, 32); config.json makes it ({vocab}, 64)")
 
     folder = copy(folders, "marian", tmp_path)
     edit_weights(folder, lambda w: w.update({"model.decoder.layers.1.fc1.weight": torch.randn(63, 32)}))
-    refused(folder, "model.decoder.layers.1.fc1.weight has shape (63, 32); config.json makes it (64, 32)")
+    assert_refused(folder, "model.decoder.layers.1.fc1.weight has shape (63, 32); config.json makes it (64, 32)")
 
     folder = tmp_path / "layers"
     shutil.copytree(folders["m2m"], folder)
     edit_json(folder / "config.json", encoder_layers=1)  # the weights hold 2
-    refused(folder, "model.encoder.layers.1.", "is beyond config.json's encoder_layers 1")
+    assert_refused(folder, "model.encoder.layers.1.", "is beyond config.json's encoder_layers 1")
     edit_json(folder / "config.json", encoder_layers=3)
-    refused(folder, "the weights lack model.encoder.layers.2.")
+    assert_refused(folder, "the weights lack model.encoder.layers.2.")
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "pytorch_model.bin"])
@@ -184,7 +184,7 @@ def test_a_truncated_weights_file_is_refused(folders, tmp_path, name):
         os.remove(folder / "model.safetensors")
         fastformer.from_transformers(str(folder))  # whole, it converts
     truncate(folder / name)
-    refused(folder, f"{folder / name} does not load (truncated or corrupt: ")
+    assert_refused(folder, f"{folder / name} does not load (truncated or corrupt: ")
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
@@ -194,7 +194,7 @@ def test_non_finite_weights_are_refused_at_conversion_naming_the_tensor(folders,
     def poison(weights):
         weights["model.encoder.layers.0.fc2.weight"][3, 4] = value
     edit_weights(folder, poison)
-    refused(folder, str(folder / "model.safetensors"), "model.encoder.layers.0.fc2.weight holds 1 non-finite "
+    assert_refused(folder, str(folder / "model.safetensors"), "model.encoder.layers.0.fc2.weight holds 1 non-finite "
             "value (NaN or inf)")
     with pytest.raises(SystemExit, match="model.encoder.layers.0.fc2.weight holds 1 non-finite value"):
         convert_main([str(folder), "--out", str(tmp_path / "x.pt")])

@@ -17,6 +17,7 @@ from fastformer._ext import C
 from fastformer.ops import reference
 from helpers import (
     ALL_BACKENDS,
+    assert_layout_kept,
     BACKENDS,
     FLOAT64_BACKENDS,
     SLOW_LIMITS,
@@ -397,14 +398,8 @@ def test_kernels_read_and_write_transformers_layout(backend, dtype, case, monkey
         assert all(same_memory(a, t) for a, t in zip(fwd_args[:3], (q, k, v)))
         assert all(same_memory(a, t) for a, t in zip(bwd_args[:5], (dout, q, k, v, out)))
         monkeypatch.undo()
-    contiguous = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
-    ref = ops.attention(*contiguous, key_padding_mask=mask, causal=causal, backend=backend)
-    ref_grads = torch.autograd.grad(ref, contiguous, dout.contiguous())
-    for t in (out, *grads, ref, *ref_grads):  # (B, L, H, D) memory: no copy on the way back to a projection
-        assert t.transpose(1, 2).is_contiguous(), t.stride()
-    assert torch.equal(out, ref)
-    for g, rg in zip(grads, ref_grads):
-        assert torch.equal(g, rg)
+    assert_layout_kept(lambda *qkv: ops.attention(*qkv, key_padding_mask=mask, causal=causal, backend=backend),
+                       q, k, v, out, grads, dout)
     (expected,), expected_grads = forward_backward(
         lambda q, k, v: ops.attention(q, k, v, key_padding_mask=mask, causal=causal, backend="torch"),
         upcast([q, k, v]), upcast([dout]))
