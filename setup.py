@@ -112,7 +112,7 @@ LEVEL_SOURCES = sorted(glob.glob("csrc/cpu/*.cpp")) + [
 # The headers that declare the CPU kernel table and what crosses it: their digest is the table's layout
 # (csrc/cpu/kernel_table.h), compiled into _C and every level module, so a stale module is refused at import.
 KERNEL_TABLE_HEADERS = ["csrc/cpu/kernel_table.h", "csrc/ops.h", "csrc/op_entry_points.h", "csrc/gemm/gemm.h",
-                        "csrc/inference/inference.h"]
+                        "csrc/gemm/int8_onednn.h", "csrc/inference/inference.h"]
 
 
 def kernel_table_digest():
@@ -176,7 +176,8 @@ def core_extension():
     with_cuda = want_cuda() and bool(cuda_sources)
     if want_cuda() and not cuda_sources:
         print("fastformer: CUDA requested but csrc/cuda/ holds no .cu sources yet; building the CPU kernels only")
-    sources = ["csrc/fastformer.cpp", "csrc/cpu_levels.cpp", "csrc/gemm/gemm.cpp", "csrc/inference/decoder.cpp",
+    sources = ["csrc/fastformer.cpp", "csrc/cpu_levels.cpp", "csrc/gemm/gemm.cpp", "csrc/gemm/int8_onednn.cpp",
+               "csrc/inference/decoder.cpp",
                "csrc/inference/beam_search.cpp", "csrc/triton/plans.cpp"]
     sources = unity_sources("core", sources + sorted(glob.glob("csrc/autograd/*.cpp")))
     cxx = ["-O3", NO_DEBUG_INFO, f'-DFASTFORMER_TORCH_VERSION="{torch.__version__}"', kernel_table_digest()]

@@ -20,6 +20,7 @@
 #include "cpu/kernel_table.h"
 #include "cpu_levels.h"
 #include "gemm/gemm.h"
+#include "gemm/int8_onednn.h"
 #include "ops.h"
 #include "triton/plans.h"
 
@@ -251,9 +252,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &fastformer::int8_linear, py::arg("x"), py::arg("weight"), py::arg("weight_scale"),
         py::arg("weight_colsum"), py::arg("bias"), py::arg("n"), py::arg("variant") = "",
         "y (M, n) = x (M, K) W^T + bias with W quantized by quantize_int8 and x per row "
-        "(csrc/gemm/int8_linear.cpp): a quantized model's projections; variant: one of int8_variants() (\"\": the best)");
+        "(csrc/gemm/int8_linear.cpp): a quantized model's projections; variant: one of int8_variants(), \"fastformer\" "
+        "(the first) or \"auto\"; \"\": FASTFORMER_INT8_PROVIDER, else auto (the rule: int8_variant_for)");
   m.def("int8_variants", &fastformer::int8_variants,
-        "the int8 dot-product variants this CPU runs at the loaded level, best first");
+        "the int8 variants this CPU runs at the loaded level: fastformer's own, best first, then \"onednn\" where torch "
+        "has oneDNN");
+  m.def("int8_variant_for", &fastformer::int8_variant_for, py::arg("M"),
+        "the int8 variant a projection of M rows runs: FASTFORMER_INT8_PROVIDER's, else the rule's (oneDNN's products "
+        "on a CPU with AMX from 32 rows, the first of int8_variants() otherwise)");
+  m.def("int8_onednn_rows", []() { return fastformer::kOnednnMinRows; },
+        "the rule's least row count for oneDNN's int8 products (on a CPU with AMX)");
+  m.def("cpu_has_amx_int8", &fastformer::cpu_has_amx_int8, "whether this CPU (and its OS) has AMX's int8 tiles");
+  m.def("cpu_has_int8_dot", &fastformer::cpu_has_int8_dot,
+        "whether this CPU has VNNI or AMX (int8 products without 16-bit intermediate sums)");
   // The inference room (csrc/inference/inference.h).
   fastformer::bind_decoder(m);
   fastformer::bind_beam_search(m);

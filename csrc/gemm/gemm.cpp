@@ -3,10 +3,13 @@
 // which run the loaded CPU level's kernels through its table (csrc/cpu/kernel_table.h).
 #define FASTFORMER_GEMM_CHECKS
 #include "gemm/gemm.h"
+#include "gemm/int8_onednn.h"
 
 #include <c10/util/StringUtil.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <limits>
 #include <tuple>
 
 #include "cpu/kernel_table.h"
@@ -67,7 +70,7 @@ PackedProjection packed_projection(const at::Tensor& panels, const c10::optional
 PackedProjection int8_projection(const at::Tensor& weight, const at::Tensor& weight_scale,
                                  const at::Tensor& weight_colsum, const c10::optional<at::Tensor>& bias, int64_t K,
                                  int64_t n, const std::string& who, const std::string& name,
-                                 const std::string& bias_name) {
+                                 const std::string& bias_name, int variant) {
   check_sizes(K, n, who, name);
   TORCH_CHECK_VALUE(K <= kInt8MaxInputs, who, ": ", name.empty() ? "" : name + ": ", "int8 projections take at "
                     "most 65,536 inputs (the int32 accumulator's range), got ", K);
@@ -76,7 +79,8 @@ PackedProjection int8_projection(const at::Tensor& weight, const at::Tensor& wei
   check_tensor(weight_colsum, at::kInt, {n}, who, part_name(name, "weight_colsum"));
   PackedProjection w{};
   w.int8 = {weight.const_data_ptr<int8_t>(), weight_scale.const_data_ptr<float>(),
-            weight_colsum.const_data_ptr<int32_t>()};
+            weight_colsum.const_data_ptr<int32_t>(),
+            n > 0 && K > 0 && int8_wants_onednn(variant) ? onednn_int8_weight(weight, n, K) : nullptr};
   w.bias = bias_of(bias, n, who, bias_name);
   return w;
 }
@@ -187,21 +191,48 @@ std::vector<std::string> int8_variants() {
   return names;
 }
 
+int int8_variant_index(const std::string& variant, const std::string& who) {
+  std::string name = variant;
+  const char* source = "variant";
+  if (name.empty()) {
+    const char* env = std::getenv("FASTFORMER_INT8_PROVIDER");
+    name = env != nullptr ? env : "";
+    source = "FASTFORMER_INT8_PROVIDER";
+  }
+  if (name.empty() || name == "auto") return -1;
+  if (name == "fastformer") return 0;  // the best of our own
+  const std::vector<std::string> names = int8_variants();
+  const auto it = std::find(names.begin(), names.end(), name);
+  TORCH_CHECK_VALUE(it != names.end(), who, ": ", source, " \"", name, "\" does not run here (", cpu_kernels().level,
+                    " level on this CPU: ", c10::Join(", ", names), "; or \"fastformer\", the first of them, or "
+                    "\"auto\")");
+  if (name == "onednn" && !cpu_has_int8_dot()) {
+    TORCH_WARN_ONCE("fastformer: oneDNN's int8 products forced on a CPU without VNNI or AMX, where they sum byte "
+                    "pairs in 16 bits and can saturate: int8 results may differ from every other variant");
+  }
+  return static_cast<int>(it - names.begin());
+}
+
+std::string int8_variant_for(int64_t M) {
+  TORCH_CHECK_VALUE(M >= 1, "fastformer int8_variant_for: M must be >= 1, got ", M);
+  const int forced = int8_variant_index("", "fastformer int8_variant_for");
+  return int8_variants()[forced >= 0 ? forced : cpu_kernels().gemm.int8_choose(M)];
+}
+
+bool int8_wants_onednn(int variant) {
+  const std::vector<std::string> names = int8_variants();
+  const int index = variant >= 0 ? variant : cpu_kernels().gemm.int8_choose(std::numeric_limits<int64_t>::max());
+  return names[index] == "onednn";
+}
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                        const at::Tensor& weight_colsum, const c10::optional<at::Tensor>& bias, int64_t n,
                        const std::string& variant) {
   check_x(x, "int8_linear");
   const std::optional<at::Tensor> b = contiguous(bias);  // ops.h
+  const int index = int8_variant_index(variant, "fastformer int8_linear");
   const PackedProjection w = int8_projection(weight, weight_scale, weight_colsum, b, x.size(1), n,
-                                             "fastformer int8_linear", "", "bias");
-  int index = 0;
-  if (!variant.empty()) {
-    const std::vector<std::string> names = int8_variants();
-    const auto it = std::find(names.begin(), names.end(), variant);
-    TORCH_CHECK_VALUE(it != names.end(), "fastformer int8_linear: variant \"", variant, "\" does not run here (",
-                      cpu_kernels().level, " level on this CPU: ", c10::Join(", ", names), ")");
-    index = static_cast<int>(it - names.begin());
-  }
+                                             "fastformer int8_linear", "", "bias", index);
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   cpu_kernels().gemm.int8_linear_rows(xc.const_data_ptr<float>(), x.size(0), x.size(1), w.int8, w.bias,

@@ -2,7 +2,9 @@
 // layout. This folder owns the layouts, the int8 quantization rule and every check of these weights:
 //   packed_linear.cpp   (per CPU level) float32: W^T streamed from column panels with at::vec FMAs
 //   int8_linear.cpp     (per CPU level) int8: W per output channel, x quantized per row, int32 dot products
-//                       (VNNI, AVX2, plain); int8_linear_tile.h: one tile per dot-product instruction
+//                       (VNNI, AVX2, plain; or oneDNN's: int8_onednn.h); int8_linear_tile.h: one tile per
+//                       dot-product instruction
+//   int8_onednn.cpp     (fastformer._C) W packed once for oneDNN's int8 products (the variant "onednn")
 //   gemm.cpp            (fastformer._C) the weight preparation (pack_linear, quantize_int8, dequantize_int8,
 //                       int8_embedding),
 //                       the checks, and the entry points Python calls (packed_linear, int8_linear)
@@ -41,6 +43,7 @@ namespace fastformer {
 constexpr int kPackedLinearPanel = 32;      // columns per panel, float32 and int8
 constexpr int kPackedLinearStrip = 16;      // columns per contiguous strip of a float32 panel (a 64-byte line)
 constexpr int64_t kInt8MaxInputs = 65536;   // K: 65,536 x 255 x 127 < 2^31
+constexpr int64_t kInt8ExactFloatInputs = 1040;  // K: 1,040 x 127 x 127 < 2^24, so a float32 holds the sum exactly
 
 inline int64_t panel_count(int64_t n) { return (n + kPackedLinearPanel - 1) / kPackedLinearPanel; }
 inline std::vector<int64_t> packed_panels_shape(int64_t n, int64_t K) {
@@ -87,11 +90,14 @@ inline float quantize_int8_row(const float* r, int64_t K, Store&& store) {
   return step.scale;
 }
 
+struct OnednnInt8;  // csrc/gemm/int8_onednn.h
+
 // A weight quantized to int8, as the kernels read it (the state dict's names).
 struct Int8Weight {
   const int8_t* weight;          // int8_weight_shape(n, K): Wq, packed
   const float* weight_scale;     // (n,): s_w
   const int32_t* weight_colsum;  // (n,): sum_k Wq[n, k]
+  const OnednnInt8* onednn;      // the same Wq packed for oneDNN (the variant "onednn"), or nullptr: not packed
 };
 
 // Row `row` of an int8 weight (n, K) as float32, out[k] = Wq[row, k] s_w[row]: dequantize_int8, and the
@@ -126,10 +132,11 @@ void check_tensor(const at::Tensor& t, at::ScalarType dtype, const std::vector<i
 PackedProjection packed_projection(const at::Tensor& panels, const c10::optional<at::Tensor>& bias, int64_t K,
                                    int64_t n, const std::string& who, const std::string& name,
                                    const std::string& bias_name);
+// `variant` (int8_variant_index) decides whether the weight's oneDNN packing is attached (int8_wants_onednn).
 PackedProjection int8_projection(const at::Tensor& weight, const at::Tensor& weight_scale,
                                  const at::Tensor& weight_colsum, const c10::optional<at::Tensor>& bias, int64_t K,
                                  int64_t n, const std::string& who, const std::string& name,
-                                 const std::string& bias_name);
+                                 const std::string& bias_name, int variant);
 
 // Python's entry points (bound in csrc/fastformer.cpp).
 at::Tensor pack_linear(const at::Tensor& weight);                                    // (n, K) -> panels
@@ -144,7 +151,20 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, const c1
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                        const at::Tensor& weight_colsum, const c10::optional<at::Tensor>& bias, int64_t n,
                        const std::string& variant);
-std::vector<std::string> int8_variants();  // this CPU's at the loaded level, best first
+// The int8 variants this CPU runs at the loaded level: fastformer's own, best first, then "onednn" where
+// oneDNN's int8 products may run (csrc/gemm/int8_onednn.h).
+std::vector<std::string> int8_variants();
+// The variant a caller asked for as an index into int8_variants(): `variant` if not empty, else the environment's
+// FASTFORMER_INT8_PROVIDER (a variant's name, "fastformer": the best of our own, or "auto"/unset); -1: auto, the
+// rule of int8_choose per call. A name this CPU does not run is a ValueError naming `who` and the list.
+int int8_variant_index(const std::string& variant, const std::string& who);
+// The variant int8_linear_rows takes for M rows under int8_variant_index("") (the environment, else the rule).
+std::string int8_variant_for(int64_t M);
+// Whether a projection bound for `variant` (an index as above) needs oneDNN's packed weight: it is "onednn",
+// or auto on a CPU where the rule can choose oneDNN (AMX).
+bool int8_wants_onednn(int variant);
+// Wq packed for oneDNN once per weight (csrc/gemm/int8_onednn.cpp): cached while the weight's storage lives.
+const OnednnInt8* onednn_int8_weight(const at::Tensor& weight, int64_t n, int64_t K);
 
 }  // namespace fastformer
 #endif

@@ -23,7 +23,12 @@
 //   avx2: |xq| (unsigned) times sign(xq) Wq (signed, vpsignb) with vpmaddubsw, pairs summed to int32 with
 //     vpmaddwd, then vpaddd: exact, since a pair is at most 2 x 127 x 127 < 2^15 (no saturation); 4
 //     instructions for vnni's 1;
-//   default: the same tile in plain C++ (in every level's list; the only one at the baseline level).
+//   default: the same tile in plain C++ (in every level's list; the only one of our own at the baseline level);
+//   onednn: oneDNN's int8 products (csrc/gemm/int8_onednn.h: AMX tiles where the CPU has them), on xq + 128
+//     with zero point 128, returning the same sums; our epilogue. Listed last, wherever torch has oneDNN.
+// The rule (int8_choose, "auto"): oneDNN's products on a CPU with AMX from kOnednnMinRows rows on, the first
+// of our own variants otherwise (on CPUs without AMX ours are as fast as oneDNN's or faster; below 32 rows
+// oneDNN's fixed cost per call dominates: docs/cpu-kernels.md).
 // The VNNI variants are compiled into the avx2 and avx512 modules under `#pragma GCC target` (only their
 // region may use the instructions) and chosen only after __builtin_cpu_supports says the CPU has them.
 // Memory traffic: the weight once as bytes (a quarter of float32's) a task, x once (quantized into a
@@ -45,6 +50,7 @@
 #endif
 
 #include "cpu/kernel_table.h"
+#include "gemm/int8_onednn.h"
 
 namespace fastformer::cpu {
 namespace {
@@ -151,7 +157,7 @@ struct Isa {
 #endif
 
 // One dot-product variant: its name, whether its activations go in unsigned (xq + 128), rows per pass,
-// its tile, and whether this CPU runs it.
+// its tile (nullptr: oneDNN's products), and whether this CPU runs it.
 struct Variant {
   const char* name;
   int offset;
@@ -183,6 +189,7 @@ const Variant kVariants[] = {
     {"avx2", 0, avx2::Isa::kRows, &avx2::tile, &always},
 #endif
     {"default", 0, plain::Isa::kRows, &plain::tile, &always},
+    {"onednn", 128, 0, nullptr, &onednn_int8_runs},
 };
 
 // The variants this CPU runs, best first, as a null-terminated list of names (and their table rows).
@@ -239,15 +246,66 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int offset, uint8_t* q,
   });
 }
 
+// y's rows m0 .. m1 from the sums (M, n) (exact integers: int32, or float32 from oneDNN) of an offset-free
+// variant: the same float operations as the epilogue of our own tiles.
+template <typename Sum>
+void write_rows(const Sum* sums, int64_t m0, int64_t m1, int64_t n, const float* sx, const Int8Weight& w,
+                const float* bias, float* y, int64_t y_stride) {
+  const float* __restrict sw = w.weight_scale;
+  for (int64_t m = m0; m < m1; ++m) {
+    float* __restrict out = y + m * y_stride;
+    const Sum* __restrict a = sums + m * n;
+    const float s = sx[m];
+    if (bias != nullptr) {
+      const float* __restrict b = bias;
+      for (int64_t c = 0; c < n; ++c) out[c] = static_cast<float>(a[c]) * (s * sw[c]) + b[c];
+    } else {
+      for (int64_t c = 0; c < n; ++c) out[c] = static_cast<float>(a[c]) * (s * sw[c]);
+    }
+  }
+}
+
+// y = x W^T + b through oneDNN's products (int8_onednn.h): x quantized here, the epilogue here, rows over
+// threads.
+void onednn_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& w, const float* bias, float* y,
+                        int64_t n, int64_t y_stride) {
+  TORCH_CHECK(w.onednn != nullptr, "fastformer int8_linear: the variant onednn needs the weight packed for oneDNN "
+              "(csrc/gemm/gemm.cpp int8_projection attaches it); this is a bug in fastformer");
+  const int64_t stride = (K + 3) / 4 * 4;
+  at::Tensor q = at::empty({M, stride}, at::kByte);
+  std::vector<float> sx(M);
+  quantize_rows(x, M, K, 128, q.mutable_data_ptr<uint8_t>(), sx.data());
+  const at::Tensor sums = onednn_int8_sums(*w.onednn, q);
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, n)), [&](int64_t m0, int64_t m1) {
+    if (sums.scalar_type() == at::kFloat) {
+      write_rows(sums.const_data_ptr<float>(), m0, m1, n, sx.data(), w, bias, y, y_stride);
+    } else {
+      write_rows(sums.const_data_ptr<int32_t>(), m0, m1, n, sx.data(), w, bias, y, y_stride);
+    }
+  });
+}
+
 }  // namespace
 
 const char* const* int8_variants() { return runnable().names.data(); }
+
+int int8_choose(int64_t M) {
+  const Runnable& run = runnable();
+  if (M >= kOnednnMinRows && cpu_has_amx_int8()) {
+    for (size_t i = 0; i < run.variants.size(); ++i) {
+      if (run.variants[i]->tile == nullptr) return static_cast<int>(i);
+    }
+  }
+  return 0;
+}
 
 void int8_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& w, const float* bias, float* y,
                       int64_t n, int64_t y_stride, int variant) {
   if (M == 0 || n == 0) return;
   const Runnable& run = runnable();
-  const Variant& v = *run.variants[variant >= 0 && variant < static_cast<int>(run.variants.size()) ? variant : 0];
+  if (variant < 0 || variant >= static_cast<int>(run.variants.size())) variant = int8_choose(M);
+  const Variant& v = *run.variants[variant];
+  if (v.tile == nullptr) return onednn_linear_rows(x, M, K, w, bias, y, n, y_stride);
   const int64_t K4 = (K + 3) / 4, stride = K4 * 4;
   std::unique_ptr<uint8_t[]> q(new uint8_t[M * stride]);  // every byte written by quantize_rows
   std::vector<float> sx(M);

@@ -95,7 +95,10 @@ class Fields {
 // every name was bound.
 class Binder {
  public:
-  Binder(const Named& weights, std::string where) : weights_(weights), where_(std::string(kWho) + ": " + where) {}
+  // int8_variant: the variant the int8 projections will run (gemm.h int8_variant_index; -1: the rule), which
+  // decides whether their weights are packed for oneDNN.
+  Binder(const Named& weights, std::string where, int int8_variant)
+      : weights_(weights), where_(std::string(kWho) + ": " + where), int8_variant_(int8_variant) {}
 
   const Tensor& find(const std::string& name) {
     auto it = weights_.find(name);
@@ -110,7 +113,7 @@ class Binder {
     const c10::optional<Tensor> b = bias.empty() ? c10::nullopt : c10::optional<Tensor>(find(bias));
     if (has(name + ".weight_scale")) {
       return int8_projection(find(name + ".weight"), find(name + ".weight_scale"), find(name + ".weight_colsum"), b,
-                             in, out, where_, name, bias);
+                             in, out, where_, name, bias, int8_variant_);
     }
     return packed_projection(find(name + ".panels"), b, in, out, where_, name, bias);
   }
@@ -134,6 +137,7 @@ class Binder {
  private:
   const Named& weights_;
   std::string where_;
+  int int8_variant_;
   std::set<std::string> bound_;
 };
 
@@ -172,8 +176,8 @@ Activation parse_activation(const std::string& name) {
 
 // A layer's sublayers bound to its weights by the description's names (d = d_model, f = d_ff).
 DecoderLayerStep bind_layer(const Named& weights, const std::vector<SublayerSpec>& description, int64_t index,
-                            int64_t d, int64_t f) {
-  Binder w(weights, "decoder layer " + std::to_string(index));
+                            int64_t d, int64_t f, int int8_variant) {
+  Binder w(weights, "decoder layer " + std::to_string(index), int8_variant);
   DecoderLayerStep layer{};
   for (const SublayerSpec& spec : description) {
     SublayerStep sub{};
@@ -233,7 +237,9 @@ class CpuDecoder {
                       ": beams, heads, d_ff and steps must be >= 1");
     // (V, d) from the embedding's float32 table, or in a quantized model from its int8 weight's scales (V,)
     // and the positions (d)
-    Binder embedding(embed_, "the target embedding");
+    // The int8 variant, from FASTFORMER_INT8_PROVIDER (else -1: the rule, per step by its rows).
+    step_.int8_variant = int8_variant_index("", kWho);
+    Binder embedding(embed_, "the target embedding", step_.int8_variant);
     const bool int8 = embedding.has("embed.weight_scale");
     const Tensor& table = embedding.find("embed.weight");
     int64_t V = -1, d = -1;
@@ -267,7 +273,7 @@ class CpuDecoder {
     }
     std::pair<const float*, const float*> final{nullptr, nullptr};
     if (norm_first) {
-      Binder w(final_norm_, "the final LayerNorm");
+      Binder w(final_norm_, "the final LayerNorm", step_.int8_variant);
       final = w.norm("final_norm", d);
       w.done();
     }
@@ -295,10 +301,9 @@ class CpuDecoder {
     step_.final_norm_bias = final.second;
     step_.output = embedding.linear("embed", d, V, embedding.has("output_bias") ? "output_bias" : "");
     embedding.done();
-    step_.int8_variant = 0;
     step_.layers.resize(L);
     for (int64_t l = 0; l < L; ++l) {
-      step_.layers[l] = bind_layer(layers_[l], sublayers, l, d, d_ff);
+      step_.layers[l] = bind_layer(layers_[l], sublayers, l, d, d_ff, step_.int8_variant);
       DecoderLayerStep& layer = step_.layers[l];
       // Two cache buffers a layer: keys and values.
       for (int i = 0; i < 2; ++i) caches_.push_back(at::empty({B * beams, heads, steps, d / heads}, positions_.options()));

@@ -74,7 +74,7 @@ struct DecoderStep {
   PackedProjection output;     // the output projection d -> V: the target embedding, tied
   float* logits;               // (N, V), written; rows logits_stride (>= V) floats apart
   int64_t logits_stride;
-  int int8_variant;            // which of int8_variants() the int8 projections use (0: the best)
+  int int8_variant;            // which of int8_variants() the int8 projections use (-1: the rule, int8_choose)
 };
 
 }  // namespace fastformer
