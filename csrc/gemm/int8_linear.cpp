@@ -246,27 +246,27 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int offset, uint8_t* q,
   });
 }
 
-// y's rows m0 .. m1 from the sums (M, n) (exact integers: int32, or float32 from oneDNN) of an offset-free
-// variant: the same float operations as the epilogue of our own tiles.
+// y's rows m0 .. m1, columns n0 .. n0 + width, from the sums (M, width) (exact integers: int32, or float32 from
+// oneDNN) of an offset-free variant: the same float operations as the epilogue of our own tiles.
 template <typename Sum>
-void write_rows(const Sum* sums, int64_t m0, int64_t m1, int64_t n, const float* sx, const Int8Weight& w,
-                const float* bias, float* y, int64_t y_stride) {
-  const float* __restrict sw = w.weight_scale;
+void write_rows(const Sum* sums, int64_t m0, int64_t m1, int64_t n0, int64_t width, const float* sx,
+                const Int8Weight& w, const float* bias, float* y, int64_t y_stride) {
+  const float* __restrict sw = w.weight_scale + n0;
   for (int64_t m = m0; m < m1; ++m) {
-    float* __restrict out = y + m * y_stride;
-    const Sum* __restrict a = sums + m * n;
+    float* __restrict out = y + m * y_stride + n0;
+    const Sum* __restrict a = sums + m * width;
     const float s = sx[m];
     if (bias != nullptr) {
-      const float* __restrict b = bias;
-      for (int64_t c = 0; c < n; ++c) out[c] = static_cast<float>(a[c]) * (s * sw[c]) + b[c];
+      const float* __restrict b = bias + n0;
+      for (int64_t c = 0; c < width; ++c) out[c] = static_cast<float>(a[c]) * (s * sw[c]) + b[c];
     } else {
-      for (int64_t c = 0; c < n; ++c) out[c] = static_cast<float>(a[c]) * (s * sw[c]);
+      for (int64_t c = 0; c < width; ++c) out[c] = static_cast<float>(a[c]) * (s * sw[c]);
     }
   }
 }
 
-// y = x W^T + b through oneDNN's products (int8_onednn.h): x quantized here, the epilogue here, rows over
-// threads.
+// y = x W^T + b through oneDNN's products (int8_onednn.h), a block of output columns at a time: x quantized
+// here once, each block's sums by oneDNN, then our epilogue on them (rows over threads) while they are in cache.
 void onednn_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& w, const float* bias, float* y,
                         int64_t n, int64_t y_stride) {
   TORCH_CHECK(w.onednn != nullptr, "fastformer int8_linear: the variant onednn needs the weight packed for oneDNN "
@@ -275,14 +275,17 @@ void onednn_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& 
   at::Tensor q = at::empty({M, stride}, at::kByte);
   std::vector<float> sx(M);
   quantize_rows(x, M, K, 128, q.mutable_data_ptr<uint8_t>(), sx.data());
-  const at::Tensor sums = onednn_int8_sums(*w.onednn, q);
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, n)), [&](int64_t m0, int64_t m1) {
-    if (sums.scalar_type() == at::kFloat) {
-      write_rows(sums.const_data_ptr<float>(), m0, m1, n, sx.data(), w, bias, y, y_stride);
-    } else {
-      write_rows(sums.const_data_ptr<int32_t>(), m0, m1, n, sx.data(), w, bias, y, y_stride);
-    }
-  });
+  for (int64_t b = 0; b < w.onednn->blocks(); ++b) {
+    const int64_t n0 = w.onednn->columns[b], width = w.onednn->columns[b + 1] - n0;
+    const at::Tensor sums = onednn_int8_sums(*w.onednn, b, q);
+    at::parallel_for(0, M, std::max<int64_t>(1, 16384 / width), [&](int64_t m0, int64_t m1) {
+      if (sums.scalar_type() == at::kFloat) {
+        write_rows(sums.const_data_ptr<float>(), m0, m1, n0, width, sx.data(), w, bias, y, y_stride);
+      } else {
+        write_rows(sums.const_data_ptr<int32_t>(), m0, m1, n0, width, sx.data(), w, bias, y, y_stride);
+      }
+    });
+  }
 }
 
 }  // namespace

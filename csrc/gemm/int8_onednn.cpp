@@ -40,19 +40,29 @@ std::unique_ptr<OnednnInt8> pack(const at::Tensor& weight, int64_t n, int64_t K)
     for (int64_t k = 0; k < Kp; ++k) dst[r * Kp + k] = src[int8_index(r, k, K4)];
   }
   auto packed = std::make_unique<OnednnInt8>();
-  // Chunks of at most kInt8ExactFloatInputs inputs, whole groups of 4, as equal as that allows.
-  const int64_t count = (Kp + kInt8ExactFloatInputs - 1) / kInt8ExactFloatInputs;
-  const int64_t step = ((Kp + count - 1) / count + 3) / 4 * 4;
-  for (int64_t k0 = 0; k0 < Kp; k0 += step) {
-    const int64_t k1 = std::min(Kp, k0 + step);
-    std::vector<c10::IValue> stack{rows.slice(1, k0, k1).contiguous(), c10::IValue()};  // (weight, x_shape None)
-    prepack.callBoxed(&stack);
-    packed->chunks.push_back(stack[0].toTensor());
-    packed->starts.push_back(k0);
+  // Blocks of at most kOnednnBlock outputs and chunks of at most kInt8ExactFloatInputs inputs (whole groups of
+  // 4), each as equal as that allows.
+  auto split = [](int64_t total, int64_t most, int64_t unit) {
+    const int64_t count = std::max<int64_t>(1, (total + most - 1) / most);
+    const int64_t step = ((total + count - 1) / count + unit - 1) / unit * unit;
+    std::vector<int64_t> starts;
+    for (int64_t s = 0; s < total; s += step) starts.push_back(s);
+    starts.push_back(total);
+    return starts;
+  };
+  packed->columns = split(n, kOnednnBlock, 16);
+  packed->inputs = split(Kp, kInt8ExactFloatInputs, 4);
+  for (int64_t b = 0; b < packed->blocks(); ++b) {
+    for (int64_t c = 0; c < packed->chunks(); ++c) {
+      const at::Tensor part = rows.slice(0, packed->columns[b], packed->columns[b + 1])
+                                  .slice(1, packed->inputs[c], packed->inputs[c + 1]).contiguous();
+      std::vector<c10::IValue> stack{part, c10::IValue()};  // (weight, x_shape: None)
+      prepack.callBoxed(&stack);
+      packed->packed.push_back(stack[0].toTensor());
+    }
   }
-  packed->starts.push_back(Kp);
-  packed->ones = at::ones({n}, at::kFloat);
-  packed->zero_points = at::zeros({n}, at::kLong);
+  packed->ones = at::ones({kOnednnBlock}, at::kFloat);
+  packed->zero_points = at::zeros({kOnednnBlock}, at::kLong);
   return packed;
 }
 

@@ -14,7 +14,8 @@
 //   variants (int8_linear.cpp), so y is bit-identical whichever variant ran.
 // Memory: Wq packed once per weight (csrc/gemm/int8_onednn.cpp: a second copy of the int8 weight, n K bytes
 // plus oneDNN's compensation, kept while the weight lives); per call x's bytes, oneDNN's (M, n) float32 sums
-// written once and read once by the epilogue (one (M, n) pass more than our own kernels), y written once.
+// written once and read once by the epilogue, a block of kOnednnBlock columns at a time so that they are read
+// from cache (our own kernels keep theirs in registers), y written once.
 //
 // On a CPU without VNNI or AMX, oneDNN's int8 kernels sum byte pairs in 16 bits (vpmaddubsw), which can
 // saturate for full-range operands: the rule never chooses "onednn" there, and forcing it warns.
@@ -31,13 +32,22 @@
 namespace fastformer {
 
 constexpr int64_t kOnednnMinRows = 32;  // the rule: oneDNN's products from M = 32 rows, on a CPU with AMX
+constexpr int64_t kOnednnBlock = 4096;   // at most this many output columns a call: its (M, block) float32 sums
+                                         // (2 MB at M = 128) stay in cache for the epilogue, and the freed
+                                         // buffer is reused by the next call (a 37,000-column output at once was
+                                         // a 19 MB allocation a call, page faults included: 1.4-2x slower)
 
-// Wq (n, K) as oneDNN's packed weights (csrc/gemm/int8_onednn.cpp onednn_int8_weight).
+// Wq (n, K) as oneDNN's packed weights (csrc/gemm/int8_onednn.cpp onednn_int8_weight): a grid of blocks of
+// output columns by chunks of inputs.
 struct OnednnInt8 {
-  std::vector<at::Tensor> chunks;  // per chunk of inputs: onednn::qlinear_prepack of Wq[:, starts[c]:starts[c + 1]]
-  std::vector<int64_t> starts;     // chunk c covers inputs [starts[c], starts[c + 1]); starts.back() = K4 4
-  at::Tensor ones;                 // (n,) float32: the weight scales oneDNN applies (1: the sums themselves)
-  at::Tensor zero_points;          // (n,) int64: the weights' zero points (0)
+  std::vector<at::Tensor> packed;  // [block b, chunk c] at b chunks + c: onednn::qlinear_prepack of
+                                   // Wq[columns[b]:columns[b + 1], inputs[c]:inputs[c + 1]] (opaque layout)
+  std::vector<int64_t> columns;    // block b covers outputs [columns[b], columns[b + 1]); columns.back() = n
+  std::vector<int64_t> inputs;     // chunk c covers inputs [inputs[c], inputs[c + 1]); inputs.back() = K4 4
+  at::Tensor ones;                 // (kOnednnBlock,) float32: the weight scales oneDNN applies (1: the sums)
+  at::Tensor zero_points;          // (kOnednnBlock,) int64: the weights' zero points (0)
+  int64_t blocks() const { return static_cast<int64_t>(columns.size()) - 1; }
+  int64_t chunks() const { return static_cast<int64_t>(inputs.size()) - 1; }
 };
 
 // cpuid (with the OS's support of the tile state): the int8 tiles of AMX; VNNI's byte dot products.
@@ -69,21 +79,24 @@ inline bool onednn_int8_runs() {
   return runs;
 }
 
-// The sums (M, n) = sum_k xq[m, k] Wq[n, k] of q (M, K4 4) uint8 = xq + 128 (zero-padded past K with 128):
-// float32 for one chunk, int32 for several (each chunk's float32 sums exact, converted and added).
-inline at::Tensor onednn_int8_sums(const OnednnInt8& w, const at::Tensor& q) {
+// The sums (M, width) of block b, width = columns[b + 1] - columns[b]: sum_k xq[m, k] Wq[columns[b] + j, k] of
+// q (M, K4 4) uint8 = xq + 128 (zero-padded past K with 128): float32 for one chunk of inputs, int32 for several
+// (each chunk's float32 sums exact, converted and added).
+inline at::Tensor onednn_int8_sums(const OnednnInt8& w, int64_t b, const at::Tensor& q) {
   static const c10::OperatorHandle op = *onednn_op("onednn::qlinear_pointwise");
+  const int64_t width = w.columns[b + 1] - w.columns[b], chunks = w.chunks();
+  const at::Tensor ones = w.ones.slice(0, 0, width), zero_points = w.zero_points.slice(0, 0, width);
   at::Tensor total;
-  for (size_t c = 0; c < w.chunks.size(); ++c) {
-    const at::Tensor part = w.chunks.size() == 1 ? q : q.slice(1, w.starts[c], w.starts[c + 1]).contiguous();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const at::Tensor part = chunks == 1 ? q : q.slice(1, w.inputs[c], w.inputs[c + 1]).contiguous();
     // qlinear_pointwise(qx, x_scale, x_zero_point, qw, w_scale, w_zero_point, bias, output_scale,
     //                   output_zero_point, output_dtype, post_op_name, post_op_args, post_op_algorithm)
-    std::vector<c10::IValue> stack{part, 1.0, int64_t{128}, w.chunks[c], w.ones, w.zero_points, c10::IValue(),
-                                   1.0, int64_t{0}, c10::IValue(at::kFloat), c10::IValue("none"),
+    std::vector<c10::IValue> stack{part, 1.0, int64_t{128}, w.packed[b * chunks + c], ones, zero_points,
+                                   c10::IValue(), 1.0, int64_t{0}, c10::IValue(at::kFloat), c10::IValue("none"),
                                    c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue("")};
     op.callBoxed(&stack);
     at::Tensor sums = stack[0].toTensor();
-    if (w.chunks.size() == 1) return sums;
+    if (chunks == 1) return sums;
     total = c == 0 ? sums.to(at::kInt) : total.add_(sums.to(at::kInt));
   }
   return total;
