@@ -260,6 +260,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_variant_for", &fastformer::int8_variant_for, py::arg("M"),
         "the int8 variant a projection of M rows runs: FASTFORMER_INT8_PROVIDER's, else the rule's (oneDNN's products "
         "on a CPU with AMX from 32 rows, the first of int8_variants() otherwise)");
+  m.def("int8_prepare", &fastformer::int8_prepare, py::arg("weight"), py::arg("weight_scale"),
+        py::arg("weight_colsum"), py::arg("n"), py::arg("K"),
+        "packs quantize_int8's weight (n, K) for oneDNN's int8 products now, where FASTFORMER_INT8_PROVIDER or the rule "
+        "can choose them (once per weight, kept while it lives); returns whether it did");
   m.def("int8_onednn_rows", []() { return fastformer::kOnednnMinRows; },
         "the rule's least row count for oneDNN's int8 products (on a CPU with AMX)");
   m.def("cpu_has_amx_int8", &fastformer::cpu_has_amx_int8, "whether this CPU (and its OS) has AMX's int8 tiles");

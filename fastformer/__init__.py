@@ -11,15 +11,16 @@
     fastformer.set_backend(name)   # process default (also FASTFORMER_BACKEND=name)
     fastformer.cpu_capability()    # the CPU kernels' instruction-set level: avx512, avx2 or default
     fastformer.quantize(model, "int8")  # a copy of a model whose projections run in int8 on the CPU
+    fastformer.int8_providers()    # which kernel computes the int8 products here (ours, or oneDNN's on AMX)
     model, tokenizer = fastformer.from_transformers(DIR)  # a local MarianMT or M2M-100/NLLB folder
     import fastformer.hf           # registers attn_implementation="fastformer" in transformers
 """
 from fastformer import ops
 from fastformer._dispatch import backends, set_backend
-from fastformer._ext import cpu_capability
+from fastformer._ext import cpu_capability, int8_providers
 
 __version__ = "0.1.0"
-__all__ = ["ops", "backends", "set_backend", "cpu_capability", "quantize", "from_transformers", "__version__"]
+__all__ = ["ops", "backends", "set_backend", "cpu_capability", "int8_providers", "quantize", "from_transformers", "__version__"]
 
 
 def quantize(model, dtype: str = "int8"):

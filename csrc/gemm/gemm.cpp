@@ -219,6 +219,14 @@ std::string int8_variant_for(int64_t M) {
   return int8_variants()[forced >= 0 ? forced : cpu_kernels().gemm.int8_choose(M)];
 }
 
+bool int8_prepare(const at::Tensor& weight, const at::Tensor& weight_scale, const at::Tensor& weight_colsum, int64_t n,
+                  int64_t K) {
+  const int variant = int8_variant_index("", "fastformer int8_prepare");
+  const PackedProjection w = int8_projection(weight, weight_scale, weight_colsum, c10::nullopt, K, n,
+                                             "fastformer int8_prepare", "", "", variant);
+  return w.int8.onednn != nullptr;
+}
+
 bool int8_wants_onednn(int variant) {
   const std::vector<std::string> names = int8_variants();
   const int index = variant >= 0 ? variant : cpu_kernels().gemm.int8_choose(std::numeric_limits<int64_t>::max());

@@ -163,6 +163,10 @@ std::string int8_variant_for(int64_t M);
 // Whether a projection bound for `variant` (an index as above) needs oneDNN's packed weight: it is "onednn",
 // or auto on a CPU where the rule can choose oneDNN (AMX).
 bool int8_wants_onednn(int variant);
+// Packs an int8 weight (n, K) for oneDNN now where int8_wants_onednn(int8_variant_index("")) (quantization and
+// load call it, so that no decoding call packs); returns whether it did.
+bool int8_prepare(const at::Tensor& weight, const at::Tensor& weight_scale, const at::Tensor& weight_colsum, int64_t n,
+                  int64_t K);
 // Wq packed for oneDNN once per weight (csrc/gemm/int8_onednn.cpp): cached while the weight's storage lives.
 const OnednnInt8* onednn_int8_weight(const at::Tensor& weight, int64_t n, int64_t K);
 

@@ -25,6 +25,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "gemm/gemm.h"
@@ -72,10 +73,25 @@ inline std::optional<c10::OperatorHandle> onednn_op(const char* name) {
   return c10::Dispatcher::singleton().findSchema({name, ""});
 }
 
-// Whether torch was built with oneDNN and registers the two ops (x86-64 builds of torch do).
+// Whether `name` is registered with exactly these arguments (the ones the calls below pass, in order).
+inline bool onednn_op_takes(const char* name, const std::vector<std::string>& arguments) {
+  const std::optional<c10::OperatorHandle> op = onednn_op(name);
+  if (!op.has_value()) return false;
+  const auto& args = op->schema().arguments();
+  if (args.size() != arguments.size()) return false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i].name() != arguments[i]) return false;
+  }
+  return true;
+}
+
+// Whether torch was built with oneDNN and registers the two ops as called here (x86-64 builds of torch do).
 inline bool onednn_int8_runs() {
-  static const bool runs = at::hasMKLDNN() && onednn_op("onednn::qlinear_prepack").has_value() &&
-                           onednn_op("onednn::qlinear_pointwise").has_value();
+  static const bool runs =
+      at::hasMKLDNN() && onednn_op_takes("onednn::qlinear_prepack", {"weight", "x_shape"}) &&
+      onednn_op_takes("onednn::qlinear_pointwise",
+                      {"qx", "x_scale", "x_zero_point", "qw", "w_scale", "w_zero_point", "bias", "output_scale",
+                       "output_zero_point", "output_dtype", "post_op_name", "post_op_args", "post_op_algorithm"});
   return runs;
 }
 

@@ -15,6 +15,10 @@ the way CTranslate2's ``compute_type="int8"`` does.
 - Activations, per call and per row, in the kernel, by the same rule (csrc/gemm/int8_linear.cpp, which states
   the arithmetic exactly); products in int32 with the CPU's dot-product instructions; attention, softmax,
   layer norm and the search in float32.
+- The int8 products are fastformer's own kernels, or oneDNN's (through torch) on a CPU with AMX from 32 rows
+  on: the same int32 sums either way, so the same outputs (csrc/gemm/int8_onednn.h; ``fastformer.int8_providers()``
+  says which runs here, ``FASTFORMER_INT8_PROVIDER`` forces one). Where oneDNN's may run, ``pack_for_providers``
+  packs each weight for it at quantization and load (a second copy of the int8 weights, kept with the model).
 - Where the kernels apply (float32 on the CPU, grad disabled, no autocast: ``nn/linear.py``'s
   ``packed_applies``), a projection is ``fastformer._C.int8_linear`` and the decoder step runs its int8
   projections in C++; elsewhere it is ``F.linear`` on the weight dequantized for the call.
@@ -32,6 +36,7 @@ import copy
 
 import torch
 
+from fastformer._ext import C
 from fastformer.nn.linear import Embedding, Int8Embedding, Int8Linear, Linear
 
 QUANTIZATIONS = ("int8",)
@@ -81,4 +86,16 @@ def quantize(model, dtype: str = "int8"):
         raise ValueError(f"quantize: int8 runs on the CPU in float32; the model is {weight.dtype} on "
                          f"{weight.device} (use model.float().cpu())")
     with torch.no_grad():
-        return to_int8(copy.deepcopy(model), quantize_weights=True)
+        return pack_for_providers(to_int8(copy.deepcopy(model), quantize_weights=True))
+
+
+def pack_for_providers(model):
+    """``model``, its int8 weights packed for oneDNN's products now where this CPU's rule can choose them (AMX)
+    or ``FASTFORMER_INT8_PROVIDER`` forces them (``C.int8_prepare``: once per weight, kept while it lives), so
+    that no decoding call packs; elsewhere nothing is done."""
+    for module in model.modules():
+        if isinstance(module, (Int8Linear, Int8Embedding)):
+            n, K = module.weight_scale.shape[0], module.embedding_dim if isinstance(module, Int8Embedding) \
+                else module.in_features
+            C.int8_prepare(module.weight, module.weight_scale, module.weight_colsum, n, K)
+    return model
