@@ -265,6 +265,16 @@ def optional(package: str, config):
         return None
 
 
+def int8_provider(decoder_rows: int, encoder_rows: int) -> str:
+    """Which int8 products a quantized model's decoding runs here (``C.int8_variant_for``: fastformer's own
+    kernels, or oneDNN's on a CPU with AMX; FASTFORMER_INT8_PROVIDER forces one), e.g. "avx512_vnni at 128
+    decoder rows, onednn at 640 encoder rows": for the int8 rows of the decoding benchmarks."""
+    from fastformer._ext import C
+
+    return (f"{C.int8_variant_for(decoder_rows)} at {decoder_rows} decoder rows, "
+            f"{C.int8_variant_for(encoder_rows)} at {encoder_rows} encoder rows")
+
+
 def pytest_configure(config):
     if config.getoption("--bench-malloc") == "keep":
         keep_freed_memory()  # before the benchmarks allocate anything large

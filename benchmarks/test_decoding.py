@@ -4,7 +4,11 @@ decoder (benchmarks/plain_decoder.py, run by the same search) and against CTrans
 summary names it under "not compared").
 
 Compute types: float32, and int8 (``fastformer.quantize(model, "int8")`` beside CTranslate2's
-``compute_type="int8"`` and beside fastformer's own float32 model; the plain decoder is float32 only).
+``compute_type="int8"`` and beside fastformer's own float32 model; the plain decoder is float32 only). An int8
+row names the int8 products that ran (``fastformer.int8_providers()``: fastformer's own kernels, or oneDNN's
+on a CPU with AMX, by row count); where torch has oneDNN, the other provider runs beside it, forced with
+FASTFORMER_INT8_PROVIDER ("fastformer int8 onednn" or "fastformer int8 <our best kernel>"), and must give the
+same tokens.
 
 A seeded random model of the config (small and base; tiny alone for --bench-sizes smoke) translates ``batch``
 random 20-token sentences with beam 1 or 4, length penalty 0.6, max_len_a 0 and max_len_b 30 (smoke: 4).
@@ -34,10 +38,11 @@ import pytest
 import torch
 
 import fastformer
+from fastformer._ext import C
 from fastformer.export import ctranslate2_translate, write_ctranslate2
 from fastformer.nn import Transformer, TransformerConfig
 from fastformer.nn.decoding import beam_search
-from conftest import optional  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
+from conftest import int8_provider, optional  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
 from plain_decoder import PlainDecoder
 
 LENGTH_PENALTY, SOURCE_LENGTH = 0.6, 20
@@ -86,6 +91,21 @@ def threads(request):
     torch.set_num_threads(before)
 
 
+def _forcing(variant: str, fn):
+    """fn, run with FASTFORMER_INT8_PROVIDER=variant (the int8 products it names; restored after)."""
+    def run():
+        before = os.environ.get("FASTFORMER_INT8_PROVIDER")
+        os.environ["FASTFORMER_INT8_PROVIDER"] = variant
+        try:
+            return fn()
+        finally:
+            if before is None:
+                del os.environ["FASTFORMER_INT8_PROVIDER"]
+            else:
+                os.environ["FASTFORMER_INT8_PROVIDER"] = before
+    return run
+
+
 @pytest.mark.parametrize("compute", ["float32", "int8"])
 @pytest.mark.parametrize("beam", [1, 4])
 @pytest.mark.parametrize("batch", [1, 32])
@@ -108,6 +128,13 @@ def test_decoding(bench, ctx, size, batch, beam, compute, tmp_path, threads):
             "fastformer": lambda: quantized.generate(src, beam_size=beam, **settings),
             "fastformer float32": lambda: model.generate(src, beam_size=beam, **settings),
         }
+        # The other int8 provider, forced (the same tokens: the same int32 sums): our best kernel where the
+        # rule takes oneDNN's products (AMX), oneDNN's where it takes ours.
+        variants = C.int8_variants()
+        if "onednn" in variants:
+            other = "onednn" if C.int8_variant_for(batch * beam) != "onednn" else variants[0]
+            contenders[f"fastformer int8 {other}"] = _forcing(
+                other, lambda: quantized.generate(src, beam_size=beam, **settings))
     pieces = ["<pad>", "<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(4, config.vocab_size)]  # made-up vocabulary
     translator = _ctranslate2_translator(model, pieces, ctx, bench.request.config, tmp_path, compute, threads)
     if translator is not None:
@@ -120,11 +147,12 @@ def test_decoding(bench, ctx, size, batch, beam, compute, tmp_path, threads):
     outputs = {name: fn() for name, fn in contenders.items()}  # CTranslate2 last
     for name, tokens in outputs.items():
         assert all(len(t) == length for t in tokens), f"{name} decodes other lengths"
-        if compute == "float32":
+        if compute == "float32" or name.startswith("fastformer int8"):
             assert tokens == outputs["fastformer"], f"{name} decodes other tokens than fastformer"
 
-    shape = f"{size}, batch {batch}, beam {beam}, {SOURCE_LENGTH} -> {length} tokens, {compute}, {threads} thread" + \
-        ("s" if threads > 1 else "")
+    products = f" ({int8_provider(batch * beam, batch * SOURCE_LENGTH)})" if compute == "int8" else ""
+    shape = f"{size}, batch {batch}, beam {beam}, {SOURCE_LENGTH} -> {length} tokens, {compute}{products}, " \
+        f"{threads} thread" + ("s" if threads > 1 else "")
     if not smoke:
         time.sleep(0.3)  # CTranslate2's threads, which just ran, stop spinning before fastformer is timed
     bench(contenders["fastformer"], op="decoding", shape=shape, pass_="generate", impl="fastformer",

@@ -95,7 +95,7 @@ import pytest
 import torch
 
 import fastformer
-from conftest import need  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
+from conftest import int8_provider, need  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
 
 transformers = need("transformers")  # without it the module skips, the reason naming the extra
 
@@ -406,6 +406,8 @@ def test_hf_decoding(bench, ctx, suite, engine, batch, one_thread, capsys):
     info = bench.benchmark.extra_info
     if not bench.benchmark.disabled:
         info["ms/sentence"] = 1e3 * bench.benchmark.stats.stats.median / batch
+    if engine == "fastformer int8":
+        info["int8 provider"] = int8_provider(batch * BEAM, batch * hi)
 
     # The same work for every engine (LENGTH tokens a sentence), outputs that vary, agreement with the others.
     best, beams = run.decode(result)
@@ -419,7 +421,8 @@ def test_hf_decoding(bench, ctx, suite, engine, batch, one_thread, capsys):
     suite.infos.setdefault(batch, {})[engine] = info
     with capsys.disabled():
         print(f"\n[hf_decoding] batch {batch}, {engine}: {'/'.join(map(str, lengths))} tokens a sentence, "
-              f"distinct tokens {info['distinct tokens']:.0%}")
+              f"distinct tokens {info['distinct tokens']:.0%}"
+              + (f", int8 products: {info['int8 provider']}" if "int8 provider" in info else ""))
         lines, failures = _agreement(suite, batch, engine)
         print("\n".join(lines + [f"[hf_decoding] float32 disagreement: {f}" for f in failures]))
     if smoke:  # at full size a disagreement is printed and recorded only
