@@ -28,7 +28,7 @@
 //     with zero point 128, returning the same sums; our epilogue. Listed last, wherever torch has oneDNN.
 // The rule (int8_choose, "auto"): oneDNN's products on a CPU with AMX from kOnednnMinRows rows on, the first
 // of our own variants otherwise (on CPUs without AMX ours are as fast as oneDNN's or faster; below 32 rows
-// oneDNN's fixed cost per call dominates: docs/cpu-kernels.md).
+// oneDNN's fixed cost per call dominates: docs/decoding.md, "int8 providers").
 // The VNNI variants are compiled into the avx2 and avx512 modules under `#pragma GCC target` (only their
 // region may use the instructions) and chosen only after __builtin_cpu_supports says the CPU has them.
 // Memory traffic: the weight once as bytes (a quarter of float32's) a task, x once (quantized into a
@@ -307,8 +307,11 @@ void int8_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& w,
   if (M == 0 || n == 0) return;
   const Runnable& run = runnable();
   if (variant < 0 || variant >= static_cast<int>(run.variants.size())) variant = int8_choose(M);
+  if (run.variants[variant]->tile == nullptr) {
+    if (K > 0) return onednn_linear_rows(x, M, K, w, bias, y, n, y_stride);
+    variant = 0;  // no products to make (y = b): our own kernel writes it
+  }
   const Variant& v = *run.variants[variant];
-  if (v.tile == nullptr) return onednn_linear_rows(x, M, K, w, bias, y, n, y_stride);
   const int64_t K4 = (K + 3) / 4, stride = K4 * 4;
   std::unique_ptr<uint8_t[]> q(new uint8_t[M * stride]);  // every byte written by quantize_rows
   std::vector<float> sx(M);

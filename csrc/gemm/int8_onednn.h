@@ -1,6 +1,6 @@
 // oneDNN's int8 products, the variant "onednn" of the int8 projections (csrc/gemm/int8_linear.cpp): on a CPU
 // with AMX (amx_int8) oneDNN multiplies int8 tiles, several times the rate of fastformer's own VNNI kernels at
-// many rows; elsewhere fastformer's own kernels are as fast or faster (docs/cpu-kernels.md has the figures).
+// many rows; elsewhere fastformer's own kernels are as fast or faster (docs/decoding.md, "int8 providers").
 // Reached through torch's own oneDNN ops (onednn::qlinear_prepack, onednn::qlinear_pointwise), so no second
 // copy of oneDNN is linked.
 //

@@ -98,6 +98,14 @@ def test_every_variant_gives_the_same_outputs(M, K, N):
         assert torch.equal(y, outs[VARIANTS[0]]), (VARIANTS[0], name)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("M", [1, 40])
+def test_a_projection_of_no_inputs_gives_the_bias(variant, M):
+    weight, scale, colsum = C.quantize_int8(torch.empty(5, 0))
+    bias = torch.randn(5)
+    assert torch.equal(C.int8_linear(torch.empty(M, 0), weight, scale, colsum, bias, 5, variant), bias.expand(M, 5))
+
+
 def small_weights(model):
     """Where oneDNN could saturate (no VNNI, no AMX), every int8 weight of ``model`` halved in place (see the top)."""
     if OPERANDS == "full-range":
