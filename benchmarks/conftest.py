@@ -265,14 +265,25 @@ def optional(package: str, config):
         return None
 
 
-def int8_provider(decoder_rows: int, encoder_rows: int) -> str:
-    """Which int8 products a quantized model's decoding runs here (``C.int8_variant_for``: fastformer's own
-    kernels, or oneDNN's on a CPU with AMX; FASTFORMER_INT8_PROVIDER forces one), e.g. "avx512_vnni at 128
-    decoder rows, onednn at 640 encoder rows": for the int8 rows of the decoding benchmarks."""
+def int8_provider(config, decoder_rows: int, encoder_rows: int) -> str:
+    """Which int8 products a quantized model of ``config`` (d_model, d_ff, vocab_size) runs here, per kind of
+    projection, at the decoder's and the encoder's row counts (``C.int8_variant_for``: fastformer's own kernels,
+    or oneDNN's on a CPU with AMX for large enough products; FASTFORMER_INT8_PROVIDER forces one), e.g.
+    "128 decoder rows: avx512_vnni (d x d), onednn (feed-forward, output); 640 encoder rows: onednn (d x d,
+    feed-forward)": for the int8 rows of the decoding benchmarks."""
     from fastformer._ext import C
 
-    return (f"{C.int8_variant_for(decoder_rows)} at {decoder_rows} decoder rows, "
-            f"{C.int8_variant_for(encoder_rows)} at {encoder_rows} encoder rows")
+    d = config.d_model
+    shapes = {"d x d": (d, d), "feed-forward": (config.d_ff, d), "output": (config.vocab_size, d)}
+
+    def describe(rows, names):
+        by_variant = {}
+        for name in names:
+            by_variant.setdefault(C.int8_variant_for(rows, *shapes[name]), []).append(name)
+        return ", ".join(f"{variant} ({', '.join(kinds)})" for variant, kinds in by_variant.items())
+
+    return (f"{decoder_rows} decoder rows: {describe(decoder_rows, shapes)}; "
+            f"{encoder_rows} encoder rows: {describe(encoder_rows, ['d x d', 'feed-forward'])}")
 
 
 def pytest_configure(config):

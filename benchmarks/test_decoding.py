@@ -129,10 +129,11 @@ def test_decoding(bench, ctx, size, batch, beam, compute, tmp_path, threads):
             "fastformer float32": lambda: model.generate(src, beam_size=beam, **settings),
         }
         # The other int8 provider, forced (the same tokens: the same int32 sums): our best kernel where the
-        # rule takes oneDNN's products (AMX), oneDNN's where it takes ours.
+        # rule takes oneDNN's products for the output projection (AMX), oneDNN's where it takes ours.
         variants = C.int8_variants()
         if "onednn" in variants:
-            other = "onednn" if C.int8_variant_for(batch * beam) != "onednn" else variants[0]
+            at_output = C.int8_variant_for(batch * beam, config.vocab_size, config.d_model)
+            other = "onednn" if at_output != "onednn" else variants[0]
             contenders[f"fastformer int8 {other}"] = _forcing(
                 other, lambda: quantized.generate(src, beam_size=beam, **settings))
     pieces = ["<pad>", "<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(4, config.vocab_size)]  # made-up vocabulary
@@ -150,7 +151,7 @@ def test_decoding(bench, ctx, size, batch, beam, compute, tmp_path, threads):
         if compute == "float32" or name.startswith("fastformer int8"):
             assert tokens == outputs["fastformer"], f"{name} decodes other tokens than fastformer"
 
-    products = f" ({int8_provider(batch * beam, batch * SOURCE_LENGTH)})" if compute == "int8" else ""
+    products = f" ({int8_provider(config, batch * beam, batch * SOURCE_LENGTH)})" if compute == "int8" else ""
     shape = f"{size}, batch {batch}, beam {beam}, {SOURCE_LENGTH} -> {length} tokens, {compute}{products}, " \
         f"{threads} thread" + ("s" if threads > 1 else "")
     if not smoke:

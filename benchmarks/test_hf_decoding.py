@@ -407,7 +407,7 @@ def test_hf_decoding(bench, ctx, suite, engine, batch, one_thread, capsys):
     if not bench.benchmark.disabled:
         info["ms/sentence"] = 1e3 * bench.benchmark.stats.stats.median / batch
     if engine == "fastformer int8":
-        info["int8 provider"] = int8_provider(batch * BEAM, batch * hi)
+        info["int8 provider"] = int8_provider(shape, batch * BEAM, batch * hi)
 
     # The same work for every engine (LENGTH tokens a sentence), outputs that vary, agreement with the others.
     best, beams = run.decode(result)

@@ -257,15 +257,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_variants", &fastformer::int8_variants,
         "the int8 variants this CPU runs at the loaded level: fastformer's own, best first, then \"onednn\" where torch "
         "has oneDNN");
-  m.def("int8_variant_for", &fastformer::int8_variant_for, py::arg("M"),
-        "the int8 variant a projection of M rows runs: FASTFORMER_INT8_PROVIDER's, else the rule's (oneDNN's products "
-        "on a CPU with AMX from 32 rows, the first of int8_variants() otherwise)");
+  m.def("int8_variant_for", &fastformer::int8_variant_for, py::arg("M"), py::arg("N"), py::arg("K"),
+        "the int8 variant a projection y (M, N) = x (M, K) W^T runs: FASTFORMER_INT8_PROVIDER's, else the rule's "
+        "(oneDNN's products on a CPU with AMX from 32 rows and 2^22 multiply-adds, the first of int8_variants() "
+        "otherwise)");
   m.def("int8_prepare", &fastformer::int8_prepare, py::arg("weight"), py::arg("weight_scale"),
         py::arg("weight_colsum"), py::arg("n"), py::arg("K"),
         "packs quantize_int8's weight (n, K) for oneDNN's int8 products now, where FASTFORMER_INT8_PROVIDER or the rule "
         "can choose them (once per weight, kept while it lives); returns whether it did");
-  m.def("int8_onednn_rows", []() { return fastformer::kOnednnMinRows; },
-        "the rule's least row count for oneDNN's int8 products (on a CPU with AMX)");
+  m.def("int8_onednn_rule", []() { return std::make_pair(fastformer::kOnednnMinRows, fastformer::kOnednnMinProducts); },
+        "the rule's least row count and least multiply-adds (M N K) a call for oneDNN's int8 products (on a CPU with "
+        "AMX)");
+  m.def("int8_onednn_rule_holds", &fastformer::onednn_rule, py::arg("M"), py::arg("N"), py::arg("K"),
+        "whether the rule's bounds take oneDNN's int8 products for an M x K by K x N product (on a CPU with AMX; "
+        "elsewhere never)");
   m.def("cpu_has_amx_int8", &fastformer::cpu_has_amx_int8, "whether this CPU (and its OS) has AMX's int8 tiles");
   m.def("cpu_has_int8_dot", &fastformer::cpu_has_int8_dot,
         "whether this CPU has VNNI or AMX (int8 products without 16-bit intermediate sums)");

@@ -135,24 +135,26 @@ def cpu_capability() -> str:
 
 
 def int8_providers() -> dict:
-    """Which kernel computes a quantized model's int8 products on this CPU, by row count (csrc/gemm/int8_linear.cpp,
+    """Which kernel computes a quantized model's int8 products on this CPU (csrc/gemm/int8_linear.cpp,
     csrc/gemm/int8_onednn.h): fastformer's own (VNNI, AVX2 or plain; the best first) or oneDNN's through torch
-    ("onednn": AMX tiles where the CPU has them). The rule: oneDNN's from 32 rows on a CPU with AMX, our own
-    otherwise; ``FASTFORMER_INT8_PROVIDER`` (a variant's name, "fastformer" or "auto") forces one. Every
-    variant gives the same int32 sums and so the same outputs. ``print(fastformer.int8_providers())``."""
+    ("onednn": AMX tiles where the CPU has them). The rule: oneDNN's on a CPU with AMX for products of at least
+    32 rows and 2^22 multiply-adds (M N K), our own otherwise; ``FASTFORMER_INT8_PROVIDER`` (a variant's name,
+    "fastformer" or "auto") forces one. Every variant gives the same int32 sums and so the same outputs.
+    ``C.int8_variant_for(M, N, K)`` answers for one product. ``print(fastformer.int8_providers())``."""
     C = extension()
     import os
 
-    rows = C.int8_onednn_rows()
+    rows, products = C.int8_onednn_rule()
     return {
         "level": _cpu_level,
         "amx_int8": C.cpu_has_amx_int8(),
         "vnni_or_amx": C.cpu_has_int8_dot(),
         "variants": C.int8_variants(),
         "forced": os.environ.get("FASTFORMER_INT8_PROVIDER") or None,
-        "rule": f"onednn from {rows} rows on a CPU with AMX, else {C.int8_variants()[0]}",
-        f"rows 1-{rows - 1}": C.int8_variant_for(1),
-        f"rows {rows}+": C.int8_variant_for(rows),
+        "rule": f"onednn on a CPU with AMX for at least {rows} rows and {products:,.0f} multiply-adds (M N K), "
+                f"else {C.int8_variants()[0]}",
+        f"below {rows} rows or {products:,.0f} multiply-adds": C.int8_variant_for(1, 1, 1),
+        "above both": C.int8_variant_for(1024, 1024, 1024),
     }
 
 

@@ -39,14 +39,15 @@ Tensor packed_linear(const Tensor& x, const Tensor& panels, const c10::optional<
 void packed_linear_rows(const float* x, int64_t M, int64_t K, const float* panels, const float* bias, float* y,
                         int64_t n, int64_t y_stride);
 // The same with W quantized to int8 (csrc/gemm/int8_linear.cpp), activations quantized per row there;
-// variant: an index into int8_variants(), or -1: int8_choose(M).
+// variant: an index into int8_variants(), or -1: int8_choose(M, n, K).
 void int8_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& w, const float* bias, float* y,
                       int64_t n, int64_t y_stride, int variant);
 // The int8 dot-product variants this CPU runs at this level, null-terminated: our own best first ("avx512_vnni",
 // "avx_vnni", "avx2", "default"), then "onednn" where torch has oneDNN (csrc/gemm/int8_onednn.h).
 const char* const* int8_variants();
-// The rule: the index of the variant for M rows (oneDNN's on a CPU with AMX from kOnednnMinRows rows, else 0).
-int int8_choose(int64_t M);
+// The rule: the index of the variant for an M x K by K x N product (oneDNN's on a CPU with AMX where
+// gemm/int8_onednn.h onednn_rule holds, else 0).
+int int8_choose(int64_t M, int64_t N, int64_t K);
 
 // The forward of layer_norm_residual without dropout on raw float32 rows (csrc/cpu/layer_norm_residual.cpp):
 // s = residual + x and y = LayerNorm(s), mean and rstd (R,) written. Row by row each input row is read

@@ -213,10 +213,11 @@ int int8_variant_index(const std::string& variant, const std::string& who) {
   return static_cast<int>(it - names.begin());
 }
 
-std::string int8_variant_for(int64_t M) {
-  TORCH_CHECK_VALUE(M >= 1, "fastformer int8_variant_for: M must be >= 1, got ", M);
+std::string int8_variant_for(int64_t M, int64_t N, int64_t K) {
+  TORCH_CHECK_VALUE(M >= 1 && N >= 1 && K >= 0, "fastformer int8_variant_for: M and N must be >= 1 and K >= 0, "
+                    "got ", M, ", ", N, " and ", K);
   const int forced = int8_variant_index("", "fastformer int8_variant_for");
-  return int8_variants()[forced >= 0 ? forced : cpu_kernels().gemm.int8_choose(M)];
+  return int8_variants()[forced >= 0 ? forced : cpu_kernels().gemm.int8_choose(M, N, K)];
 }
 
 bool int8_prepare(const at::Tensor& weight, const at::Tensor& weight_scale, const at::Tensor& weight_colsum, int64_t n,
@@ -229,7 +230,10 @@ bool int8_prepare(const at::Tensor& weight, const at::Tensor& weight_scale, cons
 
 bool int8_wants_onednn(int variant) {
   const std::vector<std::string> names = int8_variants();
-  const int index = variant >= 0 ? variant : cpu_kernels().gemm.int8_choose(std::numeric_limits<int64_t>::max());
+  // auto: whether the rule takes oneDNN's products for this weight at some row count (it does for every
+  // weight on a CPU with AMX, at enough rows)
+  constexpr int64_t kManyRows = std::numeric_limits<int32_t>::max();
+  const int index = variant >= 0 ? variant : cpu_kernels().gemm.int8_choose(kManyRows, 1, 1);
   return names[index] == "onednn";
 }
 

@@ -158,8 +158,9 @@ std::vector<std::string> int8_variants();
 // FASTFORMER_INT8_PROVIDER (a variant's name, "fastformer": the best of our own, or "auto"/unset); -1: auto, the
 // rule of int8_choose per call. A name this CPU does not run is a ValueError naming `who` and the list.
 int int8_variant_index(const std::string& variant, const std::string& who);
-// The variant int8_linear_rows takes for M rows under int8_variant_index("") (the environment, else the rule).
-std::string int8_variant_for(int64_t M);
+// The variant int8_linear_rows takes for an M x K by K x N product under int8_variant_index("") (the
+// environment, else the rule).
+std::string int8_variant_for(int64_t M, int64_t N, int64_t K);
 // Whether a projection bound for `variant` (an index as above) needs oneDNN's packed weight: it is "onednn",
 // or auto on a CPU where the rule can choose oneDNN (AMX).
 bool int8_wants_onednn(int variant);

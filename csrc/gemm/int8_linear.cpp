@@ -26,9 +26,9 @@
 //   default: the same tile in plain C++ (in every level's list; the only one of our own at the baseline level);
 //   onednn: oneDNN's int8 products (csrc/gemm/int8_onednn.h: AMX tiles where the CPU has them), on xq + 128
 //     with zero point 128, returning the same sums; our epilogue. Listed last, wherever torch has oneDNN.
-// The rule (int8_choose, "auto"): oneDNN's products on a CPU with AMX from kOnednnMinRows rows on, the first
-// of our own variants otherwise (on CPUs without AMX ours are as fast as oneDNN's or faster; below 32 rows
-// oneDNN's fixed cost per call dominates: docs/decoding.md, "int8 providers").
+// The rule (int8_choose, "auto"): oneDNN's products on a CPU with AMX from 32 rows and 2^22 multiply-adds a call
+// on (int8_onednn.h onednn_rule), the first of our own variants otherwise (on CPUs without AMX ours are as fast
+// as oneDNN's or faster; below that oneDNN's fixed cost per call dominates: docs/decoding.md, "int8 providers").
 // The VNNI variants are compiled into the avx2 and avx512 modules under `#pragma GCC target` (only their
 // region may use the instructions) and chosen only after __builtin_cpu_supports says the CPU has them.
 // Memory traffic: the weight once as bytes (a quarter of float32's) a task, x once (quantized into a
@@ -292,9 +292,9 @@ void onednn_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& 
 
 const char* const* int8_variants() { return runnable().names.data(); }
 
-int int8_choose(int64_t M) {
+int int8_choose(int64_t M, int64_t N, int64_t K) {
   const Runnable& run = runnable();
-  if (M >= kOnednnMinRows && cpu_has_amx_int8()) {
+  if (onednn_rule(M, N, K) && cpu_has_amx_int8()) {
     for (size_t i = 0; i < run.variants.size(); ++i) {
       if (run.variants[i]->tile == nullptr) return static_cast<int>(i);
     }
@@ -306,7 +306,7 @@ void int8_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& w,
                       int64_t n, int64_t y_stride, int variant) {
   if (M == 0 || n == 0) return;
   const Runnable& run = runnable();
-  if (variant < 0 || variant >= static_cast<int>(run.variants.size())) variant = int8_choose(M);
+  if (variant < 0 || variant >= static_cast<int>(run.variants.size())) variant = int8_choose(M, n, K);
   if (run.variants[variant]->tile == nullptr) {
     if (K > 0) return onednn_linear_rows(x, M, K, w, bias, y, n, y_stride);
     variant = 0;  // no products to make (y = b): our own kernel writes it

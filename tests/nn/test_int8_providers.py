@@ -24,7 +24,7 @@ from test_model_decoding import make_src
 
 VARIANTS = C.int8_variants()
 OPERANDS = "full-range" if C.cpu_has_int8_dot() else "no-16-bit-saturation"
-ONEDNN_ROWS = C.int8_onednn_rows()
+ONEDNN_ROWS = C.int8_onednn_rule()[0]
 # M from 1 to 129 (both sides of the rule's 32 and of the row blocks); K not a multiple of 4 and past oneDNN's
 # exact float32 chunk (1,040: 1,041 and 2,047 are split); N not a multiple of 16 and past its column block (4,096)
 SHAPES = [(1, 1, 1), (1, 7, 33), (2, 97, 97), (7, 203, 16), (31, 1041, 33), (32, 7, 4100), (33, 2047, 50),
@@ -122,7 +122,7 @@ def small_weights(model):
 @pytest.mark.parametrize("operands", [OPERANDS])
 def test_every_variant_translates_to_the_same_tokens(operands, monkeypatch):
     """generate on a quantized model with each variant forced (FASTFORMER_INT8_PROVIDER): 9 sentences, beam 4
-    (36 rows a step: past the rule's 32), the encoder's projections (rows = tokens) and the C++ decoder step's;
+    (36 rows a step: past the rule's 32 rows), the encoder's projections (rows = tokens) and the C++ decoder step's;
     at 1 and 3 threads. The same tokens and the same scores everywhere."""
     torch.manual_seed(0)
     model = small_weights(fastformer.quantize(varied_model(CONFIG, "cpu", seed=4, dtype=torch.float32)))
@@ -144,23 +144,31 @@ def test_every_variant_translates_to_the_same_tokens(operands, monkeypatch):
 
 
 def test_the_rule_and_the_forced_provider(monkeypatch):
+    """oneDNN's products on a CPU with AMX from 32 rows and 2^22 multiply-adds, our best kernel otherwise; the
+    report says the same; FASTFORMER_INT8_PROVIDER forces any variant, "fastformer" our best, "auto" the rule."""
     amx = C.cpu_has_amx_int8()
-    for M in (1, 4, ONEDNN_ROWS - 1, ONEDNN_ROWS, 128, 129):
-        expected = "onednn" if amx and M >= ONEDNN_ROWS and "onednn" in VARIANTS else VARIANTS[0]
-        assert C.int8_variant_for(M) == expected, M
+    assert C.int8_onednn_rule() == (ONEDNN_ROWS, 2.0 ** 22)
+    cases = [((1, 8000, 512), False), ((4, 37000, 512), False), ((31, 58101, 512), False), ((32, 256, 256), False),
+             ((64, 256, 255), False), ((64, 256, 256), True), ((32, 512, 256), True), ((128, 8000, 256), True),
+             ((129, 97, 1041), True)]
+    for (M, N, K), large in cases:
+        assert C.int8_onednn_rule_holds(M, N, K) == large, (M, N, K)  # the bounds, on any CPU
+        expected = "onednn" if amx and large and "onednn" in VARIANTS else VARIANTS[0]
+        assert C.int8_variant_for(M, N, K) == expected, (M, N, K)
     report = fastformer.int8_providers()
     assert report["variants"] == VARIANTS and report["amx_int8"] == amx and report["forced"] is None
-    assert report[f"rows {ONEDNN_ROWS}+"] == C.int8_variant_for(ONEDNN_ROWS)
+    assert report["above both"] == C.int8_variant_for(1024, 1024, 1024)
+    assert report[f"below {ONEDNN_ROWS} rows or 4,194,304 multiply-adds"] == VARIANTS[0]
     for variant in VARIANTS:
         monkeypatch.setenv("FASTFORMER_INT8_PROVIDER", variant)
-        assert C.int8_variant_for(1) == C.int8_variant_for(500) == variant
+        assert C.int8_variant_for(1, 1, 1) == C.int8_variant_for(500, 800, 900) == variant
     monkeypatch.setenv("FASTFORMER_INT8_PROVIDER", "fastformer")
-    assert C.int8_variant_for(128) == VARIANTS[0]
+    assert C.int8_variant_for(128, 8000, 256) == VARIANTS[0]
     monkeypatch.setenv("FASTFORMER_INT8_PROVIDER", "auto")
-    assert C.int8_variant_for(128) == fastformer.int8_providers()[f"rows {ONEDNN_ROWS}+"]
+    assert C.int8_variant_for(128, 8000, 256) == ("onednn" if amx and "onednn" in VARIANTS else VARIANTS[0])
     monkeypatch.setenv("FASTFORMER_INT8_PROVIDER", "amx_please")
     with pytest.raises(ValueError, match='FASTFORMER_INT8_PROVIDER "amx_please" does not run here'):
-        C.int8_variant_for(1)
+        C.int8_variant_for(1, 1, 1)
     x, weight = torch.randn(2, 8), C.quantize_int8(torch.randn(3, 8))
     with pytest.raises(ValueError, match='FASTFORMER_INT8_PROVIDER "amx_please"'):
         C.int8_linear(x, *weight, None, 3)
