@@ -1,10 +1,10 @@
 // An int8 weight packed for oneDNN (csrc/gemm/int8_onednn.h), once per weight: the packed form is kept in a
 // process-wide cache keyed on the weight's storage (and offset and version), so that the Python projections
 // (fastformer/nn/linear.py, through int8_linear) and the C++ decoder (its binder) share one copy, made at the
-// first call that wants it (fastformer/nn/quantize.py prepare_int8 makes it at quantization and load where the
-// rule can choose oneDNN). An entry lives until its weight's storage is freed (pruned when a later weight is
-// packed); a weight changed in place (its version moved) is packed again and its old entry kept until then,
-// so that a decoder bound to it never reads freed memory.
+// first call that wants it (fastformer/nn/quantize.py pack_for_providers, through int8_prepare, makes it at
+// quantization and load where the rule can choose oneDNN). An entry lives until its weight's storage is freed
+// (pruned when a later weight is packed); a weight changed in place (its version moved) is packed again and its
+// old entry kept until then, so that a decoder bound to it never reads freed memory.
 // Memory: Wq read once (n K4 4 bytes), unpacked into (n, K4 4) row-major bytes, packed by oneDNN (its
 // blocked layout, about n K bytes more per weight, plus per-column compensation).
 #define FASTFORMER_GEMM_CHECKS

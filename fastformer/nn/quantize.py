@@ -15,9 +15,10 @@ the way CTranslate2's ``compute_type="int8"`` does.
 - Activations, per call and per row, in the kernel, by the same rule (csrc/gemm/int8_linear.cpp, which states
   the arithmetic exactly); products in int32 with the CPU's dot-product instructions; attention, softmax,
   layer norm and the search in float32.
-- The int8 products are fastformer's own kernels, or oneDNN's (through torch) on a CPU with AMX from 32 rows
-  on: the same int32 sums either way, so the same outputs (csrc/gemm/int8_onednn.h; ``fastformer.int8_providers()``
-  says which runs here, ``FASTFORMER_INT8_PROVIDER`` forces one). Where oneDNN's may run, ``pack_for_providers``
+- The int8 products are fastformer's own kernels, or oneDNN's (through torch) on a CPU with AMX for products
+  of at least 32 rows and 2^22 multiply-adds: the same int32 sums either way, so the same outputs
+  (csrc/gemm/int8_onednn.h; ``fastformer.int8_providers()`` says which runs here, ``FASTFORMER_INT8_PROVIDER``
+  forces one). Where oneDNN's may run, ``pack_for_providers``
   packs each weight for it at quantization and load (a second copy of the int8 weights, kept with the model).
 - Where the kernels apply (float32 on the CPU, grad disabled, no autocast: ``nn/linear.py``'s
   ``packed_applies``), a projection is ``fastformer._C.int8_linear`` and the decoder step runs its int8
