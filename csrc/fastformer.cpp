@@ -296,6 +296,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           return fastformer::attention_scale(scale, *q);
         },
         "checks ops.attention's arguments; returns the scale (1/sqrt(D) when None)");
+  m.def("check_attention_varlen",
+        [given](const OptTensor& q, const OptTensor& k, const OptTensor& v, const OptTensor& cu_seqlens_q,
+                const OptTensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p,
+                std::optional<double> scale) {
+          fastformer::check_attention_varlen(given(q), given(k), given(v), given(cu_seqlens_q), given(cu_seqlens_k),
+                                             max_seqlen_q, max_seqlen_k, dropout_p);
+          return fastformer::attention_scale(scale, *q);
+        },
+        "checks ops.attention_varlen's arguments; returns the scale (1/sqrt(D) when None)");
+  m.def("check_attention_varlen_bwd", &fastformer::check_attention_varlen_bwd,
+        "checks attention_varlen_bwd's arguments");
+  m.def("attention_varlen_layout", &fastformer::attention_varlen_layout,
+        "a packed (T, H, D) tensor as the varlen kernels read it: itself when its last dim is contiguous and its rows "
+        "do not overlap, else a contiguous copy");
   m.def("check_softmax",
         [given](const OptTensor& x, const OptTensor& mask, double scale) {
           fastformer::check_softmax(given(x), mask, scale);

@@ -5,7 +5,7 @@
 // seed (attention, layer_norm_residual): the dropout seed, a 0-dim int64 tensor on the inputs' device (csrc/ops.h
 // check_seed), given when dropout_p > 0; the CUDA kernels read it from device memory, the CPU ones on the host.
 
-// attention: q (B, H, Lq, D), k/v (B, H, Lk, D), key_padding_mask (B, Lk) bool.
+// attention: q (B, H, Lq, D), k/v (B, H_kv, Lk, D) (H a multiple of H_kv), key_padding_mask (B, Lk) bool.
 // Returns out (B, H, Lq, D) and the row logsumexp lse (B, H, Lq) in the accumulation dtype.
 std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
                                          const c10::optional<Tensor>& key_padding_mask, bool causal,
@@ -15,6 +15,20 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
                                                  const c10::optional<Tensor>& key_padding_mask, bool causal,
                                                  double dropout_p, double scale,
                                                  const c10::optional<Tensor>& seed);
+
+// attention_varlen: packed sequences, q (Tq, H, D), k/v (Tk, H_kv, D), sequence b at rows cu_seqlens_q[b] ..
+// cu_seqlens_q[b + 1] of q (int32, B + 1) and cu_seqlens_k[b] .. of k and v. Returns out (Tq, H, D) and lse
+// (H, Tq) in the accumulation dtype.
+std::tuple<Tensor, Tensor> attention_varlen_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+                                                int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+                                                double dropout_p, double scale, const c10::optional<Tensor>& seed);
+std::tuple<Tensor, Tensor, Tensor> attention_varlen_bwd(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                                        const Tensor& v, const Tensor& out, const Tensor& lse,
+                                                        const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+                                                        int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+                                                        double dropout_p, double scale,
+                                                        const c10::optional<Tensor>& seed);
 
 // softmax over the last dim of x (..., N); mask is bool and broadcastable to x.
 Tensor softmax_fwd(const Tensor& x, const c10::optional<Tensor>& mask, double scale);

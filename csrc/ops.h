@@ -32,6 +32,14 @@
     "Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? key_padding_mask, "            \
     "bool causal, float dropout_p, float? scale, Tensor? seed",                                                \
     "(Tensor, Tensor, Tensor)")                                                                                \
+  X(attention_varlen,                                                                                          \
+    "Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "              \
+    "int max_seqlen_k, bool causal, float dropout_p, float? scale, Tensor? seed",                             \
+    "(Tensor, Tensor)",                                                                                        \
+    "Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "                 \
+    "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool causal, float dropout_p, float? scale, "    \
+    "Tensor? seed",                                                                                            \
+    "(Tensor, Tensor, Tensor)")                                                                                \
   X(softmax, "Tensor x, Tensor? mask, float scale", "Tensor", "Tensor dy, Tensor y, float scale", "Tensor")    \
   X(layer_norm_residual,                                                                                       \
     "Tensor x, Tensor residual, Tensor weight, Tensor bias, float eps, float dropout_p, Tensor? seed",         \
@@ -87,7 +95,19 @@ inline void check_dropout(double p, const char* op) {
   TORCH_CHECK_VALUE(p >= 0.0 && p < 1.0, "fastformer ", op, ": dropout_p must be a number in [0, 1), got ", p);
 }
 
-// q (B, H, Lq, D); k, v (B, H, Lk, D); key_padding_mask (B, Lk) bool.
+// Whether the current stream of a (CUDA) device is capturing a CUDA graph. Set at load by the CUDA part of
+// fastformer._C (csrc/cuda/cross_entropy.cu); null in a build without CUDA kernels.
+inline bool (*stream_is_capturing)(const at::Device& device) = nullptr;
+
+// Grouped-query attention: H query heads share H_kv key/value heads, query head h reading kv head
+// h / (H / H_kv) (H_kv = H: multi-head, H_kv = 1: multi-query). H must be a multiple of H_kv.
+inline void check_head_groups(int64_t H, int64_t H_kv, const char* op, const char* kv) {
+  TORCH_CHECK_VALUE(H_kv == H || (H_kv > 0 && H % H_kv == 0), "fastformer ", op, ": q has ", H, " heads and ", kv,
+                    " has ", H_kv, "; the query heads must be a multiple of the key/value heads (grouped-query "
+                    "attention)");
+}
+
+// q (B, H, Lq, D); k, v (B, H_kv, Lk, D) with H a multiple of H_kv; key_padding_mask (B, Lk) bool.
 inline void check_attention(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& key_padding_mask,
                             double dropout_p) {
   constexpr const char* op = "attention";
@@ -102,9 +122,9 @@ inline void check_attention(const Tensor& q, const Tensor& k, const Tensor& v, c
   check_like(v, "v", q, "q", op);
   TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "fastformer attention: k ", k.sizes(), " and v ", v.sizes(),
                     " must have the same shape");
-  TORCH_CHECK_VALUE(k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3),
-                    "fastformer attention: q ", q.sizes(), " and k ", k.sizes(),
-                    " must agree in batch, heads and head dim");
+  TORCH_CHECK_VALUE(k.size(0) == q.size(0) && k.size(3) == q.size(3), "fastformer attention: q ", q.sizes(),
+                    " and k ", k.sizes(), " must agree in batch and head dim");
+  check_head_groups(q.size(1), k.size(1), "attention", "k and v (B, H_kv, Lk, D)");
   if (key_padding_mask.has_value()) {
     check_bool_mask(*key_padding_mask, "key_padding_mask", q, op);
     TORCH_CHECK_VALUE(key_padding_mask->dim() == 2 && key_padding_mask->size(0) == q.size(0) &&
@@ -112,6 +132,65 @@ inline void check_attention(const Tensor& q, const Tensor& k, const Tensor& v, c
                       "fastformer attention: key_padding_mask must have shape (B, Lk) = (", q.size(0), ", ",
                       k.size(2), "), got ", key_padding_mask->sizes());
   }
+  check_dropout(dropout_p, op);
+}
+
+// A cu_seqlens table of attention_varlen: int32 (B + 1) on q's device, for B sequences of a packed tensor
+// of `total` rows: sequence b is rows cu[b]:cu[b+1]. Its values (0 first, non-decreasing, `total` last, no
+// sequence longer than max_seqlen) need the table on the host: free for CPU tensors; on a GPU a copy and a
+// sync, so they are checked there only outside CUDA graph capture (as cross_entropy's targets), and the
+// kernels clamp every sequence into [0, total) so that a wrong table cannot make them read or write out of
+// bounds.
+inline void check_cu_seqlens(const Tensor& cu, const char* name, int64_t total, int64_t max_seqlen,
+                             const char* max_name, const Tensor& q) {
+  constexpr const char* op = "attention_varlen";
+  check_given(cu, op, name);
+  TORCH_CHECK_VALUE(cu.scalar_type() == at::kInt, "fastformer attention_varlen: ", name,
+                    " must be int32 (flash-attn's convention), got ", cu.scalar_type());
+  TORCH_CHECK_VALUE(cu.dim() == 1 && cu.size(0) >= 1, "fastformer attention_varlen: ", name,
+                    " must be 1-D (B + 1), got shape ", cu.sizes());
+  TORCH_CHECK_VALUE(cu.device() == q.device(), "fastformer attention_varlen: ", name, " is on ", cu.device(),
+                    " but q is on ", q.device(), "; cu_seqlens live on q's device");
+  TORCH_CHECK_VALUE(max_seqlen >= 0, "fastformer attention_varlen: ", max_name, " must be >= 0, got ", max_seqlen);
+  if (!cu.device().is_cpu() && stream_is_capturing != nullptr && stream_is_capturing(cu.device())) return;
+  const Tensor host = cu.device().is_cpu() ? cu.contiguous() : cu.cpu();
+  const int32_t* c = host.const_data_ptr<int32_t>();
+  const int64_t B = host.size(0) - 1;
+  TORCH_CHECK_VALUE(c[0] == 0, "fastformer attention_varlen: ", name, "[0] must be 0, got ", c[0]);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(c[b + 1] >= c[b], "fastformer attention_varlen: ", name, " must be non-decreasing, but entry ",
+                      b + 1, " is ", c[b + 1], " after ", c[b]);
+    TORCH_CHECK_VALUE(c[b + 1] - c[b] <= max_seqlen, "fastformer attention_varlen: sequence ", b, " has ",
+                      c[b + 1] - c[b], " rows (", name, "), more than ", max_name, " = ", max_seqlen);
+  }
+  TORCH_CHECK_VALUE(c[B] == total, "fastformer attention_varlen: the last entry of ", name, " is ", c[B],
+                    " but the packed tensor has ", total, " rows; it must be the total");
+}
+
+// q (Tq, H, D); k, v (Tk, H_kv, D) with H a multiple of H_kv; cu_seqlens_q, cu_seqlens_k int32 (B + 1).
+inline void check_attention_varlen(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
+                                   const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                                   double dropout_p) {
+  constexpr const char* op = "attention_varlen";
+  check_given(q, op, "q");
+  check_given(k, op, "k");
+  check_given(v, op, "v");
+  TORCH_CHECK_VALUE(q.dim() == 3, "fastformer attention_varlen: q must be 3-D (Tq, H, D), got shape ", q.sizes());
+  TORCH_CHECK_VALUE(k.dim() == 3, "fastformer attention_varlen: k must be 3-D (Tk, H_kv, D), got shape ", k.sizes());
+  TORCH_CHECK_VALUE(v.dim() == 3, "fastformer attention_varlen: v must be 3-D (Tk, H_kv, D), got shape ", v.sizes());
+  check_floating(q, op, "q");
+  check_like(k, "k", q, "q", op);
+  check_like(v, "v", q, "q", op);
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "fastformer attention_varlen: k ", k.sizes(), " and v ", v.sizes(),
+                    " must have the same shape");
+  TORCH_CHECK_VALUE(k.size(2) == q.size(2), "fastformer attention_varlen: q ", q.sizes(), " and k ", k.sizes(),
+                    " must have the same head dim");
+  check_head_groups(q.size(1), k.size(1), op, "k and v (Tk, H_kv, D)");
+  check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.size(0), max_seqlen_q, "max_seqlen_q", q);
+  check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.size(0), max_seqlen_k, "max_seqlen_k", q);
+  TORCH_CHECK_VALUE(cu_seqlens_q.size(0) == cu_seqlens_k.size(0), "fastformer attention_varlen: cu_seqlens_q has ",
+                    cu_seqlens_q.size(0) - 1, " sequences but cu_seqlens_k has ", cu_seqlens_k.size(0) - 1,
+                    "; query sequence b attends to key sequence b");
   check_dropout(dropout_p, op);
 }
 
@@ -189,9 +268,6 @@ inline void check_layer_norm_residual(const Tensor& x, const Tensor& residual, c
   check_dropout(dropout_p, op);
 }
 
-// Whether the current stream of a (CUDA) device is capturing a CUDA graph. Set at load by the CUDA part of
-// fastformer._C (csrc/cuda/cross_entropy.cu); null in a build without CUDA kernels.
-inline bool (*stream_is_capturing)(const at::Device& device) = nullptr;
 
 // logits (..., V) with V > 0; target (...) int64, each entry in [0, V) or ignore_index. The targets' range
 // is checked here, once per call (on a GPU that costs a reduction and a sync), so that no kernel is ever
@@ -263,6 +339,16 @@ inline void check_attention_bwd(const Tensor& dout, const Tensor& q, const Tenso
   check_same(dout, "dout", q, "q", "attention");
   check_same(out, "out", q, "q", "attention");
   check_stats(lse, "lse", q.sizes().slice(0, 3), q, "attention");
+}
+
+inline void check_attention_varlen_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const Tensor& out, const Tensor& lse, const Tensor& cu_seqlens_q,
+                                       const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                                       double dropout_p) {
+  check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p);
+  check_same(dout, "dout", q, "q", "attention_varlen");
+  check_same(out, "out", q, "q", "attention_varlen");
+  check_stats(lse, "lse", {q.size(1), q.size(0)}, q, "attention_varlen");  // (H, Tq), flash-attn's layout
 }
 
 inline void check_softmax_bwd(const Tensor& dy, const Tensor& y) {
@@ -349,6 +435,15 @@ inline Tensor attention_layout(const Tensor& t) {
   return rows ? t : t.contiguous();
 }
 
+// attention_varlen's packed (T, H, D) tensors as its kernels take them: rows at any row and head stride with
+// the last dim contiguous and rows that do not overlap (e.g. the heads of a packed (T, 3, H, D) projection)
+// pass as they are; any other is copied to a contiguous tensor.
+inline Tensor attention_varlen_layout(const Tensor& t) {
+  const bool rows =
+      t.dim() == 3 && t.stride(2) == 1 && (t.size(0) <= 1 || t.stride(0) >= std::max<int64_t>(1, t.size(2)));
+  return rows ? t : t.contiguous();
+}
+
 // ---- adapters: registered op -> entry points of a backend (csrc/op_entry_points.h) ----
 // Each checks the caller's arguments (the dropout seed: check_seed), makes the tensors contiguous (a no-op
 // when they are; attention: attention_layout), resolves the default scale and calls the backend's function
@@ -374,6 +469,35 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_op(const Tensor& dout, const Te
   return Impl(attention_layout(dout), attention_layout(q), attention_layout(k), attention_layout(v),
               attention_layout(out), lse.contiguous(), contiguous(key_padding_mask), causal, dropout_p,
               attention_scale(scale, q), seed);
+}
+
+template <auto Impl>
+std::tuple<Tensor, Tensor> attention_varlen_fwd_op(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                   const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+                                                   int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+                                                   double dropout_p, std::optional<double> scale,
+                                                   const OptTensor& seed) {
+  check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p);
+  check_seed(seed, dropout_p, q, "attention_varlen");
+  return Impl(attention_varlen_layout(q), attention_varlen_layout(k), attention_varlen_layout(v),
+              cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k, causal, dropout_p,
+              attention_scale(scale, q), seed);
+}
+
+template <auto Impl>
+std::tuple<Tensor, Tensor, Tensor> attention_varlen_bwd_op(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                                           const Tensor& v, const Tensor& out, const Tensor& lse,
+                                                           const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+                                                           int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+                                                           double dropout_p, std::optional<double> scale,
+                                                           const OptTensor& seed) {
+  check_attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             dropout_p);
+  check_seed(seed, dropout_p, q, "attention_varlen");
+  return Impl(attention_varlen_layout(dout), attention_varlen_layout(q), attention_varlen_layout(k),
+              attention_varlen_layout(v), attention_varlen_layout(out), lse.contiguous(), cu_seqlens_q.contiguous(),
+              cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k, causal, dropout_p, attention_scale(scale, q),
+              seed);
 }
 
 template <auto Impl>

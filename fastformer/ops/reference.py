@@ -152,31 +152,131 @@ def attention_probabilities(q, k, key_padding_mask, causal, scale):
     return _probabilities(q.to(acc), k.to(acc), key_padding_mask, causal, scale)[0]
 
 
-def attention_fwd(q, k, v, key_padding_mask, causal, dropout_p, scale, seed):
-    acc = _acc_dtype(q.dtype)
-    qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
+def _expand_heads(t, H: int):
+    """k or v (B, H_kv, L, D) as (B, H, L, D): query head h reads kv head h // (H / H_kv) (grouped-query)."""
+    return t if t.shape[1] == H else t.repeat_interleave(H // t.shape[1], dim=1)
+
+
+def _sum_groups(g, H_kv: int):
+    """A gradient (B, H, L, D) of the expanded k or v, summed over each group of heads: (B, H_kv, L, D)."""
+    B, H, L, D = g.shape
+    return g if H == H_kv else g.reshape(B, H_kv, H // H_kv, L, D).sum(2)
+
+
+def _forward(qa, ka, va, key_padding_mask, causal, scale, drop):
+    """out and lse of attention in the accumulation dtype; ``drop(shape)`` gives the dropout factors of the
+    probabilities (B, H, Lq, Lk), or None."""
+    ka, va = _expand_heads(ka, qa.shape[1]), _expand_heads(va, qa.shape[1])
     p, lse = _probabilities(qa, ka, key_padding_mask, causal, scale)
-    drop = _dropout_factor(seed, p.shape, dropout_p, acc, q.device)
-    if drop is not None:
-        p = p * drop
-    return (p @ va).to(q.dtype), lse
+    factor = drop(p.shape)
+    if factor is not None:
+        p = p * factor
+    return p @ va, lse
 
 
-def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal, dropout_p, scale, seed):
-    acc = _acc_dtype(q.dtype)
-    qa, ka, va, doa, oa = (t.to(acc) for t in (q, k, v, dout, out))
+def _backward(doa, qa, ka, va, oa, key_padding_mask, causal, scale, drop):
+    """dq, dk, dv in the accumulation dtype (dk, dv with k's heads), P recomputed; ``drop`` as in _forward."""
+    H_kv = ka.shape[1]
+    ka, va = _expand_heads(ka, qa.shape[1]), _expand_heads(va, qa.shape[1])
     p, _ = _probabilities(qa, ka, key_padding_mask, causal, scale)
-    drop = _dropout_factor(seed, p.shape, dropout_p, acc, q.device)
-    p_dropped = p if drop is None else p * drop
+    factor = drop(p.shape)
+    p_dropped = p if factor is None else p * factor
     dv = p_dropped.transpose(-1, -2) @ doa  # dV = (P r)^T dO
     dp = doa @ va.transpose(-1, -2)  # dP = (dO V^T) r
-    if drop is not None:
-        dp = dp * drop
+    if factor is not None:
+        dp = dp * factor
     delta = (doa * oa).sum(-1, keepdim=True)  # D_i = dO_i . O_i
     ds = p * (dp - delta)  # dS = P (dP - D)
     dq = (ds @ ka) * scale
     dk = (ds.transpose(-1, -2) @ qa) * scale
+    return dq, _sum_groups(dk, H_kv), _sum_groups(dv, H_kv)
+
+
+def attention_fwd(q, k, v, key_padding_mask, causal, dropout_p, scale, seed):
+    acc = _acc_dtype(q.dtype)
+    drop = lambda shape: _dropout_factor(seed, shape, dropout_p, acc, q.device)  # noqa: E731
+    out, lse = _forward(q.to(acc), k.to(acc), v.to(acc), key_padding_mask, causal, scale, drop)
+    return out.to(q.dtype), lse
+
+
+def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal, dropout_p, scale, seed):
+    acc = _acc_dtype(q.dtype)
+    drop = lambda shape: _dropout_factor(seed, shape, dropout_p, acc, q.device)  # noqa: E731
+    dq, dk, dv = _backward(*(t.to(acc) for t in (dout, q, k, v, out)), key_padding_mask, causal, scale, drop)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# attention_varlen: packed sequences, each computed as one dense (1, H, L, D) attention
+
+
+def dropout_keep_at(seed, index: torch.Tensor, p: float) -> torch.Tensor:
+    """The keep-mask of dropout_keep at arbitrary element indices (int64 tensor): element i takes word i % 4
+    of Philox counter i // 4, kept where min(w, 2^32 - 1 - w) 2^-31 >= p in float32 (_keep_words)."""
+    words = torch.stack(philox4x32_10(seed, index >> 2), dim=-1)
+    w = words.gather(-1, (index & 3)[..., None])[..., 0]
+    scale = torch.tensor(4.6566127342e-10, dtype=torch.float32, device=index.device)
+    return torch.minimum(w, _MASK32 - w).to(torch.float32) * scale >= torch.tensor(p, dtype=torch.float32,
+                                                                                   device=index.device)
+
+
+def _varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+    """(b, query rows, key rows) of each packed sequence (the tables read on the host)."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [(b, slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(len(cq) - 1)]
+
+
+def _as_dense(t, rows: slice, acc):
+    """Rows of a packed (T, H, D) tensor as a dense (1, H, L, D) one in the accumulation dtype."""
+    return t[rows].to(acc).transpose(0, 1)[None]
+
+
+def _varlen_drop(seed, p: float, acc, Tq: int, Tk: int, rows: slice, device):
+    """Dropout factors of one sequence's probabilities (1, H, Lq, Lk): element (h, i, j) is index
+    (h Tq + rows.start + i) Tk + j of the Philox stream (csrc/cpu/attention.cpp's rule for packed sequences)."""
+    if p == 0:
+        return lambda shape: None
+
+    def drop(shape):
+        _, H, Lq, Lk = shape
+        h = torch.arange(H, device=device)[:, None, None]
+        i = torch.arange(Lq, device=device)[None, :, None]
+        j = torch.arange(Lk, device=device)[None, None, :]
+        keep = dropout_keep_at(seed, (h * Tq + rows.start + i) * Tk + j, p)[None]
+        one = torch.ones((), dtype=acc, device=keep.device)
+        return keep.to(acc) * (one / (one - p))
+    return drop
+
+
+def attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, dropout_p, scale,
+                         seed):
+    acc = _acc_dtype(q.dtype)
+    Tq, H, _ = q.shape
+    out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    lse = torch.full((H, Tq), float("-inf"), dtype=acc, device=q.device)
+    for _, rq, rk in _varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+        if rq.stop == rq.start:
+            continue
+        drop = _varlen_drop(seed, dropout_p, acc, Tq, k.shape[0], rq, q.device)
+        o, l = _forward(_as_dense(q, rq, acc), _as_dense(k, rk, acc), _as_dense(v, rk, acc), None, causal, scale, drop)
+        out[rq] = o[0].transpose(0, 1).to(q.dtype)
+        lse[:, rq] = l[0]
+    return out, lse
+
+
+def attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                         dropout_p, scale, seed):
+    acc = _acc_dtype(q.dtype)
+    dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
+    dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
+    for _, rq, rk in _varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+        drop = _varlen_drop(seed, dropout_p, acc, q.shape[0], k.shape[0], rq, q.device)
+        g = _backward(*(_as_dense(t, r, acc) for t, r in ((dout, rq), (q, rq), (k, rk), (v, rk), (out, rq))), None,
+                      causal, scale, drop)
+        for grad, dense, rows in zip((dq, dk, dv), g, (rq, rk, rk)):
+            grad[rows] = dense[0].transpose(0, 1).to(grad.dtype)
+    return dq, dk, dv
 
 
 # --------------------------------------------------------------------------------------------------

@@ -97,7 +97,8 @@ BAD = {
     "attention-q_rank3": (attention(q=lambda a: a["q"][0]), VALUE),
     "attention-k_rank5": (attention(k=lambda a: a["k"][None]), VALUE),
     "attention-kv_batch": (attention(k=lambda a: a["k"][:1], v=lambda a: a["v"][:1]), VALUE),
-    "attention-kv_heads": (attention(k=lambda a: a["k"][:, :1], v=lambda a: a["v"][:, :1]), VALUE),
+    # 3 query heads over 2 key/value heads: not a grouped-query layout
+    "attention-kv_heads": (attention(q=lambda a: torch.cat([a["q"], a["q"][:, :1]], 1)), VALUE),
     "attention-k_head_dim": (attention(k=lambda a: a["k"][..., :8]), VALUE),
     "attention-q_head_dim": (attention(q=lambda a: a["q"][..., :8]), VALUE),
     "attention-v_head_dim": (attention(v=lambda a: a["v"][..., :8]), VALUE),
