@@ -29,6 +29,20 @@ def attention_call(backend):
     return run
 
 
+def attention_varlen_call(backend):
+    cu_q, cu_k = torch.tensor([0, 7, 7, 9], dtype=torch.int32), torch.tensor([0, 13, 15, 15], dtype=torch.int32)
+    q = randn(9, 4, 40, dtype=DTYPE).requires_grad_()
+    k = randn(15, 2, 40, dtype=DTYPE).requires_grad_()
+    v = randn(15, 2, 40, dtype=DTYPE).requires_grad_()
+    dout = randn(9, 4, 40, dtype=DTYPE)
+
+    def run():
+        out = ops.attention_varlen(q, k, v, cu_q, cu_k, 7, 13, causal=True, backend=backend)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    return run
+
+
 def softmax_call(backend):
     x = randn(3, 5, 97, dtype=DTYPE).requires_grad_()
     mask = torch.rand(3, 1, 97) < 0.3
@@ -68,7 +82,7 @@ def cross_entropy_call(backend):
 
 
 # One call per op of csrc/ops.h's list (tests/test_op_lists.py fails while an op has none).
-CALLS = {"attention": attention_call, "softmax": softmax_call, "layer_norm_residual": layer_norm_residual_call,
+CALLS = {"attention": attention_call, "attention_varlen": attention_varlen_call, "softmax": softmax_call, "layer_norm_residual": layer_norm_residual_call,
          "cross_entropy": cross_entropy_call}
 
 

@@ -67,12 +67,30 @@ def ce_args():
 
 # Per op of csrc/ops.h's list: valid keyword arguments of its public function (the calls below change
 # one of them); tests/test_op_lists.py fails while an op has none.
-VALID_ARGS = {"attention": attention_args, "softmax": softmax_args, "layer_norm_residual": lnr_args,
-              "cross_entropy": ce_args}
+def varlen_args():
+    # 3 sequences (5, 0, 2 queries; 4, 3, 0 keys), 4 query heads over 2 key/value heads
+    return dict(
+        q=randn(7, 4, D, dtype=F32),
+        k=randn(7, 2, D, dtype=F32),
+        v=randn(7, 2, D, dtype=F32),
+        cu_seqlens_q=torch.tensor([0, 5, 5, 7], dtype=torch.int32),
+        cu_seqlens_k=torch.tensor([0, 4, 7, 7], dtype=torch.int32),
+        max_seqlen_q=5,
+        max_seqlen_k=4,
+        causal=True,
+    )
+
+
+VALID_ARGS = {"attention": attention_args, "attention_varlen": varlen_args, "softmax": softmax_args,
+              "layer_norm_residual": lnr_args, "cross_entropy": ce_args}
 
 
 def attention(**changes):
     return with_changes(attention_args, ops.attention, changes)
+
+
+def varlen(**changes):
+    return with_changes(varlen_args, ops.attention_varlen, changes)
 
 
 def softmax(**changes):
@@ -348,6 +366,10 @@ def test_double_backward_raises(backend):
     weight, bias = randn(8, dtype=F32), randn(8, dtype=F32)
     outputs = {
         "attention": ops.attention(q, k, v, causal=True, backend=backend),
+        "attention_varlen": ops.attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                                                 torch.tensor([0, 2, 5], dtype=torch.int32),
+                                                 torch.tensor([0, 3, 5], dtype=torch.int32), 3, 3, causal=True,
+                                                 backend=backend),
         "softmax": ops.softmax(x, backend=backend),
         "layer_norm_residual": ops.layer_norm_residual(x, x, weight, bias, backend=backend),
         "cross_entropy": ops.cross_entropy(x, torch.tensor([0, 7, 3]), label_smoothing=0.1, backend=backend),
@@ -355,7 +377,7 @@ def test_double_backward_raises(backend):
     assert set(outputs) == set(ops.OPS), "every op of csrc/ops.h's list needs its call here"
     for op, out in outputs.items():
         with pytest.raises(RuntimeError, match=f"fastformer {op}: double backward"):
-            torch.autograd.grad(out.sum(), [q] if op == "attention" else [x], create_graph=True)
+            torch.autograd.grad(out.sum(), [q] if op.startswith("attention") else [x], create_graph=True)
 
 
 # Wrong Python types: None for every tensor argument of every op, and other types an argument does not
@@ -364,6 +386,9 @@ def test_double_backward_raises(backend):
 WRONG_TYPES = {
     "attention": (attention, [("q", None), ("k", None), ("v", None), ("q", [[1.0]]), ("v", 3.0),
                               ("key_padding_mask", [[True]]), ("scale", "0.5"), ("dropout_p", None)]),
+    "attention_varlen": (varlen, [("q", None), ("k", [[1.0]]), ("cu_seqlens_q", None), ("cu_seqlens_k", [0, 7]),
+                                  ("max_seqlen_q", None), ("max_seqlen_k", 4.0), ("scale", "0.5"),
+                                  ("dropout_p", None)]),
     "softmax": (softmax, [("x", None), ("x", [1.0, 2.0]), ("mask", [[True]]), ("mask", 1), ("scale", "0.5"),
                           ("scale", None)]),
     "layer_norm_residual": (lnr, [("x", None), ("residual", None), ("weight", None), ("bias", None),
@@ -398,12 +423,18 @@ def backward_calls():
         fwd = lambda op: _dispatch.kernel(op, "fwd", backend)  # noqa: E731
         bwd = lambda op: _dispatch.kernel(op, "bwd", backend)  # noqa: E731
         out, lse = fwd("attention")(q, k, v, None, False, 0.0, None, None)
+        va = varlen_args()
+        packed = (va["q"], va["k"], va["v"])
+        tables = (va["cu_seqlens_q"], va["cu_seqlens_k"], 5, 4, True, 0.0, None, None)
+        v_out, v_lse = fwd("attention_varlen")(*packed, *tables)
         y = fwd("softmax")(x, None, 1.0)
         _, s, mean, rstd = fwd("layer_norm_residual")(x, x, w, b, 1e-5, 0.0, None)
         loss, nll, ce_lse = fwd("cross_entropy")(logits, target, 0.0, -100)
         return {
             "attention-dout": lambda: bwd("attention")(short(out), q, k, v, out, lse, None, False, 0.0, None, None),
             "attention-lse": lambda: bwd("attention")(out, q, k, v, out, short(lse), None, False, 0.0, None, None),
+            "attention_varlen-dout": lambda: bwd("attention_varlen")(short(v_out), *packed, v_out, v_lse, *tables),
+            "attention_varlen-lse": lambda: bwd("attention_varlen")(v_out, *packed, v_out, v_lse[:, :-1], *tables),
             "softmax-dy": lambda: bwd("softmax")(short(y), y, 1.0),
             "layer_norm_residual-ds": lambda: bwd("layer_norm_residual")(s, short(s), s, w, mean, rstd, 0.0, None,
                                                                          None),
@@ -420,7 +451,7 @@ def backward_calls():
     return calls
 
 
-BACKWARD_CASES = ["attention-dout", "attention-lse", "softmax-dy", "layer_norm_residual-ds", "layer_norm_residual-rstd",
+BACKWARD_CASES = ["attention-dout", "attention-lse", "attention_varlen-dout", "attention_varlen-lse", "softmax-dy", "layer_norm_residual-ds", "layer_norm_residual-rstd",
                   "layer_norm_residual-dx_dtype", "layer_norm_residual-weight", "cross_entropy-lse",
                   "cross_entropy-dloss"]
 
@@ -460,19 +491,24 @@ def seed_calls(backend, seed):
     good = torch.tensor(7)
     attn = dict(q=q, k=k, v=v, causal=True, dropout_p=0.25)
     out, lse = registered("attention", "fwd", backend, **attn, seed=good)
+    packed = dict(varlen_args(), dropout_p=0.25)
+    v_out, v_lse = registered("attention_varlen", "fwd", backend, **packed, seed=good)
     norm = dict(x=x, residual=x, weight=w, bias=b, eps=1e-5, dropout_p=0.25)
     _, s, mean, rstd = registered("layer_norm_residual", "fwd", backend, **norm, seed=good)
     return {
         "attention-fwd": lambda: registered("attention", "fwd", backend, **attn, seed=seed),
         "attention-bwd": lambda: registered("attention", "bwd", backend, **attn, dout=out, out=out, lse=lse, seed=seed),
+        "attention_varlen-fwd": lambda: registered("attention_varlen", "fwd", backend, **packed, seed=seed),
+        "attention_varlen-bwd": lambda: registered("attention_varlen", "bwd", backend, **packed, dout=v_out, out=v_out,
+                                                   lse=v_lse, seed=seed),
         "layer_norm_residual-fwd": lambda: registered("layer_norm_residual", "fwd", backend, **norm, seed=seed),
         "layer_norm_residual-bwd": lambda: registered("layer_norm_residual", "bwd", backend, dy=s, s=s, weight=w,
                                                       mean=mean, rstd=rstd, dropout_p=0.25, seed=seed),
     }
 
 
-@pytest.mark.parametrize("call", ["attention-fwd", "attention-bwd", "layer_norm_residual-fwd",
-                                  "layer_norm_residual-bwd"])
+@pytest.mark.parametrize("call", ["attention-fwd", "attention-bwd", "attention_varlen-fwd", "attention_varlen-bwd",
+                                  "layer_norm_residual-fwd", "layer_norm_residual-bwd"])
 @pytest.mark.parametrize("seed", list(BAD_SEEDS))
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_bad_seed_raises(backend, seed, call):

@@ -53,6 +53,25 @@ def attention_nomask_call(dtype):
     return run
 
 
+def attention_varlen_call(dtype):
+    # Packed sequences of spread lengths (an empty one, one longer than the rest: its items are split over the
+    # threads by cost in the backward), 6 query heads over 2 key/value heads, causal, dropout.
+    lens_q, lens_k = [113, 0, 7, 250, 1], [203, 5, 0, 251, 9]
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32)
+    q = randn(sum(lens_q), 6, 59, dtype=dtype).requires_grad_()
+    k = randn(sum(lens_k), 2, 59, dtype=dtype).requires_grad_()
+    v = randn(sum(lens_k), 2, 59, dtype=dtype).requires_grad_()
+    dout = randn(sum(lens_q), 6, 59, dtype=dtype)
+
+    def run():
+        torch.manual_seed(7)
+        out = ops.attention_varlen(q, k, v, cu_q, cu_k, 250, 251, causal=True, dropout_p=0.1, backend="cpu")
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    return run
+
+
 def softmax_call(dtype):
     x = randn(97, 3, 113, dtype=dtype).requires_grad_()
     mask = torch.rand(97, 1, 113) < 0.3
@@ -96,7 +115,8 @@ def cross_entropy_call(dtype):
 
 
 # One call per op of csrc/ops.h's list (tests/test_op_lists.py fails while an op has none).
-CALLS = {"attention": attention_call, "attention_nomask": attention_nomask_call, "softmax": softmax_call,
+CALLS = {"attention": attention_call, "attention_nomask": attention_nomask_call,
+         "attention_varlen": attention_varlen_call, "softmax": softmax_call,
          "layer_norm_residual": layer_norm_residual_call, "cross_entropy": cross_entropy_call}
 
 
