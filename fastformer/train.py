@@ -91,7 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "batches of different shapes fragment the heap)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--max-tokens", type=int_at_least(1), default=4096,
-                   help="batch size in tokens: sentences x longest sentence (source or target), padding included")
+                   help="batch size in tokens: sentences x longest sentence (source or target), padding included; "
+                        "with --batching packed each side's real tokens")
+    g.add_argument("--batching", choices=("padded", "packed"), default="padded",
+                   help="padded: length-sorted batches of (sentences, longest sentence), padding masked; packed: "
+                        "padding-free, the sentences of a batch packed one after another and every attention run "
+                        "per sentence on the packed tokens (ops.attention_varlen): no padded position computed. "
+                        "Not with --cuda-graphs")
     g.add_argument("--update-tokens", type=int_at_least(1), default=3500,
                    help="target tokens per update: batches are accumulated (over all ranks) until this many")
     g.add_argument("--warmup", type=int_at_least(1), default=300,

@@ -1,5 +1,6 @@
 """Batches by token count: sentence pairs sorted by length into buckets, cut so a batch's padded size
-(sentences x longest sentence, source or target) stays within ``max_tokens``.
+(sentences x longest sentence, source or target) stays within ``max_tokens``; packed batches (``packed``,
+``collate_packed``: padding-free training) are cut so each side's real tokens stay within it.
 
 With ``fixed_shapes`` (CUDA graph replay, fastformer/training/graphs.py) every batch has one of a small set of
 shapes: a pair's length (the longer side, + bos/eos) is rounded up to a length bucket (``bucket_length``),
@@ -9,6 +10,7 @@ and a batch of bucket L holds at most ``max_tokens // L`` pairs and is padded to
 from __future__ import annotations
 
 import random
+from typing import NamedTuple
 
 import torch
 
@@ -36,24 +38,30 @@ def batch_shape(n: int, max_tokens: int) -> tuple[int, int]:
 
 
 def token_batches(src: list[list[int]], tgt: list[list[int]], max_tokens: int, *, shuffle: bool,
-                  seed: int = 0, fixed_shapes: bool = False) -> list[list[int]]:
+                  seed: int = 0, fixed_shapes: bool = False, packed: bool = False) -> list[list[int]]:
     """Lists of example indices. Sorting by length (ties broken randomly when shuffling) keeps padding
     low; the batch order is shuffled with ``seed`` when ``shuffle``. ``fixed_shapes``: lengths are
-    counted as their bucket's (``bucket_length``), so each batch fits ``batch_shape`` of its longest pair."""
+    counted as their bucket's (``bucket_length``), so each batch fits ``batch_shape`` of its longest pair.
+    ``packed``: a batch holds pairs while neither side's real tokens (with eos, or bos) exceed ``max_tokens``
+    (no padding is computed, so none is counted)."""
     rng = random.Random(seed)
     lengths = [max(len(s), len(t)) + 2 for s, t in zip(src, tgt)]  # + bos / eos
     if fixed_shapes:
         lengths = [bucket_length(n) for n in lengths]
     order = sorted(range(len(src)), key=lambda i: (lengths[i], rng.random() if shuffle else i))
-    batches, current, longest = [], [], 0
+    batches, current, longest, sums = [], [], 0, [0, 0]
     for i in order:
         if lengths[i] > max_tokens:
             raise ValueError(f"example {i} has {lengths[i]} tokens, more than max_tokens={max_tokens}")
-        if current and max(longest, lengths[i]) * (len(current) + 1) > max_tokens:
+        sides = (len(src[i]) + 1, len(tgt[i]) + 1)
+        full = (max(sums[0] + sides[0], sums[1] + sides[1]) > max_tokens if packed
+                else max(longest, lengths[i]) * (len(current) + 1) > max_tokens)
+        if current and full:
             batches.append(current)
-            current, longest = [], 0
+            current, longest, sums = [], 0, [0, 0]
         current.append(i)
         longest = max(longest, lengths[i])
+        sums = [sums[0] + sides[0], sums[1] + sides[1]]
     if current:
         batches.append(current)
     if shuffle:
@@ -84,3 +92,53 @@ def collate(src: list[list[int]], tgt: list[list[int]] | None = None, *, pad_id:
     if tgt is None:
         return src_t
     return src_t, pad([[bos_id] + t for t in tgt]), pad([t + [eos_id] for t in tgt])
+
+
+class Sequences(NamedTuple):
+    """Sequences packed along one dim (padding-free), as the model's packed path takes them: sequence b is
+    tokens cu_seqlens[b] .. cu_seqlens[b + 1] (int32, B + 1); ``positions`` (int64, one per token) each token's
+    position in its sequence; ``max_len`` the longest sequence."""
+    cu_seqlens: torch.Tensor
+    positions: torch.Tensor
+    max_len: int
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "Sequences":
+        return Sequences(self.cu_seqlens.to(device, non_blocking=non_blocking),
+                         self.positions.to(device, non_blocking=non_blocking), self.max_len)
+
+    def pin_memory(self) -> "Sequences":
+        return Sequences(self.cu_seqlens.pin_memory(), self.positions.pin_memory(), self.max_len)
+
+
+class PackedBatch(NamedTuple):
+    """A padding-free batch: src (Ts,) with each sentence's eos, tgt_in (Tt,) = bos + y and tgt_out (Tt,) = y + eos
+    per sentence, all int64, sentence after sentence; ``src_seqs`` and ``tgt_seqs`` where each sentence is."""
+    src: torch.Tensor
+    tgt_in: torch.Tensor
+    tgt_out: torch.Tensor
+    src_seqs: Sequences
+    tgt_seqs: Sequences
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "PackedBatch":
+        return PackedBatch(*(t.to(device, non_blocking=non_blocking) for t in self))
+
+    def pin_memory(self) -> "PackedBatch":
+        return PackedBatch(*(t.pin_memory() for t in self))
+
+
+def sequences(lengths: list[int]) -> Sequences:
+    """Sequences of these lengths, packed in order."""
+    cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
+    starts = torch.repeat_interleave(cu[:-1], torch.tensor(lengths, dtype=torch.int64))
+    return Sequences(cu.to(torch.int32), torch.arange(int(cu[-1])) - starts, max(lengths, default=0))
+
+
+def collate_packed(src: list[list[int]], tgt: list[list[int]], *, bos_id: int = BOS_ID,
+                   eos_id: int = EOS_ID) -> PackedBatch:
+    """The pairs as one PackedBatch: no padding anywhere (fastformer.nn.Transformer's packed path)."""
+    src_rows = [s + [eos_id] for s in src]
+    tgt_in = [[bos_id] + t for t in tgt]
+    tgt_out = [t + [eos_id] for t in tgt]
+    flat = lambda rows: torch.tensor([x for r in rows for x in r], dtype=torch.long)  # noqa: E731
+    return PackedBatch(flat(src_rows), flat(tgt_in), flat(tgt_out), sequences([len(r) for r in src_rows]),
+                       sequences([len(r) for r in tgt_in]))

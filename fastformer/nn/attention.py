@@ -1,5 +1,5 @@
-"""MultiHeadAttention on ops.attention (the incremental decoder of fastformer/nn/decoding.py keeps its own
-key/value caches)."""
+"""MultiHeadAttention on ops.attention, or on ops.attention_varlen for packed (padding-free) sequences (the
+incremental decoder of fastformer/nn/decoding.py keeps its own key/value caches)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -7,6 +7,7 @@ from typing import Optional
 from torch import Tensor, nn
 
 from fastformer import ops
+from fastformer.data.batching import Sequences
 from fastformer.nn.linear import Linear
 
 
@@ -14,7 +15,9 @@ class MultiHeadAttention(nn.Module):
     """Multi-head attention: self-attention with one fused QKV projection (d -> 3d), or
     cross-attention with a query projection and one fused KV projection (d -> 2d) of the memory.
 
-    Shapes: x (B, Lq, d); memory (B, Lk, d); key_padding_mask (B, Lk) bool, True = padding.
+    Shapes: x (B, Lq, d); memory (B, Lk, d); key_padding_mask (B, Lk) bool, True = padding. Packed
+    (``seqs``, the queries' Sequences, and for cross-attention ``memory_seqs``, the memory's): x (Tq, d),
+    memory (Tk, d), sequence b of the queries attending to sequence b of the keys, no padding anywhere.
     """
 
     def __init__(self, d_model: int, n_heads: int, *, cross: bool = False, attention_dropout: float = 0.0,
@@ -47,8 +50,16 @@ class MultiHeadAttention(nn.Module):
         parts = x.view(B, L, n, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         return tuple(parts[i] for i in range(n))
 
+    def _packed_heads(self, x: Tensor, n: int) -> tuple[Tensor, ...]:
+        """(T, n * d) -> n tensors (T, H, Dh): views (the heads of a packed projection), read in place."""
+        parts = x.view(x.shape[0], n, self.n_heads, self.head_dim)
+        return tuple(parts[:, i] for i in range(n))
+
     def forward(self, x: Tensor, memory: Optional[Tensor] = None, *, key_padding_mask: Optional[Tensor] = None,
-                causal: bool = False) -> Tensor:
+                causal: bool = False, seqs: Optional[Sequences] = None,
+                memory_seqs: Optional[Sequences] = None) -> Tensor:
+        if seqs is not None:
+            return self._forward_packed(x, memory, seqs, memory_seqs, causal)
         if self.cross:
             if memory is None:
                 raise ValueError("cross-attention needs memory")
@@ -66,3 +77,20 @@ class MultiHeadAttention(nn.Module):
         B, _, Lq, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(B, Lq, self.d_model))
 
+
+    def _forward_packed(self, x: Tensor, memory: Optional[Tensor], seqs: Sequences, memory_seqs: Optional[Sequences],
+                        causal: bool) -> Tensor:
+        """x (Tq, d) of packed sequences -> (Tq, d): ops.attention_varlen, each sequence on its own."""
+        if self.cross:
+            if memory is None or memory_seqs is None:
+                raise ValueError("packed cross-attention needs memory and memory_seqs")
+            (q,) = self._packed_heads(self.q_proj(x), 1)
+            k, v = self._packed_heads(self.kv_proj(memory), 2)
+            keys = memory_seqs
+        else:
+            q, k, v = self._packed_heads(self.qkv_proj(x), 3)
+            keys = seqs
+        out = ops.attention_varlen(q, k, v, seqs.cu_seqlens, keys.cu_seqlens, seqs.max_len, keys.max_len,
+                                   causal=causal, dropout_p=self.attention_dropout if self.training else 0.0,
+                                   backend=self.backend)
+        return self.out_proj(out.reshape(x.shape[0], self.d_model))

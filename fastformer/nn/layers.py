@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fastformer import ops
+from fastformer.data.batching import Sequences
 from fastformer.nn.attention import MultiHeadAttention
 from fastformer.nn.config import TransformerConfig
 from fastformer.nn.linear import Int8Linear, Int8Weight, Linear
@@ -167,8 +168,8 @@ class EncoderLayer(nn.Module):
         self.self_attn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.ffn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
 
-    def sublayers(self, key_padding_mask: Optional[Tensor]) -> list[Sublayer]:
-        run = {"self_attention": lambda h: self.self_attn(h, key_padding_mask=key_padding_mask),
+    def sublayers(self, key_padding_mask: Optional[Tensor], seqs: Optional[Sequences] = None) -> list[Sublayer]:
+        run = {"self_attention": lambda h: self.self_attn(h, key_padding_mask=key_padding_mask, seqs=seqs),
                "feed_forward": self.ffn}
         return [(self.get_submodule(s.norm), run[s.kind]) for s in ENCODER_SUBLAYERS]
 
@@ -186,15 +187,17 @@ class DecoderLayer(nn.Module):
         self.cross_attn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.ffn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
 
-    def sublayers(self, memory: Tensor, memory_padding_mask: Optional[Tensor]) -> list[Sublayer]:
-        run = {"self_attention": lambda h: self.self_attn(h, causal=True),
-               "cross_attention": lambda h: self.cross_attn(h, memory, key_padding_mask=memory_padding_mask),
+    def sublayers(self, memory: Tensor, memory_padding_mask: Optional[Tensor], seqs: Optional[Sequences] = None,
+                  memory_seqs: Optional[Sequences] = None) -> list[Sublayer]:
+        run = {"self_attention": lambda h: self.self_attn(h, causal=True, seqs=seqs),
+               "cross_attention": lambda h: self.cross_attn(h, memory, key_padding_mask=memory_padding_mask,
+                                                            seqs=seqs, memory_seqs=memory_seqs),
                "feed_forward": self.ffn}
         return [(self.get_submodule(s.norm), run[s.kind]) for s in DECODER_SUBLAYERS]
 
 
 class Encoder(nn.Module):
-    """x (B, S, d) embedded source -> memory (B, S, d)."""
+    """x (B, S, d) embedded source -> memory (B, S, d); packed (``seqs``): x (Ts, d) -> (Ts, d)."""
 
     def __init__(self, config: TransformerConfig, backend: Optional[str] = None):
         super().__init__()
@@ -202,15 +205,16 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(config, backend) for _ in range(config.n_encoder_layers))
         self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else None
 
-    def forward(self, x: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
-        sublayers = [s for layer in self.layers for s in layer.sublayers(key_padding_mask)]
+    def forward(self, x: Tensor, key_padding_mask: Optional[Tensor], seqs: Optional[Sequences] = None) -> Tensor:
+        sublayers = [s for layer in self.layers for s in layer.sublayers(key_padding_mask, seqs)]
         return run_sublayers(x, sublayers, self.final_norm, self.config.norm_first,
                              self.config.dropout if self.training else 0.0, self.backend)
 
 
 class Decoder(nn.Module):
     """x (B, T, d) embedded target prefix -> hidden states (B, T, d). Target padding must come last
-    (right padding): the causal mask then keeps every real position away from it."""
+    (right padding): the causal mask then keeps every real position away from it. Packed (``seqs``, the
+    targets' Sequences, ``memory_seqs`` the sources'): x (Tt, d), memory (Ts, d) -> (Tt, d)."""
 
     def __init__(self, config: TransformerConfig, backend: Optional[str] = None):
         super().__init__()
@@ -218,7 +222,9 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.n_decoder_layers))
         self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.norm_first else None
 
-    def forward(self, x: Tensor, memory: Tensor, memory_padding_mask: Optional[Tensor]) -> Tensor:
-        sublayers = [s for layer in self.layers for s in layer.sublayers(memory, memory_padding_mask)]
+    def forward(self, x: Tensor, memory: Tensor, memory_padding_mask: Optional[Tensor],
+                seqs: Optional[Sequences] = None, memory_seqs: Optional[Sequences] = None) -> Tensor:
+        sublayers = [s for layer in self.layers
+                     for s in layer.sublayers(memory, memory_padding_mask, seqs, memory_seqs)]
         return run_sublayers(x, sublayers, self.final_norm, self.config.norm_first,
                              self.config.dropout if self.training else 0.0, self.backend)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fastformer.data.batching import PackedBatch, Sequences
 from fastformer.nn import decoding
 from fastformer.nn.config import TransformerConfig
 from fastformer.nn.layers import Decoder, Encoder
@@ -102,12 +103,16 @@ class Transformer(nn.Module):
             self._position_cache[(device, dtype)] = table
         return table[:length]
 
-    def _embed(self, tokens: Tensor, offset: int = 0, source: bool = False) -> Tensor:
+    def _embed(self, tokens: Tensor, offset: int = 0, source: bool = False, seqs: Optional[Sequences] = None) -> Tensor:
         """The scaled embeddings of tokens (B, L) plus the positions offset .. offset + L - 1; the source's
-        table where it has its own (source=True and config.src_vocab_size)."""
+        table where it has its own (source=True and config.src_vocab_size). Packed tokens (T,) with ``seqs``:
+        each token's position in its sentence (seqs.positions)."""
         rows = (self.src_embed if source and self.src_embed is not None else self.embed)(tokens)
         x = rows * math.sqrt(self.config.d_model) if self.config.scale_embedding else rows
-        x = x + self.positions(offset + tokens.shape[1], x.dtype, x.device)[offset:]
+        if seqs is not None:
+            x = x + self.positions(seqs.max_len, x.dtype, x.device)[seqs.positions]
+        else:
+            x = x + self.positions(offset + tokens.shape[1], x.dtype, x.device)[offset:]
         return F.dropout(x, self.config.dropout, self.training)
 
     def _check_tokens(self, tokens: Tensor, name: str, vocab_size: int, values: bool = True) -> None:
@@ -153,9 +158,30 @@ class Transformer(nn.Module):
         model), plus the output bias (config.output_bias)."""
         return self.embed.project(h, self.output_bias)
 
-    def forward(self, src: Tensor, tgt_in: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+    def hidden_packed(self, batch: PackedBatch) -> Tensor:
+        """Decoder output states (Tt, d) of a padding-free batch (fastformer.data.collate_packed): the encoder,
+        the decoder's causal self-attention and the cross-attention (target sentence i reads source sentence i)
+        on the packed tokens through ops.attention_varlen; no (B, L) tensor, no padding computed."""
+        for tokens, name, vocab in ((batch.src, "src", self.config.source_vocab_size),
+                                    (batch.tgt_in, "tgt_in", self.config.vocab_size)):
+            if not isinstance(tokens, Tensor) or tokens.dim() != 1:
+                raise ValueError(f"a packed batch's {name} must be 1-D (T,), got {tuple(getattr(tokens, 'shape', ()))}")
+            self._check_tokens(tokens[None], name, vocab, self.check_token_values)
+        if batch.src_seqs.cu_seqlens.shape != batch.tgt_seqs.cu_seqlens.shape:
+            raise ValueError(f"a packed batch holds {batch.src_seqs.cu_seqlens.shape[0] - 1} source and "
+                             f"{batch.tgt_seqs.cu_seqlens.shape[0] - 1} target sentences")
+        memory = self.encoder(self._embed(batch.src, source=True, seqs=batch.src_seqs), None, batch.src_seqs)
+        return self.decoder(self._embed(batch.tgt_in, seqs=batch.tgt_seqs), memory, None, batch.tgt_seqs,
+                            batch.src_seqs)
+
+    def forward(self, src: Optional[Tensor] = None, tgt_in: Optional[Tensor] = None,
+                positions: Optional[Tensor] = None, *, packed: Optional[PackedBatch] = None) -> Tensor:
         """Logits (B, T, vocab); with a bool ``positions`` mask (B, T), only those positions' logits, (n, vocab)
-        (training projects only the non-pad targets: the output projection is the largest matmul)."""
+        (training projects only the non-pad targets: the output projection is the largest matmul). A
+        padding-free batch instead (``packed``, fastformer.data.collate_packed): logits (Tt, vocab) of its
+        packed targets (hidden_packed)."""
+        if packed is not None:
+            return self.project(self.hidden_packed(packed))
         h = self.hidden(src, tgt_in)
         return self.project(h if positions is None else h[positions])
 

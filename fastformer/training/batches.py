@@ -4,7 +4,8 @@ Epoch e's batches are ``token_batches(..., shuffle=True, seed=seed * 100_003 + e
 sorted by length into batches of at most --max-tokens padded tokens, in a shuffled order), dealt
 round-robin to the ranks (``Processes.shard``). A rank's position is (epoch, index into its share): with
 the RNG states, all that a rank needs to continue exactly where it stopped. With ``fixed_shapes`` (CUDA
-graphs) the batches come in the few shapes of fastformer/data/batching.py's length buckets.
+graphs) the batches come in the few shapes of fastformer/data/batching.py's length buckets; with ``packed``
+(--batching packed) they are padding-free (collate_packed), each side's real tokens within --max-tokens.
 """
 from __future__ import annotations
 
@@ -12,15 +13,16 @@ from typing import Callable
 
 import torch
 
-from fastformer.data import collate, token_batches
-from fastformer.data.batching import batch_shape
+from fastformer.data import collate, collate_packed, token_batches
+from fastformer.data.batching import PackedBatch, batch_shape
 
 
 class BatchStream:
     def __init__(self, src_ids: list[list[int]], tgt_ids: list[list[int]], max_tokens: int, seed: int,
-                 shard: Callable[[list], list], epoch: int = 0, batch_in_epoch: int = 0, fixed_shapes: bool = False):
+                 shard: Callable[[list], list], epoch: int = 0, batch_in_epoch: int = 0, fixed_shapes: bool = False,
+                 packed: bool = False):
         self.src_ids, self.tgt_ids, self.max_tokens, self.seed, self.shard = src_ids, tgt_ids, max_tokens, seed, shard
-        self.fixed_shapes = fixed_shapes
+        self.fixed_shapes, self.packed = fixed_shapes, packed
         self.seek(epoch, batch_in_epoch)
 
     def seek(self, epoch: int, batch_in_epoch: int = 0) -> None:
@@ -30,7 +32,7 @@ class BatchStream:
 
     def _epoch_batches(self, epoch: int) -> list[list[int]]:
         every = token_batches(self.src_ids, self.tgt_ids, self.max_tokens, shuffle=True,
-                              seed=self.seed * 100_003 + epoch, fixed_shapes=self.fixed_shapes)
+                              seed=self.seed * 100_003 + epoch, fixed_shapes=self.fixed_shapes, packed=self.packed)
         batches = self.shard(every)
         if not batches:
             raise SystemExit(f"the training data makes {len(every)} batches of --max-tokens {self.max_tokens}, "
@@ -49,10 +51,12 @@ class BatchStream:
     def position(self) -> dict:
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
 
-    def next_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def next_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | PackedBatch:
         """The next batch collated on the host: src (B, S), tgt_in and tgt_out (B, T), int64; with
-        ``fixed_shapes`` padded to its bucket's shape."""
+        ``fixed_shapes`` padded to its bucket's shape; with ``packed`` a PackedBatch."""
         src, tgt = self.next()
+        if self.packed:
+            return collate_packed(src, tgt)
         shape = None
         if self.fixed_shapes:
             shape = batch_shape(max(len(s) for s in src + tgt) + 2, self.max_tokens)

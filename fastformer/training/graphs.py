@@ -39,6 +39,9 @@ def refusal(args, device: torch.device, world: int) -> str | None:
                 "the host every update")
     if args.compile:
         return "--cuda-graphs and --compile are two ways of removing the host from the step; choose one"
+    if args.batching == "packed":
+        return ("--cuda-graphs takes padded batches of fixed shapes (--batching padded); packed batches vary in "
+                "their token counts")
     return None
 
 

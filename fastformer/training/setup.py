@@ -148,7 +148,7 @@ def setup(args: argparse.Namespace, procs: Processes) -> Run:
                                          fused=procs.device.type == "cuda", capturable=bool(args.cuda_graphs)),
               scaler=torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16), amp_dtype=amp_dtype,
               batches=BatchStream(*ids["train"], args.max_tokens, args.seed, procs.shard,
-                                  fixed_shapes=bool(args.cuda_graphs)),
+                                  fixed_shapes=bool(args.cuda_graphs), packed=args.batching == "packed"),
               log=RunLog(os.path.join(run_dir, "log.jsonl"), enabled=procs.main),
               sums=torch.zeros(2, dtype=torch.float32, device=procs.device),
               grad_scale=torch.ones((), dtype=torch.float32, device=procs.device))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fastformer import ops
+from fastformer.data.batching import PackedBatch
 
 if TYPE_CHECKING:
     from fastformer.training.setup import Run
@@ -44,21 +45,46 @@ def loss_sums(model, src, tgt_in, tgt_out, pad_id: int, label_smoothing: float,
     return loss.sum(), nll.detach().sum()
 
 
-def to_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Host tensors on ``device``; to a GPU from pinned memory without blocking the host."""
+def packed_loss_sums(model, batch: PackedBatch, label_smoothing: float,
+                     backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """loss_sums of a padding-free batch: logits of the packed targets (Tt, V), every one a real token."""
+    loss, nll = ops.cross_entropy(model(packed=batch), batch.tgt_out, label_smoothing=label_smoothing,
+                                  return_nll=True, backend=backend)
+    return loss.sum(), nll.detach().sum()
+
+
+def to_device(batch, device: torch.device):
+    """Host tensors (a tuple of them, or a PackedBatch) on ``device``; to a GPU from pinned memory without
+    blocking the host."""
+    if isinstance(batch, PackedBatch):
+        return batch.to(device) if device.type != "cuda" else batch.pin_memory().to(device, non_blocking=True)
     if device.type != "cuda":
         return tuple(t.to(device) for t in batch)
     return tuple(t.pin_memory().to(device, non_blocking=True) for t in batch)
 
 
-def micro_batch(run: Run, src, tgt_in, tgt_out, sync: bool) -> None:
-    """Forward and backward of one batch (on the device): the gradient accumulates into .grad and the
-    loss sums into ``run.sums`` (loss, nll); DDP all-reduces at the backward only when ``sync``."""
+def check_batch(run: Run, batch) -> int:
+    """Checks a host batch's token ids (the model's own check would wait for the device) and returns its
+    target tokens."""
+    if isinstance(batch, PackedBatch):
+        run.model.check_tokens(batch.src[None], batch.tgt_in[None])
+        return batch.tgt_out.numel()
+    run.model.check_tokens(*batch[:2])
+    return int(batch[2].ne(run.config.pad_id).sum())
+
+
+def micro_batch(run: Run, *batch, sync: bool) -> None:
+    """Forward and backward of one batch (on the device: src, tgt_in, tgt_out, or one PackedBatch): the
+    gradient accumulates into .grad and the loss sums into ``run.sums`` (loss, nll); DDP all-reduces at the
+    backward only when ``sync``."""
     config = run.config
     with run.procs.gradient_sync(run.train_model, sync=sync), \
             torch.autocast(run.procs.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype is not None):
-        loss, nll = loss_sums(run.train_model, src, tgt_in, tgt_out, config.pad_id, config.label_smoothing,
-                              backend=run.model.backend)
+        if isinstance(batch[0], PackedBatch):
+            loss, nll = packed_loss_sums(run.train_model, batch[0], config.label_smoothing, backend=run.model.backend)
+        else:
+            loss, nll = loss_sums(run.train_model, *batch, config.pad_id, config.label_smoothing,
+                                  backend=run.model.backend)
         run.scaler.scale(loss).backward()
     run.sums.add_(torch.stack([loss.detach(), nll]))
 
@@ -100,13 +126,13 @@ def train_step(run: Run) -> dict:
     tokens = 0
     while True:
         batch = run.batches.next_tensors()
-        run.model.check_tokens(*batch[:2])  # on the host: the model's own check would wait for the device
-        n = int(batch[2].ne(config.pad_id).sum())
+        n = check_batch(run, batch)  # on the host, before the batch moves
         last = tokens + n >= args.update_tokens / procs.world
         if run.graphs is not None:
             run.graphs.micro_batch(*batch)
         else:
-            micro_batch(run, *to_device(batch, procs.device), sync=last)
+            device_batch = to_device(batch, procs.device)
+            micro_batch(run, *((device_batch,) if isinstance(batch, PackedBatch) else device_batch), sync=last)
         tokens += n
         if last:
             break
