@@ -164,8 +164,8 @@ def resolve(op: str, backend: str | None, device: torch.device, dtype: torch.dty
 
 def _fits(op: str, name: str, x: torch.Tensor) -> bool:
     """Whether GPU backend ``name`` takes ``op`` on inputs whose first tensor is ``x`` (its documented limits)."""
-    if op == "attention":
-        return x.dim() == 4 and x.shape[-1] <= _ext.extension().GPU_MAX_HEAD_DIM  # cuda and triton alike
+    if op in ("attention", "attention_varlen"):  # q (B, H, L, D) or packed (T, H, D); cuda and triton alike
+        return x.dim() == (4 if op == "attention" else 3) and x.shape[-1] <= _ext.extension().GPU_MAX_HEAD_DIM
     if op == "layer_norm_residual" and name == "triton":
         from fastformer.triton.layer_norm_residual import MAX_N
         return x.dim() >= 1 and x.shape[-1] <= MAX_N

@@ -50,8 +50,8 @@ def length_bucket(length: int) -> int:
 # Autotuned candidates of the attention kernels (BLOCK_M queries x BLOCK_N keys, warps, pipeline stages),
 # for Ampere and Hopper: bigger query tiles amortise K/V loads, and the head dim 128 lists keep the
 # registers and shared memory of a tile within one SM's. The autotuner benchmarks the candidates once per
-# (length bucket, head dim, mask, causal, dropout, dtype) and keeps the fastest. The interpreter takes one
-# small tile (no benchmarking; its speed is not the GPU's).
+# (length bucket, head dim, mask, causal, dropout, varlen, dtype) and keeps the fastest. The interpreter
+# takes one small tile (no benchmarking; its speed is not the GPU's).
 _FWD_CANDIDATES = {64: [(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2), (128, 128, 8, 2)],
                    128: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)]}
 _BWD_CANDIDATES = {64: [(64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 32, 4, 2)],
@@ -65,7 +65,7 @@ AUTOTUNE = os.environ.get("FASTFORMER_TRITON_AUTOTUNE", "1") != "0"
 _UNTUNED = (64, 64, 4, 2)  # BLOCK_M, BLOCK_N, warps, stages
 
 # The autotuning key: argument names of the attention kernels (Triton adds the tensors' dtypes).
-_ATTENTION_KEY = ["L_BUCKET", "D", "HAS_KPM", "CAUSAL", "HAS_DROPOUT"]
+_ATTENTION_KEY = ["L_BUCKET", "D", "HAS_KPM", "CAUSAL", "HAS_DROPOUT", "VARLEN"]
 
 
 def attention_shapes(kind: str, interpret: bool = INTERPRET, autotune: bool = AUTOTUNE) -> list[tuple]:

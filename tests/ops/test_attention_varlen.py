@@ -223,6 +223,26 @@ def test_dropout_follows_the_shared_rule(backend):
     assert (plain - out).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_long_sequences_with_dropout(backend):
+    # Sequences over several query tiles and key blocks of the GPU kernels (and their interpreted tiles of 32),
+    # starting at rows that are no multiple of a tile, grouped-query, causal and dropout (Tk a multiple of 4:
+    # the Triton kernels' one Philox evaluation per 4 probabilities); max_seqlen_k above the longest.
+    case = Case((70, 0, 45, 40), (66, 3, 50, 41), 4, 2, 16, causal=True)
+    q, k, v, dout = make_inputs(case, torch.float32)
+    cu_q, cu_k = pack(case.lens_q), pack(case.keys)
+
+    def run(name):
+        torch.manual_seed(11)  # the dropout seed's draw
+        return forward_backward(lambda q, k, v: ops.attention_varlen(q, k, v, cu_q, cu_k, 70, 72, causal=True,
+                                                                     dropout_p=0.2, backend=name), [q, k, v], [dout])
+
+    (ref,), ref_grads = run("torch")
+    (out,), grads = run(backend)
+    for name, g, e in zip(("out", "dq", "dk", "dv"), [out, *grads], [ref, *ref_grads]):
+        torch.testing.assert_close(g, e, atol=2e-5, rtol=2e-5, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("backend", FLOAT64_BACKENDS)
 def test_gradcheck_float64(backend):
     case = Case((3, 0, 4), (2, 3, 5), 2, 1, 8, causal=True)

@@ -64,6 +64,18 @@ def attention_case(dtype=F32):
     return [t.detach() for t in (q, k, v)], [randn(2, 2, 7, 16, dtype=dtype)], fn
 
 
+def attention_varlen_case(dtype=F32):
+    # Packed sequences (an empty one among them), grouped-query (4 query heads on 2 kv heads), k and v strided
+    # heads of one (Tk, 2, H_kv, D) projection, causal, dropout: the tables are read by the kernels, so every
+    # call with these shapes replays the one plan.
+    q = randn(12, 4, 16, dtype=dtype)
+    kv = randn(14, 2, 2, 16, dtype=dtype)
+    cu_q, cu_k = torch.tensor([0, 5, 5, 12], dtype=torch.int32), torch.tensor([0, 3, 9, 14], dtype=torch.int32)
+    fn = lambda q, k, v: ops.attention_varlen(q, k, v, cu_q, cu_k, 7, 6, causal=True, dropout_p=0.25,  # noqa: E731
+                                              backend="triton")
+    return [q, kv[:, 0], kv[:, 1]], [randn(12, 4, 16, dtype=dtype)], fn
+
+
 def softmax_case(dtype=F32):
     fn = lambda x: ops.softmax(x, scale=0.5, backend="triton")  # noqa: E731
     return [randn(5, 37, dtype=dtype)], [randn(5, 37, dtype=dtype)], fn
@@ -82,8 +94,8 @@ def cross_entropy_case(dtype=F32):
     return [randn(6, 50, dtype=dtype)], [randn(6, dtype=F32)], fn
 
 
-CASES = {"attention": attention_case, "softmax": softmax_case, "layer_norm_residual": layer_norm_residual_case,
-         "cross_entropy": cross_entropy_case}
+CASES = {"attention": attention_case, "attention_varlen": attention_varlen_case, "softmax": softmax_case,
+         "layer_norm_residual": layer_norm_residual_case, "cross_entropy": cross_entropy_case}
 
 
 def run(fn, inputs, upstream, seed):
@@ -158,6 +170,20 @@ def test_key_tells_configurations_apart():
     again = ops.attention(q, q, q, backend="triton")
     assert configurations() == before + 1
     assert torch.equal(same, distinct) and torch.equal(same, again)
+
+
+def test_varlen_replay_reads_this_calls_tables():
+    """attention_varlen's plan is keyed by the tables' sizes, not their values (the kernels read them from
+    device memory): a replay with other sequence lengths computes those, as the Python run does, and its
+    tables' values were checked by csrc/ops.h before the replay."""
+    q, k, v = (randn(10, 2, 16, dtype=F32) for _ in range(3))
+    tables = [torch.tensor(t, dtype=torch.int32) for t in ([0, 4, 10], [0, 0, 10], [0, 7, 10])]
+    replayed = [ops.attention_varlen(q, k, v, t, t, 10, 10, causal=True, backend="triton") for t in tables]
+    assert stats("attention_varlen")[0] == {"replays": 2, "python": 1, "recorded": 1, "refused": 0}
+    for t, out in zip(tables, replayed):
+        torch.testing.assert_close(out, ops.attention_varlen(q, k, v, t, t, 10, 10, causal=True, backend="torch"))
+    with pytest.raises(ValueError, match="must be non-decreasing"):
+        ops.attention_varlen(q, k, v, *[torch.tensor([0, 7, 6, 10], dtype=torch.int32)] * 2, 10, 10, backend="triton")
 
 
 def test_refused_configuration_runs_in_python():
