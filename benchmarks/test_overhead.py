@@ -13,6 +13,9 @@ Cases, float32, fastformer's default backend (backend=None), beside the PyTorch 
   softmax+mask    x (4, 8), bool mask (4, 8)             x.masked_fill(mask, -inf).softmax(-1)
   layer_norm_residual  x, residual (4, 8), w, b (8,)     F.layer_norm(x + residual, (8,), w, b)
   cross_entropy   logits (4, 16), int64 target (4,)      F.cross_entropy(logits, target, reduction="none")
+  attention_varlen  q, k, v (4, 1, 8): 2 packed sequences  SDPA on the padded batch of the same sequences
+                  of 3 and 1 tokens, int32 cu_seqlens    (2, 1, 3, 8) with the bool key mask (2, 1, 1, 3),
+                  (3,), made once                        made once (the padded tensors are its inputs)
 Passes: "no-grad fwd" (the call under torch.no_grad()) and "fwd+bwd" (the call, then .sum().backward();
 the activations require grad; gradients accumulate in .grad, on both sides alike). Weight and bias
 require grad in both passes, as a model's parameters do. Devices: cpu, and cuda where a GPU is visible
@@ -54,7 +57,7 @@ from fastformer import ops
 from fastformer.nn import Transformer, TransformerConfig
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-CASES = ("attention", "attention+mask", "softmax+mask", "layer_norm_residual", "cross_entropy")
+CASES = ("attention", "attention+mask", "softmax+mask", "layer_norm_residual", "cross_entropy", "attention_varlen")
 TARGETS = {"no-grad fwd": 1.5, "fwd+bwd": 1.3}  # the most fastformer / pytorch per call may be
 MAX_TURNS = 20_000
 GEN_SRC_LEN, GEN_TGT_LEN = 12, 12
@@ -83,6 +86,11 @@ class Case:
     baseline: str  # the PyTorch side, in words
     shape: str
     inputs: list[torch.Tensor]  # those that require grad
+    # Where the PyTorch side computes on other tensors (attention_varlen: the padded batch of the packed
+    # sequences): its leaves, its output or gradient in fastformer's layout, fastformer's upstream in its own.
+    pytorch_inputs: list[torch.Tensor] | None = None
+    unpad: Callable[[torch.Tensor], torch.Tensor] | None = None
+    pad: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def make_case(name: str, device: str, grad: bool) -> Case:
@@ -120,6 +128,32 @@ def make_case(name: str, device: str, grad: bool) -> Case:
         return Case(lambda: ops.cross_entropy(logits, target),
                     lambda: F.cross_entropy(logits, target, reduction="none"),
                     "F.cross_entropy", "logits (4, 16), target (4,)", [logits] if grad else [])
+    if name == "attention_varlen":
+        lens, H, D = (3, 1), 1, 8
+        B, L, T = len(lens), max(lens), sum(lens)
+        cu = torch.tensor([0, 3, 4], dtype=torch.int32, device=device)
+        rows = torch.tensor([b * L + i for b, n in enumerate(lens) for i in range(n)], device=device)
+
+        def pad(t: torch.Tensor) -> torch.Tensor:  # (T, H, D) -> (B, H, L, D), zeros at padding
+            out = t.new_zeros(B * L, H, D)
+            out[rows] = t
+            return out.view(B, L, H, D).transpose(1, 2)
+
+        def unpad(t: torch.Tensor) -> torch.Tensor:  # (B, H, L, D) -> (T, H, D), the real rows
+            return t.transpose(1, 2).reshape(B * L, H, D)[rows]
+
+        q, k, v = (randn(T, H, D) for _ in range(3))
+        real = torch.arange(L, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]  # (B, L)
+        # The same sequences as (B, H, L, D) leaves of their own, padding rows random (masked away as keys).
+        padded = [torch.where(real[:, None, :, None], pad(t.detach()), torch.randn(B, H, L, D, device=device))
+                  .requires_grad_(grad) for t in (q, k, v)]
+        qp, kp, vp = padded
+        keep = real[:, None, None, :]  # SDPA's bool attn_mask, True = attend
+        return Case(lambda: ops.attention_varlen(q, k, v, cu, cu, L, L),
+                    lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=keep),
+                    "sdpa on the padded batch, bool attn_mask",
+                    "q,k,v (4, 1, 8): sequences of 3 and 1 (padded (2, 1, 3, 8))",
+                    [q, k, v] if grad else [], pytorch_inputs=padded if grad else [], unpad=unpad, pad=pad)
     raise ValueError(name)
 
 
@@ -128,13 +162,17 @@ TOLERANCES = {"cpu": {"rtol": 1e-4, "atol": 1e-5}, "cuda": {"rtol": 5e-3, "atol"
 
 def check(case: Case, grad: bool, device: str) -> None:
     """Both sides agree: outputs, and with ``grad`` the gradients of a random projection of them."""
+    unpad = case.unpad or (lambda t: t)
+    pad = case.pad or (lambda t: t)
     with torch.set_grad_enabled(grad):
         ours, theirs = case.fastformer(), case.pytorch()
-    torch.testing.assert_close(ours, theirs, **TOLERANCES[device])
+    torch.testing.assert_close(ours, unpad(theirs), **TOLERANCES[device])
     if grad:
         dout = torch.randn_like(ours)
+        their_inputs = case.inputs if case.pytorch_inputs is None else case.pytorch_inputs
         torch.testing.assert_close(torch.autograd.grad(ours, case.inputs, dout),
-                                   torch.autograd.grad(theirs, case.inputs, dout), **TOLERANCES[device])
+                                   tuple(unpad(g) for g in torch.autograd.grad(theirs, their_inputs, pad(dout))),
+                                   **TOLERANCES[device])
 
 
 def per_call(forward: Callable[[], torch.Tensor], mode: str, device: str) -> Callable[[], None]:

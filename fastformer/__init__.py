@@ -3,6 +3,7 @@
     import fastformer
     from fastformer import ops
     ops.attention(q, k, v, key_padding_mask=..., causal=..., dropout_p=..., backend=None)
+    ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=..., dropout_p=...)
     ops.softmax(x, mask=..., scale=...)
     ops.layer_norm_residual(x, residual, weight, bias, eps=..., dropout_p=..., prenorm=...)
     ops.cross_entropy(logits, target, label_smoothing=..., ignore_index=..., return_nll=...)

@@ -57,9 +57,10 @@ def on_cpu(tensors):
     return [t.cpu() for t in tensors]
 
 # The slow backends' work budget per case: attention B H Lq Lk D multiply-adds (B 2, H 2, 33 x 33 keys,
-# D 64), the row ops' elements. One per op of csrc/ops.h's list (tests/test_op_lists.py checks).
+# D 64), attention_varlen the same over its sequences (H D sum of Lq_b Lk_b, or B H Lq Lk D for lengths
+# drawn up to Lq, Lk), the row ops' elements. One per op of csrc/ops.h's list (tests/test_op_lists.py checks).
 SLOW_WORK = {"attention": 2 * 2 * 33 * 33 * 64, "softmax": 16 * 4099, "layer_norm_residual": 16 * 4099,
-             "cross_entropy": 16 * 4099}
+             "cross_entropy": 16 * 4099, "attention_varlen": 2 * 2 * 33 * 33 * 64}
 
 # (op, backend, dtype name) -> largest error / bound over the matrix.
 RESULTS: dict[tuple[str, str, str], float] = defaultdict(float)

@@ -15,7 +15,7 @@ import fastformer
 
 TESTS = Path(__file__).resolve().parent  # the subprocess imports helpers.py from here
 
-# Runs the four ops forward and backward on CPU tensors after each step of STEPS (a list of
+# Runs every op forward and backward on CPU tensors after each step of STEPS (a list of
 # (label, statement before the calls, extra keyword arguments)), printing "<label> <op> <backend>"
 # for every fastformer op call.
 SCRIPT = """
@@ -28,12 +28,16 @@ def run(label, extra):
     x, r = (torch.randn(3, 8, requires_grad=True) for _ in range(2))
     w, b = torch.ones(8, requires_grad=True), torch.zeros(8, requires_grad=True)
     t = torch.tensor([0, 7, -100])
+    pq = torch.randn(5, 2, 8, requires_grad=True)  # packed sequences of 2 and 3 tokens, one key/value head
+    pk, pv = (torch.randn(5, 1, 8, requires_grad=True) for _ in range(2))
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
     with RecordBackends() as rec:
         a = ops.attention(q, k, v, causal=True, **extra)
+        p = ops.attention_varlen(pq, pk, pv, cu, cu, 3, 3, causal=True, **extra)
         s = ops.softmax(x, scale=2.0, **extra)
         y = ops.layer_norm_residual(x, r, w, b, **extra)
         c = ops.cross_entropy(x, t, label_smoothing=0.1, **extra)
-        (a.sum() + (s * s).sum() + (y * y).sum() + c.sum()).backward()
+        (a.sum() + p.sum() + (s * s).sum() + (y * y).sum() + c.sum()).backward()
     for op, backend in rec.calls:
         print(label, op, backend)
 

@@ -1,4 +1,4 @@
-"""Dropout in attention and layer_norm_residual.
+"""Dropout in attention, attention_varlen and layer_norm_residual.
 
 Contract (docs/api.md, and the op docs): with dropout_p > 0 each call draws its seed, a 0-dim int64 tensor,
 from torch's generator of the inputs' device (the default CPU generator for CPU tensors), the same way on
@@ -6,7 +6,8 @@ every backend, and every backend generates the mask with the same counter-based 
 keyed by the seed's value. So after the same torch.manual_seed every backend drops the same elements: a
 backend in any dtype must match the float64 torch reference within the normal tolerance, forward and
 backward. Kept elements are scaled by 1/(1-p); attention drops normalized probabilities; backward reuses
-the forward's mask. The registered ops take the seed tensor itself (csrc/ops.h check_seed): the same
+the forward's mask. attention_varlen drops element (b, h, i, j) of the probabilities by element
+(h Tq + cu_seqlens_q[b] + i) Tk + j of the same stream (reference.dropout_keep_at). The registered ops take the seed tensor itself (csrc/ops.h check_seed): the same
 value gives the same mask on every backend, and the GPU kernels (cuda_sim, Triton) read it from memory at
 each call, as a replayed CUDA graph needs (tests/gpu/test_cuda_tensors.py captures one).
 """
@@ -17,6 +18,7 @@ import torch
 
 from fastformer import ops
 import test_attention as att  # the attention cases and their helpers
+import test_attention_varlen as varlen
 import test_layer_norm_residual as lnr
 from helpers import (ALL_BACKENDS, FLOAT64_BACKENDS, backend_dtype_cases, forward_backward, kernel_op, padding_mask,
                      randn, upcast)
@@ -102,6 +104,34 @@ def test_layer_norm_residual_dropout_matches_reference(backend, dtype, case, p):
         assert_close(g, r, dtype, name)
 
 
+VARLEN_CASES = [
+    varlen.Case((5, 0, 1, 7), None, 2, 2, 16, causal=True),  # an empty and a one-token sequence
+    varlen.Case((7, 3), (2, 9), 2, 1, 40),  # cross-attention, multi-query
+    varlen.Case((3, 17, 0, 1), (5, 9, 4, 0), 4, 2, 64, causal=True),  # a key-less query sequence
+    varlen.Case((97, 1, 60), (97, 5, 68), 2, 1, 40, causal=True),  # several key tiles per sequence
+]
+
+
+def attention_varlen_dropout_fn(backend, case, p):
+    return seeded(varlen.varlen_fn(backend, case, dropout_p=p))
+
+
+@pytest.mark.parametrize("p", [0.17, 0.5])
+@pytest.mark.parametrize("backend,dtype,case", backend_dtype_cases(ALL_BACKENDS, VARLEN_CASES, varlen.small))
+def test_attention_varlen_dropout_matches_reference(backend, dtype, case, p):
+    # Same seed -> same mask on every backend: parity with the float64 reference despite dropout.
+    q, k, v, dout = varlen.make_inputs(case, dtype)
+    (out,), grads = forward_backward(attention_varlen_dropout_fn(backend, case, p), [q, k, v], [dout])
+    (ref,), ref_grads = forward_backward(attention_varlen_dropout_fn("torch", case, p), upcast([q, k, v]),
+                                         upcast([dout]))
+    assert_close(out, ref, dtype, "out")
+    for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(g, rg, dtype, name)
+    # and something was dropped
+    (plain,), _ = forward_backward(varlen.varlen_fn("torch", case), upcast([q, k, v]), upcast([dout]))
+    assert (plain - ref).abs().max() > 1e-3
+
+
 def assert_kept_fraction(kept, p):
     """The kept fraction is 1 - p within 5 standard deviations of a Bernoulli mean."""
     n = kept.numel()
@@ -131,6 +161,82 @@ def test_attention_dropout_statistics(backend, p):
             assert not torch.equal(planes[a], planes[b]), f"planes {a} and {b} drew the same mask"
 
 
+# Packed sequences for the varlen mask tests: query lengths, key lengths (sequence 2 has queries, no keys).
+DROP_LENS_Q, DROP_LENS_K = (33, 0, 7, 4), (32, 5, 0, 20)
+
+
+def attention_varlen_dropped(backend, seed, dtype, p, H=2, H_kv=1):
+    """(out, dv, dout, visible) of attention_varlen over DROP_LENS on ``backend`` with the seed tensor ``seed``
+    through the registered forward op: q = 0 makes each probability 1/Lk of its sequence, and v one-hot on the
+    key's index within its sequence (D = the longest key sequence) makes out[rows of b, h, :Lk_b] the dropped
+    probabilities P r of sequence b themselves. visible (Tq, 1, D): the columns that are keys of the row's
+    sequence."""
+    cu_q, cu_k = varlen.pack(DROP_LENS_Q), varlen.pack(DROP_LENS_K)
+    Tq, Tk, D = sum(DROP_LENS_Q), sum(DROP_LENS_K), max(DROP_LENS_K)
+    q = torch.zeros(Tq, H, D, dtype=dtype)
+    k = randn(Tk, H_kv, D, dtype=dtype)
+    v = torch.zeros(Tk, H_kv, D, dtype=dtype)
+    visible = torch.zeros(Tq, 1, D, dtype=torch.bool)
+    for b, (lq, lk) in enumerate(zip(DROP_LENS_Q, DROP_LENS_K)):
+        v[cu_k[b]: cu_k[b + 1], :, :lk] = torch.eye(lk, dtype=dtype)[:, None, :]
+        visible[cu_q[b]: cu_q[b + 1], :, :lk] = True
+    dout = randn(Tq, H, D, dtype=dtype)
+    fwd, tail = kernel_op("attention_varlen", "fwd", backend)
+    run = lambda q, k, v: fwd(q, k, v, cu_q, cu_k, max(DROP_LENS_Q), D, False, p, None, seed, *tail)[0]  # noqa: E731
+    (out,), (_, _, dv) = forward_backward(run, [q, k, v], [dout])
+    return out, dv, dout, visible
+
+
+def varlen_rule_mask(seed, p, H=2):
+    """The keep-mask (Tq, H, D) that the shared rule gives DROP_LENS: element (b, h, i, j) kept iff Philox
+    element (h Tq + cu_q[b] + i) Tk + j is (reference.dropout_keep_at); False outside a sequence's keys."""
+    from fastformer.ops import reference
+
+    cu_q = varlen.pack(DROP_LENS_Q).tolist()
+    Tq, Tk, D = sum(DROP_LENS_Q), sum(DROP_LENS_K), max(DROP_LENS_K)
+    mask = torch.zeros(Tq, H, D, dtype=torch.bool)
+    for b, (lq, lk) in enumerate(zip(DROP_LENS_Q, DROP_LENS_K)):
+        h = torch.arange(H)[None, :, None]
+        i = torch.arange(lq)[:, None, None]
+        j = torch.arange(lk)[None, None, :]
+        mask[cu_q[b]: cu_q[b] + lq, :, :lk] = reference.dropout_keep_at(seed, (h * Tq + cu_q[b] + i) * Tk + j, p)
+    return mask
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("p", [0.17, 0.5, 0.8])
+def test_attention_varlen_dropout_statistics_and_rule(backend, p):
+    # Every kept probability is 1/(Lk_b (1-p)), every dropped one 0; about 1 - p of them are kept; the mask
+    # is the shared rule's, element by element (sequence offsets included); backward uses that mask.
+    seed = 987654321 + int(100 * p)
+    out, dv, dout, visible = attention_varlen_dropped(backend, seed_tensor(seed), F32, p)
+    cu_q, cu_k = varlen.pack(DROP_LENS_Q).tolist(), varlen.pack(DROP_LENS_K).tolist()
+    lk = torch.tensor(DROP_LENS_K, dtype=torch.float32).repeat_interleave(torch.tensor(DROP_LENS_Q))[:, None, None]
+    kept = out != 0
+    assert not (kept & ~visible).any(), "only keys of the row's own sequence may carry probability"
+    expected = torch.where(kept, 1.0 / (lk.clamp(min=1) * (1 - p)), 0.0)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+    assert_kept_fraction(kept[visible.expand_as(kept)], p)
+    assert torch.equal(kept, varlen_rule_mask(seed, p)), "the mask is not the shared rule's"
+    # dv[key] = sum over the query heads of its group and the rows of its sequence of (P r)[i, j] dout[i]
+    expected_dv = torch.zeros_like(dv, dtype=torch.float64)
+    for b, n in enumerate(DROP_LENS_K):
+        rows = slice(cu_q[b], cu_q[b + 1])
+        pr = out[rows, :, :n].double()  # (Lq, H, Lk)
+        expected_dv[cu_k[b]: cu_k[b + 1], 0] = torch.einsum("ihj,ihd->jd", pr, dout[rows].double())
+    assert_close(dv, expected_dv, F32, "dv: backward's mask")
+
+
+def test_attention_varlen_one_seed_one_mask_on_every_backend():
+    # One seed value: the same mask on every backend (float16 too); another value: another mask.
+    for dtype in (F32, F16):
+        masks = {b: attention_varlen_dropped(b, seed_tensor(2**40 + 7), dtype, 0.4)[0] != 0 for b in ALL_BACKENDS}
+        for backend in ALL_BACKENDS:
+            assert torch.equal(masks[backend], masks["torch"]), f"{backend} ({dtype}): attention_varlen mask differs"
+    other = attention_varlen_dropped("torch", seed_tensor(3), F32, 0.4)[0] != 0
+    assert not torch.equal(other, masks["torch"])
+
+
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_layer_norm_residual_dropout_statistics(backend, p):
@@ -157,6 +263,15 @@ def test_attention_dropout_gradcheck(backend):
 
 
 @pytest.mark.parametrize("backend", FLOAT64_BACKENDS)
+def test_attention_varlen_dropout_gradcheck(backend):
+    # Backward must regenerate exactly the forward's mask, for every sequence at its offset.
+    case = varlen.Case((3, 0, 4), (2, 3, 5), 2, 1, 4, causal=True)
+    q, k, v, _ = varlen.make_inputs(case, torch.float64)
+    fn = attention_varlen_dropout_fn(backend, case, 0.3)
+    assert torch.autograd.gradcheck(fn, [t.requires_grad_() for t in (q, k, v)])
+
+
+@pytest.mark.parametrize("backend", FLOAT64_BACKENDS)
 @pytest.mark.parametrize("prenorm", [False, True])
 def test_layer_norm_residual_dropout_gradcheck(backend, prenorm):
     case = lnr.Case((3, 7), prenorm)
@@ -172,6 +287,13 @@ def run_attention(backend, p):
     return lambda: ops.attention(q, k, v, key_padding_mask=mask, causal=True, dropout_p=p, backend=backend)
 
 
+def run_attention_varlen(backend, p):
+    case = varlen.Case((5, 0, 8), (7, 3, 9), 4, 2, 16, causal=True)
+    torch.manual_seed(1)
+    q, k, v, _ = varlen.make_inputs(case, torch.float32)
+    return lambda: varlen.varlen_fn(backend, case, dropout_p=p)(q, k, v)
+
+
 def run_lnr(backend, p):
     case = lnr.Case((5, 33), True)
     torch.manual_seed(1)
@@ -180,7 +302,8 @@ def run_lnr(backend, p):
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-@pytest.mark.parametrize("make", [run_attention, run_lnr], ids=["attention", "layer_norm_residual"])
+@pytest.mark.parametrize("make", [run_attention, run_attention_varlen, run_lnr],
+                         ids=["attention", "attention_varlen", "layer_norm_residual"])
 def test_zero_dropout_is_deterministic_and_equal_to_no_dropout(backend, make):
     without = make(backend, 0.0)()
     torch.manual_seed(5)
@@ -192,7 +315,8 @@ def test_zero_dropout_is_deterministic_and_equal_to_no_dropout(backend, make):
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-@pytest.mark.parametrize("make", [run_attention, run_lnr], ids=["attention", "layer_norm_residual"])
+@pytest.mark.parametrize("make", [run_attention, run_attention_varlen, run_lnr],
+                         ids=["attention", "attention_varlen", "layer_norm_residual"])
 def test_dropout_mask_follows_torch_seed(backend, make):
     call = make(backend, 0.5)
     torch.manual_seed(7)
@@ -207,7 +331,8 @@ def test_dropout_mask_follows_torch_seed(backend, make):
     assert not torch.equal(a, d), "a different torch seed must give a different mask"
 
 
-@pytest.mark.parametrize("make", [run_attention, run_lnr], ids=["attention", "layer_norm_residual"])
+@pytest.mark.parametrize("make", [run_attention, run_attention_varlen, run_lnr],
+                         ids=["attention", "attention_varlen", "layer_norm_residual"])
 def test_backends_draw_the_seed_the_same_way(make):
     # Every backend consumes torch's default generator identically, so the random stream after a call
     # (and so every later mask in a model) does not depend on the backend.
@@ -255,6 +380,14 @@ def attention_op(backend, case, mask, p, seed):
     return lambda q, k, v: fwd(q, k, v, mask, case.causal, p, case.scale, seed, *tail)[0]
 
 
+def attention_varlen_op(backend, case, p, seed):
+    """attention_varlen through the registered forward op with an explicit seed tensor."""
+    fwd, tail = kernel_op("attention_varlen", "fwd", backend)
+    cu_q, cu_k = varlen.pack(case.lens_q), varlen.pack(case.keys)
+    return lambda q, k, v: fwd(q, k, v, cu_q, cu_k, max(case.lens_q), max(case.keys), case.causal, p, case.scale,
+                               seed, *tail)[0]
+
+
 def lnr_op(backend, case, p, seed):
     fwd, tail = kernel_op("layer_norm_residual", "fwd", backend)
 
@@ -286,6 +419,19 @@ def test_attention_explicit_seed_matches_reference(backend, dtype, case, seed):
     for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert_close(g, rg, dtype, name)
     att.assert_masked_rows_and_keys_zero(case, mask, out, *grads)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("backend,dtype,case",
+                         backend_dtype_cases(ALL_BACKENDS, VARLEN_CASES[:3], varlen.small, dtypes=[F32, F16]))
+def test_attention_varlen_explicit_seed_matches_reference(backend, dtype, case, seed):
+    q, k, v, dout = varlen.make_inputs(case, dtype)
+    (out,), grads = forward_backward(attention_varlen_op(backend, case, 0.3, seed_tensor(seed)), [q, k, v], [dout])
+    (ref,), ref_grads = forward_backward(attention_varlen_op("torch", case, 0.3, seed_tensor(seed)),
+                                         upcast([q, k, v]), upcast([dout]))
+    assert_close(out, ref, dtype, "out")
+    for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(g, rg, dtype, name)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

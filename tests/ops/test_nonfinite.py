@@ -7,6 +7,8 @@
   NaN or inf in a padded K row leaves the output and dV exact. A NaN in a padded V row (forward, P V) or
   K row (backward, dQ = dS K) is multiplied by a zero: each row of the result is then either its true
   value or NaN, so padded K/V must hold finite values (a cache allocated with torch.empty does not).
+- attention_varlen: the same rule per packed query row; a non-finite key or value row reaches only the
+  queries of its own sequence that see it, never a neighbouring sequence's rows or gradients.
 - layer_norm_residual: a row holding NaN or +-inf is NaN; the other rows are untouched.
 - cross_entropy: a NaN or +inf logit makes the row's loss and nll NaN; a row of only -inf logits has NaN
   nll (and loss); a -inf logit that is not the target is a class of probability 0: the loss stays finite
@@ -125,6 +127,92 @@ def test_attention_nan_in_padded_values(backend, dtype):
     assert torch.isfinite(out[1]).all(), "a batch element without the NaN must stay finite"
     finite = torch.isfinite(out).all(-1)
     assert_close(out[finite], ref[finite], dtype, "finite rows")
+
+
+# attention_varlen: self-attention over packed sequences of 9, 0, 13, 11 and 6 tokens, 2 query heads sharing
+# 1 key/value head (grouped-query). Sequence b is rows VARLEN_CU[b]:VARLEN_CU[b + 1].
+VARLEN_LENS, VARLEN_H, VARLEN_H_KV = (9, 0, 13, 11, 6), 2, 1
+VARLEN_CU = torch.tensor([0, 9, 9, 22, 33, 39], dtype=torch.int32)
+
+
+def _varlen(causal, backend):
+    def run(q, k, v):
+        return ops.attention_varlen(q, k, v, VARLEN_CU, VARLEN_CU, max(VARLEN_LENS), max(VARLEN_LENS), causal=causal,
+                                    backend=backend)
+    return run
+
+
+def _varlen_inputs(dtype, D=16):
+    T = sum(VARLEN_LENS)
+    q, dout = randn(T, VARLEN_H, D, dtype=dtype), randn(T, VARLEN_H, D, dtype=dtype)
+    k, v = randn(T, VARLEN_H_KV, D, dtype=dtype), randn(T, VARLEN_H_KV, D, dtype=dtype)
+    return q, k, v, dout
+
+
+@pytest.mark.parametrize("backend,dtype", backend_dtypes(ALL_BACKENDS))
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_varlen_nonfinite_query_rows(backend, dtype, causal):
+    # The attention rule per packed query row: a NaN or +inf score makes the row NaN, a row of -inf scores
+    # gives zeros; every other row, and the dk, dv of a sequence with no bad query, stay exact.
+    q, k, v, dout = _varlen_inputs(dtype)
+    k[..., 0] = k[..., 0].abs() + 0.5  # so an infinite q[..., 0] gives every score of its row one sign
+    bad = {(3, 0): NAN, (21, 1): INF, (22, 0): -INF}  # (packed row, head): sequence 0, last of 2, first of 3
+    for (i, h), value in bad.items():
+        q[i, h, 0] = value
+    (out,), (dq, dk, dv) = forward_backward(_varlen(causal, backend), [q, k, v], [dout])
+    assert out[3, 0].isnan().all() and out[21, 1].isnan().all(), "a NaN or +inf score must make the row NaN"
+    assert dq[3, 0].isnan().all() and dq[21, 1].isnan().all()
+    assert (out[22, 0] == 0).all() and (dq[22, 0] == 0).all(), "a row of -inf scores must give zeros"
+    rows = torch.ones(sum(VARLEN_LENS), VARLEN_H, dtype=torch.bool)
+    for i, h in bad:
+        rows[i, h] = False
+    clean = q.clone()
+    clean[..., 0] = torch.where(rows, q[..., 0], 0.0)
+    (ref,), (ref_dq, ref_dk, ref_dv) = forward_backward(_varlen(causal, "torch"), upcast([clean, k, v]),
+                                                        upcast([dout]))
+    assert_close(out[rows], ref[rows], dtype, "out")
+    assert_close(dq[rows], ref_dq[rows], dtype, "dq")
+    # Sequence 4 (rows 33:39) holds no bad query: its keys' gradients are exact, next to sequence 3's NaN.
+    assert_close(dk[33:], ref_dk[33:], dtype, "dk of sequence 4")
+    assert_close(dv[33:], ref_dv[33:], dtype, "dv of sequence 4")
+    # Sequence 0's dk, dv: the NaN query row reaches every key it sees (all of them, or keys 0..3 when causal).
+    assert dk[:4].isnan().all() and dv[:4].isnan().all()
+
+
+@pytest.mark.parametrize("backend,dtype", backend_dtypes(ALL_BACKENDS))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("value", [NAN, INF, -INF])
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_attention_varlen_poisoned_key_stays_in_its_sequence(backend, dtype, causal, value, which):
+    # A non-finite key or value row poisons the query rows of its own sequence that see it, nothing else:
+    # sequence 2 (rows 9:22), packed between poisoned sequences 0 and 3, is exact (out, dq, dk, dv), and so
+    # are the rows of sequence 0 that causal masking hides the key from (the rule of a masked key).
+    q, k, v, dout = _varlen_inputs(dtype)
+    q[..., 0] = q[..., 0].abs() + 0.1  # scores against an all-inf key row: +inf and -inf terms, so NaN
+    q[..., 1] = -q[..., 1].abs() - 0.1
+    poisoned = {"k": k, "v": v}[which].clone()
+    poisoned[5] = value  # key 5 of sequence 0: seen by queries 5.. when causal
+    poisoned[22] = value  # key 0 of sequence 3: seen by all its queries
+    inputs = [q, poisoned, v] if which == "k" else [q, k, poisoned]
+    (out,), (dq, dk, dv) = forward_backward(_varlen(causal, backend), inputs, [dout])
+    (ref,), (ref_dq, ref_dk, ref_dv) = forward_backward(_varlen(causal, "torch"), upcast([q, k, v]), upcast([dout]))
+    seen = torch.zeros(sum(VARLEN_LENS), dtype=torch.bool)
+    seen[5 if causal else 0: 9] = True
+    seen[22:33] = True
+    assert not torch.isfinite(out[seen]).any(), "every query that sees a non-finite key or value row is non-finite"
+    clean = slice(9, 22)
+    for name, a, e in (("out", out, ref), ("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv)):
+        assert_close(a[clean], e[clean], dtype, f"{name} of sequence 2")
+    assert_close(out[33:], ref[33:], dtype, "out of sequence 4")
+    if causal:
+        hidden = slice(0, 5)  # queries 0..4 of sequence 0 do not see key 5
+        if which == "k":  # a masked K row: out exact; dQ = dS K multiplies it by 0: true values or NaN
+            assert_close(out[hidden], ref[hidden], dtype, "out of the queries the key is hidden from")
+            finite = torch.isfinite(dq[hidden]).all(-1)
+            assert_close(dq[hidden][finite], ref_dq[hidden][finite], dtype, "dq (finite rows)")
+        else:  # a masked V row: P V multiplies it by 0, each row its true value or NaN
+            finite = torch.isfinite(out[hidden]).all(-1)
+            assert_close(out[hidden][finite], ref[hidden][finite], dtype, "out (finite rows)")
 
 
 @pytest.mark.parametrize("backend,dtype", backend_dtypes(ALL_BACKENDS))

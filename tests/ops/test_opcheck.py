@@ -46,6 +46,27 @@ def test_attention_ops(backend, masked, dropout_p):
     torch.library.opcheck(bwd, bwd_args)
 
 
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_attention_ops_grouped_query(backend):
+    # k, v with fewer heads than q (4 query heads over 2 key/value heads): dk, dv keep k's heads.
+    q = randn(B, 4, LQ, D, dtype=F32)
+    k = randn(B, 2, LK, D, dtype=F32)
+    v = randn(B, 2, LK, D, dtype=F32)
+    mask = torch.rand(B, LK) < 0.3
+    fwd, tail = kernel_op("attention", "fwd", backend)
+    bwd, _ = kernel_op("attention", "bwd", backend)
+    fwd_args = (q, k, v, mask, True, 0.25, None, seed()) + tail
+    torch.library.opcheck(fwd, (leaf(q), leaf(k), leaf(v)) + fwd_args[3:])
+
+    with torch.no_grad():
+        out, lse = fwd(*fwd_args)
+    bwd_args = (randn(B, 4, LQ, D, dtype=F32), q.detach(), k.detach(), v.detach(), out, lse, mask, True, 0.25, None,
+                seed()) + tail
+    _, dk, dv = bwd(*bwd_args)
+    assert dk.shape == k.shape and dv.shape == v.shape
+    torch.library.opcheck(bwd, bwd_args)
+
+
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_softmax_ops(backend, masked):
@@ -99,3 +120,40 @@ def test_cross_entropy_ops(backend, dtype, label_smoothing):
         loss, nll, lse = fwd(logits, target, label_smoothing, 0, *tail)
     dloss, dnll = randn(2, ROWS, dtype=F32), randn(2, ROWS, dtype=F32)
     torch.library.opcheck(bwd, (dloss, dnll, logits.detach(), target, lse, label_smoothing, 0) + tail)
+
+
+# attention_varlen: 3 packed sequences (one of them empty), query lengths 3, 0, 4 and key lengths 5, 2, 6.
+VARLEN_LENS_Q, VARLEN_LENS_K = (3, 0, 4), (5, 2, 6)
+
+
+def cu_seqlens(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(2, 2), (4, 1)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_attention_varlen_ops(backend, heads, causal, dropout_p):
+    H, H_kv = heads
+    Tq, Tk = sum(VARLEN_LENS_Q), sum(VARLEN_LENS_K)
+    q = randn(Tq, H, D, dtype=F32)
+    k = randn(Tk, H_kv, D, dtype=F32)
+    v = randn(Tk, H_kv, D, dtype=F32)
+    cu_q, cu_k = cu_seqlens(VARLEN_LENS_Q), cu_seqlens(VARLEN_LENS_K)
+    max_q, max_k = max(VARLEN_LENS_Q), max(VARLEN_LENS_K)
+    scale = 1.0 / math.sqrt(D)
+    fwd, tail = kernel_op("attention_varlen", "fwd", backend)
+    bwd, _ = kernel_op("attention_varlen", "bwd", backend)
+    fwd_args = (q, k, v, cu_q, cu_k, max_q, max_k, causal, dropout_p, scale, seed()) + tail
+    torch.library.opcheck(fwd, (leaf(q), leaf(k), leaf(v)) + fwd_args[3:])
+
+    with torch.no_grad():
+        out, lse = fwd(*fwd_args)
+    assert out.shape == (Tq, H, D) and lse.shape == (H, Tq) and lse.dtype == F32
+    dout = randn(Tq, H, D, dtype=F32)
+    bwd_args = (dout, q.detach(), k.detach(), v.detach(), out, lse, cu_q, cu_k, max_q, max_k, causal, dropout_p,
+                scale, seed()) + tail
+    dq, dk, dv = bwd(*bwd_args)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    torch.library.opcheck(bwd, bwd_args)
