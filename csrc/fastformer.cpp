@@ -249,11 +249,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &fastformer::packed_linear, py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("n"),
         "y (M, n) = x (M, K) W^T + bias, float32 on the CPU, W packed by pack_linear: the model's projections at "
         "inference");
+  py::class_<fastformer::OnednnInt8, std::shared_ptr<fastformer::OnednnInt8>>(
+      m, "OnednnInt8",
+      "an int8 weight packed for oneDNN's int8 products (csrc/gemm/int8_onednn.h), made by int8_prepare: a copy, "
+      "read-only, freed with its last holder (the int8 module of the weight, a CpuDecoder built on it)")
+      .def_property_readonly("n", [](const fastformer::OnednnInt8& w) { return w.n; }, "the weight's outputs")
+      .def_property_readonly("K", [](const fastformer::OnednnInt8& w) { return w.K; }, "the weight's inputs")
+      .def("__repr__", [](const fastformer::OnednnInt8& w) {
+        return "OnednnInt8(n=" + std::to_string(w.n) + ", K=" + std::to_string(w.K) + ")";
+      });
   m.def("int8_linear", &fastformer::int8_linear, py::arg("x"), py::arg("weight"), py::arg("weight_scale"),
         py::arg("weight_colsum"), py::arg("bias"), py::arg("n"), py::arg("variant") = "",
+        py::arg("onednn") = py::none(),
         "y (M, n) = x (M, K) W^T + bias with W quantized by quantize_int8 and x per row "
         "(csrc/gemm/int8_linear.cpp): a quantized model's projections; variant: one of int8_variants(), \"fastformer\" "
-        "(the first) or \"auto\"; \"\": FASTFORMER_INT8_PROVIDER, else auto (the rule: int8_variant_for)");
+        "(the first) or \"auto\"; \"\": FASTFORMER_INT8_PROVIDER, else auto (the rule: int8_variant_for); onednn: "
+        "the weight packed for oneDNN (int8_prepare's), or None: packed for this call where oneDNN's products run");
   m.def("int8_variants", &fastformer::int8_variants,
         "the int8 variants this CPU runs at the loaded level: fastformer's own, best first, then \"onednn\" where torch "
         "has oneDNN");
@@ -263,8 +274,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "otherwise)");
   m.def("int8_prepare", &fastformer::int8_prepare, py::arg("weight"), py::arg("weight_scale"),
         py::arg("weight_colsum"), py::arg("n"), py::arg("K"),
-        "packs quantize_int8's weight (n, K) for oneDNN's int8 products now, where FASTFORMER_INT8_PROVIDER or the rule "
-        "can choose them (once per weight, kept while it lives); returns whether it did");
+        "quantize_int8's weight (n, K) packed for oneDNN's int8 products (an OnednnInt8, for the caller to keep with "
+        "the weight and pass to int8_linear and the CpuDecoder), where FASTFORMER_INT8_PROVIDER or the rule can choose "
+        "them; else None");
+  m.def("int8_onednn_live", &fastformer::onednn_int8_live,
+        "how many OnednnInt8 packs this process holds (made and not yet freed)");
   m.def("int8_onednn_rule", []() { return std::make_pair(fastformer::kOnednnMinRows, fastformer::kOnednnMinProducts); },
         "the rule's least row count and least multiply-adds (M N K) a call for oneDNN's int8 products (on a CPU with "
         "AMX)");

@@ -121,7 +121,7 @@ def load_model(path: str, backend: str | None = None, device: str = "cpu") -> tu
 def from_state(state: dict, path: str, backend: str | None = None,
                device: str = "cpu") -> tuple[Transformer, Tokenizer, dict]:
     """load_model of a state ``load(path)`` has read already."""
-    from fastformer.nn.quantize import QUANTIZATIONS, pack_for_providers, prepare
+    from fastformer.nn.quantize import QUANTIZATIONS, prepare
 
     quantized = quantization(state)
     if quantized is not None and quantized not in QUANTIZATIONS:
@@ -140,8 +140,6 @@ def from_state(state: dict, path: str, backend: str | None = None,
         model.load_state_dict(state["model"])
     except (TypeError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{resolve(path)}: weights do not match the stored config ({exc})") from exc
-    if quantized is not None:
-        pack_for_providers(model)
     try:
         tokenizer = tokenizer_from_state(state["tokenizer"])
     except (TypeError, ValueError, KeyError) as exc:

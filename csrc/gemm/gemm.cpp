@@ -70,17 +70,19 @@ PackedProjection packed_projection(const at::Tensor& panels, const c10::optional
 PackedProjection int8_projection(const at::Tensor& weight, const at::Tensor& weight_scale,
                                  const at::Tensor& weight_colsum, const c10::optional<at::Tensor>& bias, int64_t K,
                                  int64_t n, const std::string& who, const std::string& name,
-                                 const std::string& bias_name, int variant) {
+                                 const std::string& bias_name, const OnednnInt8* onednn) {
   check_sizes(K, n, who, name);
   TORCH_CHECK_VALUE(K <= kInt8MaxInputs, who, ": ", name.empty() ? "" : name + ": ", "int8 projections take at "
                     "most 65,536 inputs (the int32 accumulator's range), got ", K);
   check_tensor(weight, at::kChar, int8_weight_shape(n, K), who, part_name(name, "weight"));
   check_tensor(weight_scale, at::kFloat, {n}, who, part_name(name, "weight_scale"));
   check_tensor(weight_colsum, at::kInt, {n}, who, part_name(name, "weight_colsum"));
+  TORCH_CHECK_VALUE(onednn == nullptr || (onednn->n == n && onednn->K == K), who, ": ", part_name(name, "onednn"),
+                    " is the packing of a (", onednn == nullptr ? 0 : onednn->n, ", ",
+                    onednn == nullptr ? 0 : onednn->K, ") weight, not of this (", n, ", ", K, ") one");
   PackedProjection w{};
   w.int8 = {weight.const_data_ptr<int8_t>(), weight_scale.const_data_ptr<float>(),
-            weight_colsum.const_data_ptr<int32_t>(),
-            n > 0 && K > 0 && int8_wants_onednn(variant) ? onednn_int8_weight(weight, n, K) : nullptr};
+            weight_colsum.const_data_ptr<int32_t>(), onednn};
   w.bias = bias_of(bias, n, who, bias_name);
   return w;
 }
@@ -220,12 +222,12 @@ std::string int8_variant_for(int64_t M, int64_t N, int64_t K) {
   return int8_variants()[forced >= 0 ? forced : cpu_kernels().gemm.int8_choose(M, N, K)];
 }
 
-bool int8_prepare(const at::Tensor& weight, const at::Tensor& weight_scale, const at::Tensor& weight_colsum, int64_t n,
-                  int64_t K) {
+std::shared_ptr<OnednnInt8> int8_prepare(const at::Tensor& weight, const at::Tensor& weight_scale,
+                                         const at::Tensor& weight_colsum, int64_t n, int64_t K) {
   const int variant = int8_variant_index("", "fastformer int8_prepare");
-  const PackedProjection w = int8_projection(weight, weight_scale, weight_colsum, c10::nullopt, K, n,
-                                             "fastformer int8_prepare", "", "", variant);
-  return w.int8.onednn != nullptr;
+  int8_projection(weight, weight_scale, weight_colsum, c10::nullopt, K, n, "fastformer int8_prepare", "", "", nullptr);
+  if (n == 0 || K == 0 || !int8_wants_onednn(variant)) return nullptr;
+  return onednn_int8_pack(weight, n, K);
 }
 
 bool int8_wants_onednn(int variant) {
@@ -239,16 +241,25 @@ bool int8_wants_onednn(int variant) {
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                        const at::Tensor& weight_colsum, const c10::optional<at::Tensor>& bias, int64_t n,
-                       const std::string& variant) {
+                       const std::string& variant, const std::shared_ptr<OnednnInt8>& onednn) {
   check_x(x, "int8_linear");
   const std::optional<at::Tensor> b = contiguous(bias);  // ops.h
+  const int64_t M = x.size(0), K = x.size(1);
+  PackedProjection w = int8_projection(weight, weight_scale, weight_colsum, b, K, n, "fastformer int8_linear", "",
+                                       "bias", onednn.get());
+  // The variant this call runs (auto: the rule's for M x K by K x n); oneDNN's without a pack given: W packed
+  // for this call alone (correct, and as slow as packing: the int8 modules hold theirs).
   const int index = int8_variant_index(variant, "fastformer int8_linear");
-  const PackedProjection w = int8_projection(weight, weight_scale, weight_colsum, b, x.size(1), n,
-                                             "fastformer int8_linear", "", "bias", index);
+  const int chosen = index >= 0 || M == 0 || n == 0 ? index : cpu_kernels().gemm.int8_choose(M, n, K);
+  std::shared_ptr<OnednnInt8> for_this_call;
+  if (w.int8.onednn == nullptr && M > 0 && n > 0 && K > 0 && chosen >= 0 && int8_wants_onednn(chosen)) {
+    for_this_call = onednn_int8_pack(weight, n, K);
+    w.int8.onednn = for_this_call.get();
+  }
   const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({x.size(0), n}, x.options());
-  cpu_kernels().gemm.int8_linear_rows(xc.const_data_ptr<float>(), x.size(0), x.size(1), w.int8, w.bias,
-                                      y.mutable_data_ptr<float>(), n, n, index);
+  at::Tensor y = at::empty({M, n}, x.options());
+  cpu_kernels().gemm.int8_linear_rows(xc.const_data_ptr<float>(), M, K, w.int8, w.bias, y.mutable_data_ptr<float>(),
+                                      n, n, chosen);
   return y;
 }
 

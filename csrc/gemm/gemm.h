@@ -4,7 +4,8 @@
 //   int8_linear.cpp     (per CPU level) int8: W per output channel, x quantized per row, int32 dot products
 //                       (VNNI, AVX2, plain; or oneDNN's: int8_onednn.h); int8_linear_tile.h: one tile per
 //                       dot-product instruction
-//   int8_onednn.cpp     (fastformer._C) W packed once for oneDNN's int8 products (the variant "onednn")
+//   int8_onednn.cpp     (fastformer._C) W packed for oneDNN's int8 products (the variant "onednn"), once per
+//                       weight, the pack held by the weight's owner
 //   gemm.cpp            (fastformer._C) the weight preparation (pack_linear, quantize_int8, dequantize_int8,
 //                       int8_embedding),
 //                       the checks, and the entry points Python calls (packed_linear, int8_linear)
@@ -97,7 +98,8 @@ struct Int8Weight {
   const int8_t* weight;          // int8_weight_shape(n, K): Wq, packed
   const float* weight_scale;     // (n,): s_w
   const int32_t* weight_colsum;  // (n,): sum_k Wq[n, k]
-  const OnednnInt8* onednn;      // the same Wq packed for oneDNN (the variant "onednn"), or nullptr: not packed
+  const OnednnInt8* onednn;      // the same Wq packed for oneDNN (the variant "onednn"), or nullptr: not packed;
+                                 // owned by the weight's owner (int8_onednn.cpp)
 };
 
 // Row `row` of an int8 weight (n, K) as float32, out[k] = Wq[row, k] s_w[row]: dequantize_int8, and the
@@ -121,6 +123,8 @@ struct PackedProjection {
 #include <ATen/ATen.h>
 #include <c10/util/Optional.h>
 
+#include <memory>
+
 namespace fastformer {
 
 // ValueError unless t is a contiguous CPU tensor of this dtype and shape: "<who>: <what> must be ...".
@@ -132,11 +136,12 @@ void check_tensor(const at::Tensor& t, at::ScalarType dtype, const std::vector<i
 PackedProjection packed_projection(const at::Tensor& panels, const c10::optional<at::Tensor>& bias, int64_t K,
                                    int64_t n, const std::string& who, const std::string& name,
                                    const std::string& bias_name);
-// `variant` (int8_variant_index) decides whether the weight's oneDNN packing is attached (int8_wants_onednn).
+// `onednn`: the same weight packed for oneDNN (onednn_int8_pack; "<name>.onednn" in messages), or nullptr;
+// checked to be of (n, K).
 PackedProjection int8_projection(const at::Tensor& weight, const at::Tensor& weight_scale,
                                  const at::Tensor& weight_colsum, const c10::optional<at::Tensor>& bias, int64_t K,
                                  int64_t n, const std::string& who, const std::string& name,
-                                 const std::string& bias_name, int variant);
+                                 const std::string& bias_name, const OnednnInt8* onednn);
 
 // Python's entry points (bound in csrc/fastformer.cpp).
 at::Tensor pack_linear(const at::Tensor& weight);                                    // (n, K) -> panels
@@ -148,9 +153,11 @@ at::Tensor int8_embedding(const at::Tensor& ids, const at::Tensor& weight, const
                           int64_t K);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
                          int64_t n);
+// `onednn`: the weight packed for oneDNN (int8_prepare's); none where the variant run is oneDNN's: packed for
+// this call.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                        const at::Tensor& weight_colsum, const c10::optional<at::Tensor>& bias, int64_t n,
-                       const std::string& variant);
+                       const std::string& variant, const std::shared_ptr<OnednnInt8>& onednn);
 // The int8 variants this CPU runs at the loaded level: fastformer's own, best first, then "onednn" where
 // oneDNN's int8 products may run (csrc/gemm/int8_onednn.h).
 std::vector<std::string> int8_variants();
@@ -164,12 +171,15 @@ std::string int8_variant_for(int64_t M, int64_t N, int64_t K);
 // Whether a projection bound for `variant` (an index as above) needs oneDNN's packed weight: it is "onednn",
 // or auto on a CPU where the rule can choose oneDNN (AMX).
 bool int8_wants_onednn(int variant);
-// Packs an int8 weight (n, K) for oneDNN now where int8_wants_onednn(int8_variant_index("")) (quantization and
-// load call it, so that no decoding call packs); returns whether it did.
-bool int8_prepare(const at::Tensor& weight, const at::Tensor& weight_scale, const at::Tensor& weight_colsum, int64_t n,
-                  int64_t K);
-// Wq packed for oneDNN once per weight (csrc/gemm/int8_onednn.cpp): cached while the weight's storage lives.
-const OnednnInt8* onednn_int8_weight(const at::Tensor& weight, int64_t n, int64_t K);
+// An int8 weight (n, K) packed for oneDNN where int8_wants_onednn(int8_variant_index("")), else nullptr (also
+// for n or K 0): the int8 modules call it at quantization and load and keep the pack, so that no decoding call
+// packs.
+std::shared_ptr<OnednnInt8> int8_prepare(const at::Tensor& weight, const at::Tensor& weight_scale,
+                                         const at::Tensor& weight_colsum, int64_t n, int64_t K);
+// Wq (checked by the caller) packed for oneDNN (csrc/gemm/int8_onednn.cpp), owned by the pointer's holders.
+std::shared_ptr<OnednnInt8> onednn_int8_pack(const at::Tensor& weight, int64_t n, int64_t K);
+// The packs made and not yet freed, in this process (a test's check that they are freed with their owner).
+int64_t onednn_int8_live();
 
 }  // namespace fastformer
 #endif

@@ -1,36 +1,33 @@
-// An int8 weight packed for oneDNN (csrc/gemm/int8_onednn.h), once per weight: the packed form is kept in a
-// process-wide cache keyed on the weight's storage (and offset and version), so that the Python projections
-// (fastformer/nn/linear.py, through int8_linear) and the C++ decoder (its binder) share one copy, made at the
-// first call that wants it (fastformer/nn/quantize.py pack_for_providers, through int8_prepare, makes it at
-// quantization and load where the rule can choose oneDNN). An entry lives until its weight's storage is freed
-// (pruned when a later weight is packed); a weight changed in place (its version moved) is packed again and its
-// old entry kept until then, so that a decoder bound to it never reads freed memory.
+// An int8 weight packed for oneDNN (csrc/gemm/int8_onednn.h): onednn_int8_pack makes one, owned by whoever holds
+// the shared pointer it returns. No cache: the owner is the weight's owner, as torch's LinearPackedParams is
+// its Linear's: the int8 module of fastformer/nn/linear.py (its ``onednn``, made by C.int8_prepare at
+// quantization and at load, freed with the module), the C++ decoder for a weight it was handed unpacked
+// (csrc/inference/decoder.cpp), or one int8_linear call (csrc/gemm/gemm.cpp). The pack is a copy, read-only
+// once made: nothing here reads the weight's version counter (inference tensors have none) or takes a lock.
 // Memory: Wq read once (n K4 4 bytes), unpacked into (n, K4 4) row-major bytes, packed by oneDNN (its
 // blocked layout, about n K bytes more per weight, plus per-column compensation).
 #define FASTFORMER_GEMM_CHECKS
 #include "gemm/int8_onednn.h"
 
-#include <c10/core/StorageImpl.h>
-#include <c10/util/intrusive_ptr.h>
+#include <c10/core/InferenceMode.h>
 
 #include <algorithm>
+#include <atomic>
 #include <memory>
-#include <mutex>
 
 namespace fastformer {
 namespace {
 
-struct Entry {
-  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
-  int64_t offset, version, n, K;
-  std::unique_ptr<OnednnInt8> packed;
-};
+std::atomic<int64_t> g_live{0};  // packs made and not yet freed (onednn_int8_live)
 
-std::mutex g_mutex;
-std::vector<Entry> g_entries;
+}  // namespace
 
-std::unique_ptr<OnednnInt8> pack(const at::Tensor& weight, int64_t n, int64_t K) {
+std::shared_ptr<OnednnInt8> onednn_int8_pack(const at::Tensor& weight, int64_t n, int64_t K) {
+  TORCH_CHECK(onednn_int8_runs(), "fastformer: oneDNN's int8 products need a torch built with oneDNN (MKLDNN) on "
+              "x86-64; this torch has none (torch.backends.mkldnn.is_available() is False)");
   static const c10::OperatorHandle prepack = *onednn_op("onednn::qlinear_prepack");
+  // The pack's tensors are inference tensors whatever the caller's mode: read only, never part of a graph.
+  c10::InferenceMode inference;
   const int64_t K4 = (K + 3) / 4, Kp = K4 * 4;
   // Wq (n, Kp) row-major from the kernels' layout (gemm.h int8_index; zeros past K).
   at::Tensor rows = at::empty({n, Kp}, weight.options());
@@ -39,7 +36,14 @@ std::unique_ptr<OnednnInt8> pack(const at::Tensor& weight, int64_t n, int64_t K)
   for (int64_t r = 0; r < n; ++r) {
     for (int64_t k = 0; k < Kp; ++k) dst[r * Kp + k] = src[int8_index(r, k, K4)];
   }
-  auto packed = std::make_unique<OnednnInt8>();
+  OnednnInt8* made = new OnednnInt8;
+  g_live.fetch_add(1);
+  const std::shared_ptr<OnednnInt8> packed(made, [](OnednnInt8* p) {  // freed by its last owner
+    delete p;
+    g_live.fetch_sub(1);
+  });
+  packed->n = n;
+  packed->K = K;
   // Blocks of at most kOnednnBlock outputs and chunks of at most kInt8ExactFloatInputs inputs (whole groups of
   // 4), each as equal as that allows.
   auto split = [](int64_t total, int64_t most, int64_t unit) {
@@ -66,25 +70,6 @@ std::unique_ptr<OnednnInt8> pack(const at::Tensor& weight, int64_t n, int64_t K)
   return packed;
 }
 
-}  // namespace
-
-const OnednnInt8* onednn_int8_weight(const at::Tensor& weight, int64_t n, int64_t K) {
-  TORCH_CHECK(onednn_int8_runs(), "fastformer: oneDNN's int8 products need a torch built with oneDNN (MKLDNN) on "
-              "x86-64; this torch has none (torch.backends.mkldnn.is_available() is False)");
-  c10::StorageImpl* storage = weight.storage().unsafeGetStorageImpl();
-  const int64_t offset = weight.storage_offset(), version = weight._version();
-  std::lock_guard<std::mutex> lock(g_mutex);
-  for (const Entry& e : g_entries) {
-    const auto live = e.storage.lock();
-    if (live.get() == storage && e.offset == offset && e.version == version && e.n == n && e.K == K) {
-      return e.packed.get();
-    }
-  }
-  // Entries whose weight is gone go now (nothing can read them: a decoder holds its weights' storage).
-  g_entries.erase(std::remove_if(g_entries.begin(), g_entries.end(), [](const Entry& e) { return e.storage.expired(); }),
-                  g_entries.end());
-  g_entries.push_back({weight.storage().getWeakStorageImpl(), offset, version, n, K, pack(weight, n, K)});
-  return g_entries.back().packed.get();
-}
+int64_t onednn_int8_live() { return g_live.load(); }
 
 }  // namespace fastformer

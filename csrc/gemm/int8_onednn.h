@@ -13,9 +13,9 @@
 //   The scales and the bias are applied by fastformer's epilogue, the same float operations as its own
 //   variants (int8_linear.cpp), so y is bit-identical whichever variant ran.
 // Memory: Wq packed once per weight (csrc/gemm/int8_onednn.cpp: a second copy of the int8 weight, n K bytes
-// plus oneDNN's compensation, kept while the weight lives); per call x's bytes, oneDNN's (M, n) float32 sums
-// written once and read once by the epilogue, a block of kOnednnBlock columns at a time so that they are read
-// from cache (our own kernels keep theirs in registers), y written once.
+// plus oneDNN's compensation, owned by the weight's module and freed with it); per call x's bytes, oneDNN's
+// (M, n) float32 sums written once and read once by the epilogue, a block of kOnednnBlock columns at a time so
+// that they are read from cache (our own kernels keep theirs in registers), y written once.
 //
 // On a CPU without VNNI or AMX, oneDNN's int8 kernels sum byte pairs in 16 bits (vpmaddubsw), which can
 // saturate for full-range operands: the rule never chooses "onednn" there, and forcing it warns.
@@ -49,9 +49,11 @@ constexpr int64_t kOnednnBlock = 4096;   // at most this many output columns a c
                                          // buffer is reused by the next call (a 37,000-column output at once was
                                          // a 19 MB allocation a call, page faults included: 1.4-2x slower)
 
-// Wq (n, K) as oneDNN's packed weights (csrc/gemm/int8_onednn.cpp onednn_int8_weight): a grid of blocks of
-// output columns by chunks of inputs.
-struct OnednnInt8 {
+// Wq (n, K) as oneDNN's packed weights (csrc/gemm/int8_onednn.cpp onednn_int8_pack): a grid of blocks of
+// output columns by chunks of inputs. Read-only once made; Python holds it as fastformer._C.OnednnInt8 (hidden
+// visibility, as pybind11 declares its own types: a binding of a more visible type draws -Wattributes).
+struct __attribute__((visibility("hidden"))) OnednnInt8 {
+  int64_t n = 0, K = 0;            // the weight's outputs and inputs
   std::vector<at::Tensor> packed;  // [block b, chunk c] at b chunks + c: onednn::qlinear_prepack of
                                    // Wq[columns[b]:columns[b + 1], inputs[c]:inputs[c + 1]] (opaque layout)
   std::vector<int64_t> columns;    // block b covers outputs [columns[b], columns[b + 1]); columns.back() = n

@@ -19,16 +19,19 @@
 //   heads, d_ff
 //   layers      per layer its weights by the description's names: a linear layer's "<name>.panels"
 //               (csrc/gemm/gemm.h's float32 layout) or, quantized, its int8 weight by the state dict's names,
-//               "<name>.weight", "<name>.weight_scale", "<name>.weight_colsum"; and "<name>.bias"; a LayerNorm's
-//               "<name>.weight", "<name>.bias". Each is looked up by its name and checked against the shape its
-//               role gives it, and a weight the description does not use is refused: a swapped
-//               self_out/cross_q/cross_out (all d x d) cannot get in by position, and a weight added to the
-//               description cannot be left out silently.
+//               "<name>.weight", "<name>.weight_scale", "<name>.weight_colsum", and where its module holds one
+//               its oneDNN packing "<name>.onednn" (a fastformer._C.OnednnInt8, not a tensor; without it, where
+//               oneDNN's products may run, the decoder packs the weight itself, for its own life); and
+//               "<name>.bias"; a LayerNorm's "<name>.weight", "<name>.bias". Each is looked up by its name and
+//               checked against the shape its role gives it, and a weight the description does not use is
+//               refused: a swapped self_out/cross_q/cross_out (all d x d) cannot get in by position, and a
+//               weight added to the description cannot be left out silently.
 //   final_norm  {"final_norm.weight", "final_norm.bias"} for pre-norm, {} for post-norm
 //   embed       the target embedding, which is also the output projection d -> V (tied), by the state dict's
 //               names: "embed.weight" (V, d) float32 and its panels "embed.panels", or, quantized, the int8
-//               "embed.weight", "embed.weight_scale", "embed.weight_colsum" (the lookup dequantizes its rows);
-//               and "output_bias" (V,) where the model has one (Marian's final_logits_bias)
+//               "embed.weight", "embed.weight_scale", "embed.weight_colsum" and "embed.onednn" as above (the
+//               lookup dequantizes its rows); and "output_bias" (V,) where the model has one (Marian's
+//               final_logits_bias)
 //   embed_scale; positions (>= steps, d)
 //   cross       per layer (k, v), each (B, H, S, Dh);  src_padding (B, S) bool or None
 //   beams, steps
@@ -36,23 +39,27 @@
 #include <pybind11/stl.h>
 
 #include <map>
+#include <memory>
 #include <set>
 #include <string>
 #include <tuple>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #define FASTFORMER_GEMM_CHECKS
 #include "cpu/kernel_table.h"
 #include "cpu_levels.h"
 #include "gemm/gemm.h"
+#include "gemm/int8_onednn.h"
 #include "inference/inference.h"
 
 namespace fastformer {
 namespace {
 
 namespace py = pybind11;
-using Named = std::map<std::string, Tensor>;
+using Pack = std::shared_ptr<OnednnInt8>;
+using Named = std::map<std::string, std::variant<Tensor, Pack>>;  // a weight (or its oneDNN packing) by name
 constexpr const char* kWho = "fastformer CpuDecoder";
 
 // The fields of the named structure, each taken once; done() refuses the ones not taken.
@@ -96,15 +103,28 @@ class Fields {
 class Binder {
  public:
   // int8_variant: the variant the int8 projections will run (gemm.h int8_variant_index; -1: the rule), which
-  // decides whether their weights are packed for oneDNN.
-  Binder(const Named& weights, std::string where, int int8_variant)
-      : weights_(weights), where_(std::string(kWho) + ": " + where), int8_variant_(int8_variant) {}
+  // decides whether their weights need a oneDNN packing; one not given is made and kept in `made` (the
+  // decoder's, so that it lives as long as the decoder).
+  Binder(const Named& weights, std::string where, int int8_variant, std::vector<Pack>& made)
+      : weights_(weights), where_(std::string(kWho) + ": " + where), int8_variant_(int8_variant), made_(made) {}
 
   const Tensor& find(const std::string& name) {
     auto it = weights_.find(name);
     TORCH_CHECK_VALUE(it != weights_.end(), where_, " has no weight \"", name, "\"");
+    const Tensor* t = std::get_if<Tensor>(&it->second);
+    TORCH_CHECK_VALUE(t != nullptr, where_, ": \"", name, "\" must be a tensor, got a oneDNN packing");
     bound_.insert(name);
-    return it->second;
+    return *t;
+  }
+  // The oneDNN packing "<name>" of an int8 weight, or nullptr where none is given.
+  const OnednnInt8* pack(const std::string& name) {
+    auto it = weights_.find(name);
+    if (it == weights_.end()) return nullptr;
+    const Pack* p = std::get_if<Pack>(&it->second);
+    TORCH_CHECK_VALUE(p != nullptr && *p != nullptr, where_, ": \"", name, "\" must be a oneDNN packing "
+                      "(fastformer._C.OnednnInt8, from int8_prepare)");
+    bound_.insert(name);
+    return p->get();
   }
   bool has(const std::string& name) const { return weights_.count(name) > 0; }
   // A linear layer in -> out: float32 packed panels ("<name>.panels") or the int8 weight ("<name>.weight",
@@ -112,8 +132,14 @@ class Binder {
   PackedProjection linear(const std::string& name, int64_t in, int64_t out, const std::string& bias) {
     const c10::optional<Tensor> b = bias.empty() ? c10::nullopt : c10::optional<Tensor>(find(bias));
     if (has(name + ".weight_scale")) {
-      return int8_projection(find(name + ".weight"), find(name + ".weight_scale"), find(name + ".weight_colsum"), b,
-                             in, out, where_, name, bias, int8_variant_);
+      const Tensor& weight = find(name + ".weight");
+      PackedProjection w = int8_projection(weight, find(name + ".weight_scale"), find(name + ".weight_colsum"), b,
+                                           in, out, where_, name, bias, pack(name + ".onednn"));
+      if (w.int8.onednn == nullptr && in > 0 && out > 0 && int8_wants_onednn(int8_variant_)) {
+        made_.push_back(onednn_int8_pack(weight, out, in));
+        w.int8.onednn = made_.back().get();
+      }
+      return w;
     }
     return packed_projection(find(name + ".panels"), b, in, out, where_, name, bias);
   }
@@ -138,6 +164,7 @@ class Binder {
   const Named& weights_;
   std::string where_;
   int int8_variant_;
+  std::vector<Pack>& made_;
   std::set<std::string> bound_;
 };
 
@@ -176,8 +203,8 @@ Activation parse_activation(const std::string& name) {
 
 // A layer's sublayers bound to its weights by the description's names (d = d_model, f = d_ff).
 DecoderLayerStep bind_layer(const Named& weights, const std::vector<SublayerSpec>& description, int64_t index,
-                            int64_t d, int64_t f, int int8_variant) {
-  Binder w(weights, "decoder layer " + std::to_string(index), int8_variant);
+                            int64_t d, int64_t f, int int8_variant, std::vector<Pack>& made) {
+  Binder w(weights, "decoder layer " + std::to_string(index), int8_variant, made);
   DecoderLayerStep layer{};
   for (const SublayerSpec& spec : description) {
     SublayerStep sub{};
@@ -239,7 +266,7 @@ class CpuDecoder {
     // and the positions (d)
     // The int8 variant, from FASTFORMER_INT8_PROVIDER (else -1: the rule, per step by its rows).
     step_.int8_variant = int8_variant_index("", kWho);
-    Binder embedding(embed_, "the target embedding", step_.int8_variant);
+    Binder embedding(embed_, "the target embedding", step_.int8_variant, packs_);
     const bool int8 = embedding.has("embed.weight_scale");
     const Tensor& table = embedding.find("embed.weight");
     int64_t V = -1, d = -1;
@@ -273,7 +300,7 @@ class CpuDecoder {
     }
     std::pair<const float*, const float*> final{nullptr, nullptr};
     if (norm_first) {
-      Binder w(final_norm_, "the final LayerNorm", step_.int8_variant);
+      Binder w(final_norm_, "the final LayerNorm", step_.int8_variant, packs_);
       final = w.norm("final_norm", d);
       w.done();
     }
@@ -303,7 +330,7 @@ class CpuDecoder {
     embedding.done();
     step_.layers.resize(L);
     for (int64_t l = 0; l < L; ++l) {
-      step_.layers[l] = bind_layer(layers_[l], sublayers, l, d, d_ff, step_.int8_variant);
+      step_.layers[l] = bind_layer(layers_[l], sublayers, l, d, d_ff, step_.int8_variant, packs_);
       DecoderLayerStep& layer = step_.layers[l];
       // Two cache buffers a layer: keys and values.
       for (int i = 0; i < 2; ++i) caches_.push_back(at::empty({B * beams, heads, steps, d / heads}, positions_.options()));
@@ -395,7 +422,8 @@ class CpuDecoder {
     return logits_buffer_.narrow(0, 0, step_.rows).narrow(1, 0, step_.vocab);
   }
 
-  std::vector<Named> layers_;  // kept alive: the step holds pointers into them
+  std::vector<Named> layers_;  // kept alive: the step holds pointers into them (their packs too)
+  std::vector<Pack> packs_;    // the oneDNN packings made here, of int8 weights handed over without one
   std::vector<Tensor> cross_;  // per layer k, v
   c10::optional<Tensor> src_padding_;
   Tensor positions_;

@@ -74,13 +74,14 @@ def length_limit(n: int, a: float, b: float) -> int:
     return max(0, math.floor(a * n + b))
 
 
-def _projection(name: str, weight: Optional[Tensor], int8) -> dict[str, Tensor]:
+def _projection(name: str, weight: Optional[Tensor], int8) -> dict[str, object]:
     """A projection's weight as the C++ step binds it (csrc/inference/decoder.cpp Binder::linear): its packed
     float32 panels ("<name>.panels"), or a quantized model's int8 weight by its state dict names ("<name>.weight",
-    "<name>.weight_scale", "<name>.weight_colsum")."""
+    "<name>.weight_scale", "<name>.weight_colsum") and its module's oneDNN packing where it holds one
+    ("<name>.onednn", a C.OnednnInt8)."""
     if int8 is None:
         return {name + ".panels": packed_panels(weight)}
-    return {f"{name}.{field}": tensor for field, tensor in int8._asdict().items()}
+    return {f"{name}.{field}": part for field, part in int8._asdict().items() if part is not None}
 
 
 # The cross-attention's k|v projection: applied here to the encoder memory once per sentence, not in a step.
@@ -174,7 +175,7 @@ class IncrementalDecoder:
             "steps": steps,
         })
 
-    def _embedding(self) -> dict[str, Tensor]:
+    def _embedding(self) -> dict[str, object]:
         """The target embedding, also the output projection, as the C++ step binds it: "embed.weight" (V, d)
         and its panels, or the int8 weight; and the output bias if the model has one (config.output_bias)."""
         embed, bias = self.model.embed, self.model.output_bias

@@ -24,6 +24,13 @@ state dict, ``Int8Weight`` here, csrc/gemm/gemm.h's ``Int8Weight`` and the C++ d
 picks ``fastformer._C.int8_linear`` (csrc/gemm/int8_linear.cpp: int8 weights, activations quantized per row),
 and elsewhere ``F.linear`` on the weight dequantized for that call. The packed layouts and the quantization
 rule are C++'s (csrc/gemm/gemm.h): ``C.pack_linear``, ``C.quantize_int8``, ``C.dequantize_int8``.
+
+Where oneDNN's int8 products can run (a CPU with AMX, or ``FASTFORMER_INT8_PROVIDER=onednn``:
+csrc/gemm/int8_onednn.h), an int8 module also holds its weight packed for them (``C.int8_prepare``: a
+``C.OnednnInt8``, the fourth part of ``Int8Weight``, "<name>.onednn" in the C++ decoder's dict), as torch's
+quantized Linear holds its ``LinearPackedParams``: made at quantization and at ``load_state_dict``, again at
+the first call after the weight tensor is replaced, freed with the module; not in the state dict. A weight
+changed in place some other way (``module.weight.copy_``) needs ``fastformer.nn.quantize.pack_for_providers``.
 """
 from __future__ import annotations
 
@@ -41,10 +48,14 @@ _PANELS = WeakIdKeyDictionary()  # weight -> (its (data_ptr, version, shape) whe
 
 class Int8Weight(NamedTuple):
     """A weight (out, in) quantized to int8 per output channel, as ``C.quantize_int8`` returns it (an int8 module's
-    buffers, by their state dict names)."""
+    buffers, by their state dict names), and its oneDNN packing where its module holds one."""
     weight: Tensor         # int8 (ceil(out / P), ceil(in / 4), P, 4): Wq in the kernel's layout (csrc/gemm/gemm.h)
     weight_scale: Tensor   # float32 (out,): s_w, W ~ Wq s_w
     weight_colsum: Tensor  # int32 (out,): sum_k Wq[n, k]
+    onednn: Optional[object] = None  # C.OnednnInt8: Wq packed for oneDNN (C.int8_prepare), or None
+
+
+INT8_BUFFERS = Int8Weight._fields[:3]  # the tensors of an int8 weight: its module's buffers
 
 
 def pack_panels(weight: Tensor) -> Tensor:
@@ -82,7 +93,8 @@ def linear(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor] = None,
     if int8 is not None:
         out = int8.weight_scale.shape[0]
         if packed_applies(x):
-            y = C.int8_linear(x.reshape(-1, x.shape[-1]), *int8, None if bias is None else bias.detach(), out)
+            y = C.int8_linear(x.reshape(-1, x.shape[-1]), int8.weight, int8.weight_scale, int8.weight_colsum,
+                              None if bias is None else bias.detach(), out, onednn=int8.onednn)
             return y.view(*x.shape[:-1], out)
         dequantized = C.dequantize_int8(int8.weight, int8.weight_scale, out, x.shape[-1])
         return F.linear(x, dequantized.to(x.dtype), None if bias is None else bias.to(x.dtype))
@@ -113,7 +125,54 @@ class Embedding(nn.Embedding):
         return linear(h, self.weight, bias)
 
 
-class Int8Linear(nn.Module):
+class Int8Module(nn.Module):
+    """What the int8 modules share: a weight (out, in) quantized to int8, as buffers (``INT8_BUFFERS``: the state
+    dict), and, not in the state dict, the same weight packed for oneDNN's products where they can run
+    (``onednn``; see the top of this file)."""
+
+    def __init__(self, out: int, inp: int):
+        super().__init__()
+        self.int8_shape = (out, inp)
+        for name, tensor in zip(INT8_BUFFERS, C.quantize_int8(torch.zeros(out, inp))):  # the layout C++ owns
+            self.register_buffer(name, tensor)
+        self._onednn = (None, None)  # (the weight tensor packed, its C.OnednnInt8 or None); none packed yet
+
+    def _quantize_from(self, weight: Tensor) -> None:
+        """The buffers set to ``C.quantize_int8`` of a float (out, in) weight, and packed (``pack``)."""
+        for name, tensor in zip(INT8_BUFFERS, C.quantize_int8(weight.detach().float().cpu())):
+            setattr(self, name, tensor)
+        self.pack()
+
+    def pack(self) -> "Int8Module":
+        """The weight packed for oneDNN's products now (``C.int8_prepare``) where they can run: a CPU with AMX, or
+        ``FASTFORMER_INT8_PROVIDER`` forcing them; elsewhere any packing is dropped. Returns the module."""
+        out, inp = self.int8_shape
+        self._onednn = (self.weight, C.int8_prepare(self.weight, self.weight_scale, self.weight_colsum, out, inp))
+        return self
+
+    @property
+    def onednn(self):
+        """The weight's oneDNN packing (a ``C.OnednnInt8``) or None; packed first if the weight tensor is not
+        the one packed (replaced since, or never packed)."""
+        if self._onednn[0] is not self.weight:
+            self.pack()
+        return self._onednn[1]
+
+    def int8(self) -> Int8Weight:
+        return Int8Weight(self.weight, self.weight_scale, self.weight_colsum, self.onednn)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self.pack()  # the weight loaded (copied into the same tensor, or assigned) packed anew
+
+    def __getstate__(self):
+        # A copy (copy.deepcopy, pickle) takes no packing: it packs its own at its first call.
+        state = super().__getstate__()
+        state["_onednn"] = (None, None)
+        return state
+
+
+class Int8Linear(Int8Module):
     """A projection of a quantized model: y = x W^T + b with W (out, in) held as int8 per output channel.
     Its state dict: ``weight`` int8 in the kernel's packed layout (ceil(out / P), ceil(in / 4), P, 4),
     ``weight_scale`` float32 (out,), ``weight_colsum`` int32 (out,) and ``bias`` float32 (out,) or none; all
@@ -122,9 +181,8 @@ class Int8Linear(nn.Module):
     ``from_float`` does either for a ``Linear``."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
-        super().__init__()
+        super().__init__(out_features, in_features)
         self.in_features, self.out_features = in_features, out_features
-        _register_int8(self, out_features, in_features)
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
 
     @classmethod
@@ -132,7 +190,7 @@ class Int8Linear(nn.Module):
         """The int8 form of a float32 (out, in) weight and its bias (``C.quantize_int8``: csrc/gemm/gemm.h)."""
         out, inp = weight.shape
         module = cls(inp, out, bias is not None)
-        _quantize_into(module, weight)
+        module._quantize_from(weight)
         if bias is not None:
             module.bias = bias.detach().float().cpu().clone()
         return module
@@ -144,9 +202,6 @@ class Int8Linear(nn.Module):
             return cls.quantize(linear.weight, linear.bias)
         return cls(linear.in_features, linear.out_features, linear.bias is not None)
 
-    def int8(self) -> Int8Weight:
-        return Int8Weight(self.weight, self.weight_scale, self.weight_colsum)
-
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, None, self.bias, self.int8())
 
@@ -154,7 +209,7 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
 
 
-class Int8Embedding(nn.Module):
+class Int8Embedding(Int8Module):
     """A quantized model's ``Embedding``: the (num, dim) table in int8, per row, by the projections' rule and in
     their packed layout (``C.quantize_int8``: csrc/gemm/gemm.h), as CTranslate2's int8 quantizes its embeddings.
     A lookup dequantizes the rows it reads (``C.int8_embedding``); ``project(h, bias)`` is the int8 projection
@@ -166,15 +221,14 @@ class Int8Embedding(nn.Module):
     quantization = "int8"
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
-        super().__init__()
+        super().__init__(num_embeddings, embedding_dim)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        _register_int8(self, num_embeddings, embedding_dim)
 
     @classmethod
     def quantize(cls, weight: Tensor) -> "Int8Embedding":
         num, dim = weight.shape
         module = cls(num, dim)
-        _quantize_into(module, weight)
+        module._quantize_from(weight)
         return module
 
     @classmethod
@@ -183,9 +237,6 @@ class Int8Embedding(nn.Module):
         if quantize:
             return cls.quantize(embedding.weight)
         return cls(embedding.num_embeddings, embedding.embedding_dim)
-
-    def int8(self) -> Int8Weight:
-        return Int8Weight(self.weight, self.weight_scale, self.weight_colsum)
 
     def forward(self, tokens: Tensor) -> Tensor:
         """tokens (any shape, int64 in [0, num)) -> (*tokens.shape, dim) float32."""
@@ -205,15 +256,3 @@ class Int8Embedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int8"
-
-
-def _register_int8(module: nn.Module, out: int, inp: int) -> None:
-    """An int8 weight (out, in)'s buffers on ``module``, zeros in the layout C++ owns (csrc/gemm/gemm.h)."""
-    for name, tensor in zip(Int8Weight._fields, C.quantize_int8(torch.zeros(out, inp))):
-        module.register_buffer(name, tensor)
-
-
-def _quantize_into(module: nn.Module, weight: Tensor) -> None:
-    """``module``'s int8 buffers set to ``C.quantize_int8`` of a float (out, in) weight."""
-    for name, tensor in zip(Int8Weight._fields, C.quantize_int8(weight.detach().float().cpu())):
-        setattr(module, name, tensor)

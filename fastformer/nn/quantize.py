@@ -18,8 +18,9 @@ the way CTranslate2's ``compute_type="int8"`` does.
 - The int8 products are fastformer's own kernels, or oneDNN's (through torch) on a CPU with AMX for products
   of at least 32 rows and 2^22 multiply-adds: the same int32 sums either way, so the same outputs
   (csrc/gemm/int8_onednn.h; ``fastformer.int8_providers()`` says which runs here, ``FASTFORMER_INT8_PROVIDER``
-  forces one). Where oneDNN's may run, ``pack_for_providers``
-  packs each weight for it at quantization and load (a second copy of the int8 weights, kept with the model).
+  forces one). Where oneDNN's may run, each int8 module packs its weight for it at quantization and at
+  ``load_state_dict`` and holds the packing (``C.int8_prepare``: a second copy of the int8 weights, freed with
+  the module; fastformer/nn/linear.py ``Int8Module``); ``pack_for_providers`` packs a whole model again.
 - Where the kernels apply (float32 on the CPU, grad disabled, no autocast: ``nn/linear.py``'s
   ``packed_applies``), a projection is ``fastformer._C.int8_linear`` and the decoder step runs its int8
   projections in C++; elsewhere it is ``F.linear`` on the weight dequantized for the call.
@@ -37,8 +38,7 @@ import copy
 
 import torch
 
-from fastformer._ext import C
-from fastformer.nn.linear import Embedding, Int8Embedding, Int8Linear, Linear
+from fastformer.nn.linear import Embedding, Int8Embedding, Int8Linear, Int8Module, Linear
 
 QUANTIZATIONS = ("int8",)
 
@@ -87,16 +87,15 @@ def quantize(model, dtype: str = "int8"):
         raise ValueError(f"quantize: int8 runs on the CPU in float32; the model is {weight.dtype} on "
                          f"{weight.device} (use model.float().cpu())")
     with torch.no_grad():
-        return pack_for_providers(to_int8(copy.deepcopy(model), quantize_weights=True))
+        return to_int8(copy.deepcopy(model), quantize_weights=True)  # each int8 module packed as it is made
 
 
 def pack_for_providers(model):
-    """``model``, its int8 weights packed for oneDNN's products now where this CPU's rule can choose them (AMX)
-    or ``FASTFORMER_INT8_PROVIDER`` forces them (``C.int8_prepare``: once per weight, kept while it lives), so
-    that no decoding call packs; elsewhere nothing is done."""
+    """``model``, each int8 module's weight packed for oneDNN's products again (``Int8Module.pack``): where this
+    CPU's rule can choose them (AMX) or ``FASTFORMER_INT8_PROVIDER`` forces them now, else its packing dropped.
+    Quantization and ``load_state_dict`` pack already; this is for weights changed in place some other way, or a
+    provider forced after them (without it, a projection that runs oneDNN's products unpacked packs per call)."""
     for module in model.modules():
-        if isinstance(module, (Int8Linear, Int8Embedding)):
-            n, K = module.weight_scale.shape[0], module.embedding_dim if isinstance(module, Int8Embedding) \
-                else module.in_features
-            C.int8_prepare(module.weight, module.weight_scale, module.weight_colsum, n, K)
+        if isinstance(module, Int8Module):
+            module.pack()
     return model

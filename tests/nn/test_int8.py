@@ -167,7 +167,7 @@ def test_a_non_finite_weight_channel_quantizes_to_zeros_and_a_nan_scale():
     assert torch.equal(q.weight_scale[good], clean.weight_scale[good])
     x = torch.randn(5, 13)
     for variant in VARIANTS:
-        y = C.int8_linear(x, *q, None, 40, variant)
+        y = C.int8_linear(x, q.weight, q.weight_scale, q.weight_colsum, None, 40, variant)
         assert y[:, bad].isnan().all() and y[:, good].isfinite().all(), variant
     assert C.dequantize_int8(q.weight, q.weight_scale, 40, 13)[bad].isnan().all()
 
@@ -188,7 +188,7 @@ def test_activations_take_the_weights_rule_exactly(variant, K):
     x[5] = 0.0
     x[6, 2:] = 1e-30  # tiny values beside a larger one
     eye = quantize_weight(torch.eye(K))
-    y = C.int8_linear(x, *eye, None, K, variant)
+    y = C.int8_linear(x, eye.weight, eye.weight_scale, eye.weight_colsum, None, K, variant)
     rule = quantize_weight(x)  # the scalar rule, as the weights take it
     expected = (127 * unpacked(rule, 9, K).int()).float() * (rule.weight_scale[:, None] * eye.weight_scale[None, :])
     torch.testing.assert_close(y, expected, rtol=0, atol=0, equal_nan=True)
@@ -383,10 +383,11 @@ def test_quantized_generate_takes_the_float_models_arguments():
 def test_cpp_decoder_binds_int8_projections_by_name():
     """A quantized model's projections cross into the C++ step by their state dict names, "<name>.weight",
     "<name>.weight_scale" and "<name>.weight_colsum" (the tied embedding and output projection as "embed.*"),
-    each checked like the float32 panels."""
+    each checked like the float32 panels; and "<name>.onednn" where the module holds a oneDNN packing (AMX)."""
     model = fastformer.quantize(varied_model(CONFIG, "cpu", seed=4, dtype=torch.float32))
     description = cpp_decoder_arguments(CONFIG, model)
-    assert set(description["embed"]) == {"embed.weight", "embed.weight_scale", "embed.weight_colsum"}
+    packed = {"embed.onednn"} if model.embed.onednn is not None else set()
+    assert set(description["embed"]) == {"embed.weight", "embed.weight_scale", "embed.weight_colsum"} | packed
     assert "ffn.fc1.weight" in description["layers"][0] and "ffn.fc1.panels" not in description["layers"][0]
     C.CpuDecoder(description)  # as given: accepted
     for change, message in [

@@ -107,7 +107,8 @@ def test_a_projection_of_no_inputs_gives_the_bias(variant, M):
 
 
 def small_weights(model):
-    """Where oneDNN could saturate (no VNNI, no AMX), every int8 weight of ``model`` halved in place (see the top)."""
+    """Where oneDNN could saturate (no VNNI, no AMX), every int8 weight of ``model`` halved in place (see the top),
+    and packed again (pack_for_providers: a weight changed in place is not re-packed by itself)."""
     if OPERANDS == "full-range":
         return model
     for module in model.modules():
@@ -116,7 +117,7 @@ def small_weights(model):
             module.weight.copy_(torch.div(module.weight, 2, rounding_mode="floor"))
             K = module.weight.shape[1] * 4
             module.weight_colsum.copy_(C.dequantize_int8(module.weight, torch.ones(n), n, K).sum(1).int())
-    return model
+    return pack_for_providers(model)
 
 
 @pytest.mark.parametrize("operands", [OPERANDS])
@@ -178,15 +179,22 @@ def test_the_rule_and_the_forced_provider(monkeypatch):
 
 @pytest.mark.skipif("onednn" not in VARIANTS, reason="this torch has no oneDNN (no variant onednn to pack for)")
 def test_weights_are_packed_at_quantization_and_load_when_onednn_can_run(monkeypatch):
+    """C.int8_prepare packs where oneDNN can be chosen (forced, or the rule on AMX), else gives None; an int8
+    module holds what it gave at quantization (and pack_for_providers packs it again under the provider of the
+    time)."""
     layer = Int8Linear.quantize(torch.randn(40, 24), torch.randn(40))
+    assert (layer.onednn is not None) == C.cpu_has_amx_int8()
     args = (layer.weight, layer.weight_scale, layer.weight_colsum, 40, 24)
     monkeypatch.setenv("FASTFORMER_INT8_PROVIDER", VARIANTS[0])
-    assert not C.int8_prepare(*args)
+    assert C.int8_prepare(*args) is None
+    assert pack_for_providers(layer) is layer and layer.onednn is None
     monkeypatch.setenv("FASTFORMER_INT8_PROVIDER", "onednn")
-    assert C.int8_prepare(*args)
+    packed = C.int8_prepare(*args)
+    assert isinstance(packed, C.OnednnInt8) and (packed.n, packed.K) == (40, 24)
+    assert pack_for_providers(layer).onednn is not None
+    assert Int8Linear.quantize(torch.randn(40, 24)).onednn is not None
     monkeypatch.delenv("FASTFORMER_INT8_PROVIDER")
-    assert C.int8_prepare(*args) == C.cpu_has_amx_int8()
-    assert pack_for_providers(layer) is layer
+    assert (C.int8_prepare(*args) is not None) == C.cpu_has_amx_int8()
 
 
 @pytest.mark.skipif("onednn" not in VARIANTS, reason="this torch has no oneDNN (no variant onednn to check)")
@@ -196,9 +204,7 @@ def test_onednn_never_reorders_a_weight_per_call():
     script = (
         "import torch\n"
         "from fastformer.nn.linear import Int8Linear\n"
-        "from fastformer.nn.quantize import pack_for_providers\n"
         "layers = [Int8Linear.quantize(torch.randn(n, k), torch.randn(n)) for n, k in ((50, 2047), (4113, 97))]\n"
-        "pack_for_providers(torch.nn.Sequential(*layers))\n"
         "print('CALLS', flush=True)\n"
         "with torch.no_grad():\n"
         "    for M in (1, 33, 129, 33):\n"
