@@ -107,21 +107,30 @@ inline void check_head_groups(int64_t H, int64_t H_kv, const char* op, const cha
                     "attention)");
 }
 
+// What the attention ops check alike: q, k, v given, of `rank` dims (q shaped q_shape, k and v kv_shape in the
+// messages), q floating, k and v of q's dtype and device and of one shape.
+inline void check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, int64_t rank, const char* q_shape,
+                      const char* kv_shape, const char* op) {
+  check_given(q, op, "q");
+  check_given(k, op, "k");
+  check_given(v, op, "v");
+  TORCH_CHECK_VALUE(q.dim() == rank, "fastformer ", op, ": q must be ", rank, "-D ", q_shape, ", got shape ", q.sizes());
+  TORCH_CHECK_VALUE(k.dim() == rank, "fastformer ", op, ": k must be ", rank, "-D ", kv_shape, ", got shape ",
+                    k.sizes());
+  TORCH_CHECK_VALUE(v.dim() == rank, "fastformer ", op, ": v must be ", rank, "-D ", kv_shape, ", got shape ",
+                    v.sizes());
+  check_floating(q, op, "q");
+  check_like(k, "k", q, "q", op);
+  check_like(v, "v", q, "q", op);
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "fastformer ", op, ": k ", k.sizes(), " and v ", v.sizes(),
+                    " must have the same shape");
+}
+
 // q (B, H, Lq, D); k, v (B, H_kv, Lk, D) with H a multiple of H_kv; key_padding_mask (B, Lk) bool.
 inline void check_attention(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& key_padding_mask,
                             double dropout_p) {
   constexpr const char* op = "attention";
-  check_given(q, op, "q");
-  check_given(k, op, "k");
-  check_given(v, op, "v");
-  TORCH_CHECK_VALUE(q.dim() == 4, "fastformer attention: q must be 4-D (B, H, L, D), got shape ", q.sizes());
-  TORCH_CHECK_VALUE(k.dim() == 4, "fastformer attention: k must be 4-D (B, H, L, D), got shape ", k.sizes());
-  TORCH_CHECK_VALUE(v.dim() == 4, "fastformer attention: v must be 4-D (B, H, L, D), got shape ", v.sizes());
-  check_floating(q, op, "q");
-  check_like(k, "k", q, "q", op);
-  check_like(v, "v", q, "q", op);
-  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "fastformer attention: k ", k.sizes(), " and v ", v.sizes(),
-                    " must have the same shape");
+  check_qkv(q, k, v, 4, "(B, H, L, D)", "(B, H_kv, L, D)", op);
   TORCH_CHECK_VALUE(k.size(0) == q.size(0) && k.size(3) == q.size(3), "fastformer attention: q ", q.sizes(),
                     " and k ", k.sizes(), " must agree in batch and head dim");
   check_head_groups(q.size(1), k.size(1), "attention", "k and v (B, H_kv, Lk, D)");
@@ -172,17 +181,7 @@ inline void check_attention_varlen(const Tensor& q, const Tensor& k, const Tenso
                                    const Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
                                    double dropout_p) {
   constexpr const char* op = "attention_varlen";
-  check_given(q, op, "q");
-  check_given(k, op, "k");
-  check_given(v, op, "v");
-  TORCH_CHECK_VALUE(q.dim() == 3, "fastformer attention_varlen: q must be 3-D (Tq, H, D), got shape ", q.sizes());
-  TORCH_CHECK_VALUE(k.dim() == 3, "fastformer attention_varlen: k must be 3-D (Tk, H_kv, D), got shape ", k.sizes());
-  TORCH_CHECK_VALUE(v.dim() == 3, "fastformer attention_varlen: v must be 3-D (Tk, H_kv, D), got shape ", v.sizes());
-  check_floating(q, op, "q");
-  check_like(k, "k", q, "q", op);
-  check_like(v, "v", q, "q", op);
-  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "fastformer attention_varlen: k ", k.sizes(), " and v ", v.sizes(),
-                    " must have the same shape");
+  check_qkv(q, k, v, 3, "(Tq, H, D)", "(Tk, H_kv, D)", op);
   TORCH_CHECK_VALUE(k.size(2) == q.size(2), "fastformer attention_varlen: q ", q.sizes(), " and k ", k.sizes(),
                     " must have the same head dim");
   check_head_groups(q.size(1), k.size(1), op, "k and v (Tk, H_kv, D)");

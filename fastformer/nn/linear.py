@@ -65,10 +65,13 @@ def pack_panels(weight: Tensor) -> Tensor:
 
 
 def packed_panels(weight: Tensor) -> Optional[Tensor]:
-    """``pack_panels(weight)``, cached until the weight changes; None unless it is a 2-D float32 CPU tensor."""
+    """``pack_panels(weight)``, cached until the weight changes; None unless it is a 2-D float32 CPU tensor.
+    A change is seen by the weight's version counter; a weight made under torch.inference_mode has none (it
+    cannot change outside inference mode): its panels are kept until the weight is replaced, as torch's own
+    packed weights are (an in-place change made inside inference mode is not seen)."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
         return None
-    key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+    key = (weight.data_ptr(), None if weight.is_inference() else weight._version, tuple(weight.shape))
     cached = _PANELS.get(weight)
     if cached is not None and cached[0] == key:
         return cached[1]

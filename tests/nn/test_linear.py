@@ -77,3 +77,20 @@ def test_the_decoder_shares_the_panels_of_the_models_linear_layers():
     before = [packed_panels(w) for w in weights]
     model.generate(src, beam_size=2, max_len_b=3)
     assert all(packed_panels(w) is p for w, p in zip(weights, before))
+
+
+def test_a_model_made_under_inference_mode_translates():
+    # Weights made under torch.inference_mode have no version counter (issue 55): the panels are cached by the
+    # weight alone, and a model built and run there decodes as one built outside it.
+    from fastformer.nn import Transformer, TransformerConfig
+    torch.manual_seed(0)
+    outside = Transformer(TransformerConfig.tiny(vocab_size=40))
+    src = torch.randint(4, 40, (2, 7))
+    expected = outside.generate(src, beam_size=2)
+    with torch.inference_mode():
+        inside = Transformer(TransformerConfig.tiny(vocab_size=40))
+        inside.load_state_dict(outside.state_dict())
+        layer = inside.encoder.layers[0].ffn.fc1
+        assert layer.weight.is_inference()
+        assert inside.generate(src, beam_size=2) == expected
+        assert linear_module._PANELS.get(layer.weight) is not None, "the packed kernel was not used"
