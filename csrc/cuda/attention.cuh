@@ -2,11 +2,18 @@
 // algorithm in SIMT code (fp32 math and accumulation, no tensor cores, no atomics). The launchers are in
 // csrc/cuda/attention.cu; the semantics are those of csrc/cpu/attention.cpp.
 //
-// Shapes: q (B, H, Lq, D), k and v (B, H, Lk, D) at any batch, head and row strides (RowStrides) with the
+// Shapes: q (B, H, Lq, D), k and v (B, H_kv, Lk, D) at any batch, head and row strides (RowStrides) with the
 // last dim contiguous, e.g. views of (B, L, H, D) projections, read in place; out (B, H, Lq, D) likewise
 // (the launchers write a view of a contiguous (B, Lq, H, D) tensor); key_padding_mask (B, Lk) bool (True =
 // padding) or none, contiguous; lse (B, H, Lq) float32, contiguous. Query i sees key j iff j < Lk, the key
-// is not padding, and (causal, bottom-right aligned) j <= i + Lk - Lq. The head dim D (1..D_MAX) is a runtime
+// is not padding, and (causal, bottom-right aligned) j <= i + Lk - Lq.
+// Grouped-query attention: H is a multiple of H_kv and query head h reads key/value head h / group
+// (group = H / H_kv) in place. Packed sequences (attention_varlen, cu_seqlens_q/k given): q, out (Tq, H, D)
+// and k, v (Tk, H_kv, D) are the same kernels' tensors with batch stride 0, and sequence b is rows
+// cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q (its Lq_b) and the like of k, v (Lk_b), clamped into [0, T]
+// (a bad table, unchecked during CUDA graph capture, never reads or writes outside the tensors); lse is
+// (H, Tq). Every rule above holds per sequence with Lq_b, Lk_b (seq_rows: SeqRows); the grids cover the
+// longest sequence, and a block past its own sequence's rows returns at once. The head dim D (1..D_MAX) is a runtime
 // size; D_MAX in {16, 32, 64, 128} is a template parameter fixing the shared tiles and the columns each
 // lane owns. Columns D..D_MAX-1 of every shared tile are zeros, so they add nothing to dot products.
 // Storage is float, __half or __nv_bfloat16; every tile is converted to float when it is staged in
@@ -49,9 +56,11 @@
 // reaches other rows through 0 * inf in the dS K, dS^T Q, P V products, as in every backend.)
 // Three kernels, each output written by exactly one block (deterministic, no atomics):
 //   attention_bwd_delta_kernel: one warp per query row, delta (B, H, Lq) float32; reads O and dO once.
-//   attention_bwd_dkdv_kernel: block (key block of kBlock = 4 kWarps keys, b h), owned rows = keys, tiles
-//     of 32 queries from the first query that can see the block; reads K, V once and Q, dO once per key
-//     block: (2 Lk + 2 Lq ceil(Lk / kBlock)) D sizeof(T) + 8 Lq ceil(Lk / kBlock) (lse, delta); writes dK, dV.
+//   attention_bwd_dkdv_kernel: block (key block of kBlock = 4 kWarps keys, b h_kv), owned rows = keys, tiles
+//     of 32 queries from the first query that can see the block, for each of the group's query heads in
+//     turn; reads K, V once and Q, dO of the group once per key block, per kv head:
+//     (2 Lk + 2 group Lq ceil(Lk / kBlock)) D sizeof(T) + 8 group Lq ceil(Lk / kBlock) (lse, delta);
+//     writes dK, dV.
 //   attention_bwd_dq_kernel: block (query tile of kBlock rows, b h), owned rows = queries, key tiles of
 //     32 up to the causal limit; reads Q, dO once and K, V once per query tile:
 //     (2 Lq + 2 Lk ceil(Lq / kBlock)) D sizeof(T) + 8 Lq; writes dQ.
@@ -66,9 +75,10 @@
 // Registers (ptxas, sm_60 and sm_80): at most ~140 per thread, no spills (docs/kernels.md).
 //
 // Dropout: element (b, h, i, j) of the probability matrix is kept iff the Philox draw of flat index
-// ((b H + h) Lq + i) Lk + j (csrc/philox.h) is >= p, the same stream as every other backend, regenerated
-// in the backward; the seed is read from device memory at each Philox call (common.cuh load_seed). Kept
-// probabilities are scaled by 1/(1-p); l (and so lse) uses the undropped ones.
+// r Lk + j (csrc/philox.h) is >= p, r the query row's index in lse ((b H + h) Lq + i dense, h the query
+// head; h Tq + cu_seqlens_q[b] + i packed, with the totals Tq, Tk as Lq, Lk), the same stream as every other
+// backend, regenerated in the backward; the seed is read from device memory at each Philox call (common.cuh
+// load_seed). Kept probabilities are scaled by 1/(1-p); l (and so lse) uses the undropped ones.
 #pragma once
 #include "common.cuh"
 
@@ -83,20 +93,25 @@ struct RowStrides {
   int64_t batch, head, row;
 };
 
-// Offset of the rows of (b, h): row i of that slice starts at slice_offset + i row.
-FF_DEVICE int64_t slice_offset(const RowStrides& s, int b, int h) { return b * s.batch + h * s.head; }
+// Offset of row `row` of (b, h) (packed tensors: batch stride 0, `row` the packed row).
+FF_DEVICE int64_t slice_offset(const RowStrides& s, int b, int h, int row) {
+  return b * s.batch + h * s.head + row * s.row;
+}
 
 // Forward: pointers, strides and sizes of one launch.
 template <typename T>
 struct AttentionFwdParams {
-  const T* q;                    // (B, H, Lq, D) at q_strides
-  const T* k;                    // (B, H, Lk, D) at k_strides
-  const T* v;                    // (B, H, Lk, D) at v_strides
-  const bool* key_padding_mask;  // (B, Lk), True = padding; nullptr for none
-  T* out;                        // (B, H, Lq, D) at out_strides, output
-  float* lse;                    // (B, H, Lq), output: m + log l of the scaled visible scores (-inf: none)
+  const T* q;                    // (B, H, Lq, D) at q_strides; packed (Tq, H, D)
+  const T* k;                    // (B, H_kv, Lk, D) at k_strides; packed (Tk, H_kv, D)
+  const T* v;                    // (B, H_kv, Lk, D) at v_strides; packed (Tk, H_kv, D)
+  const bool* key_padding_mask;  // (B, Lk), True = padding; nullptr for none (always for packed)
+  const int32_t* cu_seqlens_q;   // (B + 1) packed: sequence b is rows cu_seqlens_q[b] .. [b + 1] of q; nullptr: dense
+  const int32_t* cu_seqlens_k;   // (B + 1) packed: the same of k and v; nullptr: dense
+  T* out;                        // (B, H, Lq, D) at out_strides, output; packed (Tq, H, D)
+  float* lse;                    // (B, H, Lq), output: m + log l of the scaled visible scores (-inf: none);
+                                 // packed (H, Tq)
   RowStrides q_strides, k_strides, v_strides, out_strides;
-  int H, Lq, Lk, D;
+  int H, group, Lq, Lk, D;       // group = H / H_kv; packed: Lq, Lk are the totals Tq, Tk
   float scale;                   // scores are scale q . k
   bool causal;                   // bottom-right aligned: query i sees keys j <= i + Lk - Lq
   bool vec2;                     // D even, pointers and strides 2-element aligned: pairs move as load2/store2
@@ -111,19 +126,21 @@ struct AttentionFwdParams {
 // Backward: pointers, strides and sizes shared by the three backward kernels of one call.
 template <typename T>
 struct AttentionBwdParams {
-  const T* q;                    // (B, H, Lq, D) at q_strides
-  const T* k;                    // (B, H, Lk, D) at k_strides
-  const T* v;                    // (B, H, Lk, D) at v_strides
+  const T* q;                    // (B, H, Lq, D) at q_strides (packed: as AttentionFwdParams)
+  const T* k;                    // (B, H_kv, Lk, D) at k_strides
+  const T* v;                    // (B, H_kv, Lk, D) at v_strides
   const T* out;                  // (B, H, Lq, D) at out_strides, the forward's output
   const T* dout;                 // (B, H, Lq, D) at dout_strides, gradient of out
-  const float* lse;              // (B, H, Lq), the forward's logsumexp
-  float* delta;                  // (B, H, Lq) workspace: written by the delta kernel, read by the others
+  const float* lse;              // (B, H, Lq), the forward's logsumexp; packed (H, Tq)
+  float* delta;                  // lse's shape, workspace: written by the delta kernel, read by the others
   const bool* key_padding_mask;  // (B, Lk), True = padding; nullptr for none
+  const int32_t* cu_seqlens_q;   // (B + 1) packed sequences' rows in q; nullptr: dense
+  const int32_t* cu_seqlens_k;   // (B + 1) packed sequences' rows in k, v; nullptr: dense
   T* dq;                         // (B, H, Lq, D) at dq_strides, output
-  T* dk;                         // (B, H, Lk, D) at dk_strides, output
-  T* dv;                         // (B, H, Lk, D) at dv_strides, output
+  T* dk;                         // (B, H_kv, Lk, D) at dk_strides, output
+  T* dv;                         // (B, H_kv, Lk, D) at dv_strides, output
   RowStrides q_strides, k_strides, v_strides, out_strides, dout_strides, dq_strides, dk_strides, dv_strides;
-  int BH, H, Lq, Lk, D;          // BH = B * H
+  int BH, H, group, Lq, Lk, D;   // BH Lq = the rows of lse: BH = B H dense, H packed; group = H / H_kv
   float scale;
   bool causal;
   bool vec2;
@@ -157,6 +174,34 @@ namespace attention_detail {
 
 FF_DEVICE int imin(int a, int b) { return a < b ? a : b; }
 FF_DEVICE int imax(int a, int b) { return a > b ? a : b; }
+
+// Where the rows of sequence b are (see the top of the file): dense, all Lq query and Lk key rows of batch
+// b; packed, rows cu_seqlens[b] .. cu_seqlens[b + 1] clamped into [0, T].
+struct SeqRows {
+  int q_start, k_start;  // first row in q (out, dout, dq) and in k (v, dk, dv)
+  int Lq, Lk;            // the sequence's lengths Lq_b, Lk_b
+  int lse_b;  // query row i of head h is row lse_b + h p.Lq + i of lse and delta (int: the launchers check
+              // that lse has fewer than 2^31 rows; 32-bit rows keep the kernels within their registers)
+  FF_DEVICE int lse_row(int h, int Lq_total) const { return lse_b + h * Lq_total; }
+};
+
+template <typename Params>
+FF_DEVICE SeqRows seq_rows(const Params& p, int b) {
+  SeqRows s;
+  if (p.cu_seqlens_q == nullptr) {
+    s.q_start = s.k_start = 0;
+    s.Lq = p.Lq;
+    s.Lk = p.Lk;
+    s.lse_b = b * p.H * p.Lq;  // (b H + h) Lq + i
+  } else {
+    s.q_start = imin(imax(p.cu_seqlens_q[b], 0), p.Lq);
+    s.k_start = imin(imax(p.cu_seqlens_k[b], 0), p.Lk);
+    s.Lq = imin(imax(p.cu_seqlens_q[b + 1], s.q_start), p.Lq) - s.q_start;
+    s.Lk = imin(imax(p.cu_seqlens_k[b + 1], s.k_start), p.Lk) - s.k_start;
+    s.lse_b = s.q_start;  // h Tq + q_start + i
+  }
+  return s;
+}
 
 // Component r (0..3) of a float4 (r is a constant after unrolling).
 FF_DEVICE float component(const float4& v, int r) { return r == 0 ? v.x : r == 1 ? v.y : r == 2 ? v.z : v.w; }
@@ -322,8 +367,8 @@ FF_DEVICE int causal_key_end(bool causal, int i_end, int Lq, int Lk) {
 
 }  // namespace attention_detail
 
-// Forward. Grid (ceil(Lq / kBlockM), B H), block kThreads: warp w owns query rows i0 + 4w .. i0 + 4w + 3,
-// lane j takes key j0 + j of each key tile.
+// Forward. Grid (ceil(max Lq_b / kBlockM), B H), block kThreads: warp w owns query rows i0 + 4w .. i0 + 4w + 3
+// of sequence b, head h, lane j takes key j0 + j of each key tile of kv head h / group.
 template <typename T, int D_MAX>
 FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdConfig<D_MAX>::kThreads)
     attention_fwd_kernel(const AttentionFwdParams<T> p) {
@@ -343,17 +388,19 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdConfig<D_MAX>::kThreads)
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int c0 = (lane % Cols::kLanesPerRow) * kCols, group = lane / Cols::kLanesPerRow;
   const int bh = blockIdx.y, b = bh / p.H, head = bh - b * p.H;
+  const SeqRows sq = seq_rows(p, b);
   const int i0 = blockIdx.x * Cfg::kBlockM, row0 = i0 + warp * kRowsPerWarp;
+  if (i0 >= sq.Lq) return;  // past this sequence's queries
   const int n4 = (p.D + 3) / 4;
   const bool* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.Lk : nullptr;
-  const T* k_bh = p.k + slice_offset(p.k_strides, b, head);  // the rows of (b, h)
-  const T* v_bh = p.v + slice_offset(p.v_strides, b, head);
-  T* out_bh = p.out + slice_offset(p.out_strides, b, head);
+  const T* k_bh = p.k + slice_offset(p.k_strides, b, head / p.group, sq.k_start);  // the sequence's rows
+  const T* v_bh = p.v + slice_offset(p.v_strides, b, head / p.group, sq.k_start);
+  T* out_bh = p.out + slice_offset(p.out_strides, b, head, sq.q_start);
+  const int lse_h = sq.lse_row(head, p.Lq);
   const float neg_inf = -ff_inf();
 
-  load_tile<Cfg::kBlockM, D_MAX, D_MAX, Cfg::kThreads>(
-      q_s, p.q + slice_offset(p.q_strides, b, head) + i0 * p.q_strides.row, p.q_strides.row, p.Lq - i0, p.D, p.vec2,
-      p.scale);
+  load_tile<Cfg::kBlockM, D_MAX, D_MAX, Cfg::kThreads>(q_s, p.q + slice_offset(p.q_strides, b, head, sq.q_start + i0),
+                                                       p.q_strides.row, sq.Lq - i0, p.D, p.vec2, p.scale);
   float m[kRowsPerWarp], l[kRowsPerWarp], acc[kRowsPerWarp][kCols];
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
@@ -363,7 +410,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdConfig<D_MAX>::kThreads)
     for (int c = 0; c < kCols; ++c) acc[r][c] = 0.0f;
   }
 
-  const int key_end = causal_key_end(p.causal, imin(i0 + Cfg::kBlockM, p.Lq), p.Lq, p.Lk);
+  const int key_end = causal_key_end(p.causal, imin(i0 + Cfg::kBlockM, sq.Lq), sq.Lq, sq.Lk);
   for (int j0 = 0; j0 < key_end; j0 += kTileRows) {
     const int nk = imin(kTileRows, key_end - j0);
     __syncthreads();  // every warp is done with the previous K, V and P (and Q is written, first time)
@@ -380,7 +427,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdConfig<D_MAX>::kThreads)
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
       const int i = row0 + r;
-      const bool visible = key_ok && i < p.Lq && (!p.causal || j <= i + p.Lk - p.Lq);
+      const bool visible = key_ok && i < sq.Lq && (!p.causal || j <= i + sq.Lk - sq.Lq);
       const float sr = visible ? s[r] : neg_inf;
       // +inf -> NaN: e^(s - m) and so l, acc and lse turn NaN (a NaN s does that through its own e^(s - m)).
       const float m_new = poison_unbounded(fmaxf(m[r], warp_max(sr)));
@@ -393,7 +440,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdConfig<D_MAX>::kThreads)
       for (int c = 0; c < kCols; ++c) acc[r][c] *= corr;
       pd[r] = pr;
       if (p.dropout_p > 0.0f) {
-        const uint64_t idx = (static_cast<uint64_t>(bh) * p.Lq + i) * p.Lk + j;
+        const uint64_t idx = static_cast<uint64_t>(lse_h + i) * p.Lk + j;
         pd[r] *= dropout_factor(load_seed(p.seed), idx, p.dropout_p, p.dropout_scale);
       }
     }
@@ -407,8 +454,8 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdConfig<D_MAX>::kThreads)
   for (int r = 0; r < kRowsPerWarp; ++r) {
     const int i = row0 + r;
     const float l_row = warp_sum(l[r]);
-    if (i < p.Lq) {
-      const int64_t row = static_cast<int64_t>(bh) * p.Lq + i;
+    if (i < sq.Lq) {
+      const int row = lse_h + i;
       // l = 0: no visible key (or only -inf scores) -> zeros and lse = -inf. l = NaN (a NaN or +inf
       // visible score): out and lse NaN.
       if (group == 0) {
@@ -419,7 +466,8 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdConfig<D_MAX>::kThreads)
   }
 }
 
-// delta_i = dO_i . O_i for the B H Lq rows (row = (b H + h) Lq + i of delta; O and dO at their strides).
+// delta_i = dO_i . O_i for the BH Lq rows of lse's layout (row = (b H + h) Lq + i of delta; packed, with B = 1
+// and batch stride 0: h Tq + t, t the packed row; O and dO at their strides).
 // Block 256: one warp per row, the lanes over its column pairs (one load2 each when vec2); the grid's
 // 8 gridDim.x warps stride over the rows.
 template <typename T>
@@ -431,8 +479,8 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kDeltaThreads) attention_bwd_delta_kernel(const 
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp; row < rows;
        row += static_cast<int64_t>(gridDim.x) * kWarps) {
     const int i = static_cast<int>(row % p.Lq), bh = static_cast<int>(row / p.Lq), b = bh / p.H, head = bh - b * p.H;
-    const T* o = p.out + slice_offset(p.out_strides, b, head) + i * p.out_strides.row;
-    const T* g = p.dout + slice_offset(p.dout_strides, b, head) + i * p.dout_strides.row;
+    const T* o = p.out + slice_offset(p.out_strides, b, head, i);
+    const T* g = p.dout + slice_offset(p.dout_strides, b, head, i);
     // Lane l sums columns 2l, 2l + 1, then 64 further on: the same products in the same order whether the
     // pairs load as one vector or element by element (a strided view gives the contiguous copy's delta).
     float sum = 0.0f;
@@ -455,8 +503,9 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kDeltaThreads) attention_bwd_delta_kernel(const 
   }
 }
 
-// dK and dV. Grid (ceil(Lk / kBlock), B H), block kThreads: warp w owns keys j_blk + 4w .. j_blk + 4w + 3,
-// lane i takes query i0 + i of each query tile.
+// dK and dV. Grid (ceil(max Lk_b / kBlock), B H_kv), block kThreads: warp w owns keys j_blk + 4w .. j_blk + 4w + 3
+// of sequence b, kv head h_kv, and sums their gradients over the group's query heads h_kv group ..
+// (h_kv + 1) group - 1 in turn (no atomics); lane i takes query i0 + i of each query tile.
 template <typename T, int D_MAX>
 FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
     attention_bwd_dkdv_kernel(const AttentionBwdParams<T> p) {
@@ -478,25 +527,26 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
 
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int c0 = (lane % Cols::kLanesPerRow) * kCols, group = lane / Cols::kLanesPerRow;
-  const int bh = blockIdx.y, b = bh / p.H, head = bh - b * p.H;
+  const int H_kv = p.H / p.group;
+  const int bh = blockIdx.y, b = bh / H_kv, head_kv = bh - b * H_kv;
+  const SeqRows sq = seq_rows(p, b);
   const int j_blk = blockIdx.x * Cfg::kBlock, jw = j_blk + warp * kRowsPerWarp;
+  if (j_blk >= sq.Lk) return;  // past this sequence's keys
   const int n4 = (p.D + 3) / 4;
-  const T* q_bh = p.q + slice_offset(p.q_strides, b, head);  // the rows of (b, h)
-  const T* do_bh = p.dout + slice_offset(p.dout_strides, b, head);
   const float neg_inf = -ff_inf();
   const bool* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.Lk : nullptr;
 
   load_tile<Cfg::kBlock, D_MAX, D_MAX, Cfg::kThreads>(
-      k_s, p.k + slice_offset(p.k_strides, b, head) + j_blk * p.k_strides.row, p.k_strides.row, p.Lk - j_blk, p.D,
+      k_s, p.k + slice_offset(p.k_strides, b, head_kv, sq.k_start + j_blk), p.k_strides.row, sq.Lk - j_blk, p.D,
       p.vec2, 1.0f);
   load_tile<Cfg::kBlock, D_MAX, D_MAX, Cfg::kThreads>(
-      v_s, p.v + slice_offset(p.v_strides, b, head) + j_blk * p.v_strides.row, p.v_strides.row, p.Lk - j_blk, p.D,
+      v_s, p.v + slice_offset(p.v_strides, b, head_kv, sq.k_start + j_blk), p.v_strides.row, sq.Lk - j_blk, p.D,
       p.vec2, 1.0f);
   bool key_ok[kRowsPerWarp];
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
     const int j = jw + r;
-    key_ok[r] = j < p.Lk && !(kpm != nullptr && kpm[j]);
+    key_ok[r] = j < sq.Lk && !(kpm != nullptr && kpm[j]);
   }
   float dk[kRowsPerWarp][kCols], dv[kRowsPerWarp][kCols];
 #pragma unroll
@@ -506,55 +556,59 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
   }
 
   // Queries before the diagonal of the block's first key see none of its keys.
-  const int first = p.causal ? imax(0, j_blk - (p.Lk - p.Lq)) / kTileRows * kTileRows : 0;
-  for (int i0 = first; i0 < p.Lq; i0 += kTileRows) {
-    const int nq = imin(kTileRows, p.Lq - i0);
-    __syncthreads();  // every warp is done with the previous Q, dO, P r, dS (and K, V are written)
-    load_tile<kTileRows, D_MAX, kQStride, Cfg::kThreads>(do_s, do_bh + i0 * p.dout_strides.row, p.dout_strides.row,
-                                                         nq, p.D, p.vec2, 1.0f);
-    // scale Q, as the forward stages it: s = (scale q_i) . k_j rounds exactly as the forward's scores did.
-    load_tile<kTileRows, D_MAX, kQStride, Cfg::kThreads>(q_s, q_bh + i0 * p.q_strides.row, p.q_strides.row, nq,
-                                                         p.D, p.vec2, p.scale);
-    __syncthreads();
+  const int first = p.causal ? imax(0, j_blk - (sq.Lk - sq.Lq)) / kTileRows * kTileRows : 0;
+  for (int head = head_kv * p.group; head < (head_kv + 1) * p.group; ++head) {
+    const int lse_h = sq.lse_row(head, p.Lq);
+    for (int i0 = first; i0 < sq.Lq; i0 += kTileRows) {
+      const int nq = imin(kTileRows, sq.Lq - i0);
+      __syncthreads();  // every warp is done with the previous Q, dO, P r, dS (and K, V are written)
+      load_tile<kTileRows, D_MAX, kQStride, Cfg::kThreads>(
+          do_s, p.dout + slice_offset(p.dout_strides, b, head, sq.q_start + i0), p.dout_strides.row, nq, p.D, p.vec2,
+          1.0f);
+      // scale Q, as the forward stages it: s = (scale q_i) . k_j rounds exactly as the forward's scores did.
+      load_tile<kTileRows, D_MAX, kQStride, Cfg::kThreads>(q_s, p.q + slice_offset(p.q_strides, b, head, sq.q_start + i0),
+                                                           p.q_strides.row, nq, p.D, p.vec2, p.scale);
+      __syncthreads();
 
-    const int i = i0 + lane;
-    const int64_t row = static_cast<int64_t>(bh) * p.Lq + i;
-    const float lse_i = i < p.Lq ? p.lse[row] : neg_inf;
-    const float delta_i = i < p.Lq ? p.delta[row] : 0.0f;
-    float s[kRowsPerWarp], dp[kRowsPerWarp];
-    dot_rows4(q_s + lane * kQStride, k_s + warp * kRowsPerWarp * D_MAX, D_MAX, n4, s);
-    dot_rows4(do_s + lane * kQStride, v_s + warp * kRowsPerWarp * D_MAX, D_MAX, n4, dp);
-    float4 f = make4(1.0f, 1.0f, 1.0f, 1.0f);
-    if (p.dropout_p > 0.0f) {
-      f = dropout_factors4(load_seed(p.seed), static_cast<uint64_t>(row) * p.Lk + jw, p.dropout_p,
-                           p.dropout_scale);
-    }
-    float pd[kRowsPerWarp], ds[kRowsPerWarp];
+      const int i = i0 + lane;
+      const int row = lse_h + i;
+      const float lse_i = i < sq.Lq ? p.lse[row] : neg_inf;
+      const float delta_i = i < sq.Lq ? p.delta[row] : 0.0f;
+      float s[kRowsPerWarp], dp[kRowsPerWarp];
+      dot_rows4(q_s + lane * kQStride, k_s + warp * kRowsPerWarp * D_MAX, D_MAX, n4, s);
+      dot_rows4(do_s + lane * kQStride, v_s + warp * kRowsPerWarp * D_MAX, D_MAX, n4, dp);
+      float4 f = make4(1.0f, 1.0f, 1.0f, 1.0f);
+      if (p.dropout_p > 0.0f) {
+        f = dropout_factors4(load_seed(p.seed), static_cast<uint64_t>(row) * p.Lk + jw, p.dropout_p,
+                             p.dropout_scale);
+      }
+      float pd[kRowsPerWarp], ds[kRowsPerWarp];
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      // lse = NaN (a poisoned row) is "visible": P, dS and so dK, dV of its keys turn NaN. An invisible
-      // pair gives exact zeros, whatever dP (V) and delta (a poisoned row's O) hold.
-      const bool visible = key_ok[r] && i < p.Lq && lse_i != neg_inf && (!p.causal || jw + r <= i + p.Lk - p.Lq);
-      const float pr = visible ? expf(s[r] - lse_i) : 0.0f;
-      const float fr = component(f, r);
-      pd[r] = pr * fr;
-      ds[r] = visible ? pr * (dp[r] * fr - delta_i) : 0.0f;
+      for (int r = 0; r < kRowsPerWarp; ++r) {
+        // lse = NaN (a poisoned row) is "visible": P, dS and so dK, dV of its keys turn NaN. An invisible
+        // pair gives exact zeros, whatever dP (V) and delta (a poisoned row's O) hold.
+        const bool visible = key_ok[r] && i < sq.Lq && lse_i != neg_inf && (!p.causal || jw + r <= i + sq.Lk - sq.Lq);
+        const float pr = visible ? expf(s[r] - lse_i) : 0.0f;
+        const float fr = component(f, r);
+        pd[r] = pr * fr;
+        ds[r] = visible ? pr * (dp[r] * fr - delta_i) : 0.0f;
+      }
+      p_s[warp * kTileRows + lane] = make4(pd[0], pd[1], pd[2], pd[3]);
+      ds_s[warp * kTileRows + lane] = make4(ds[0], ds[1], ds[2], ds[3]);
+      __syncwarp();
+      accumulate<D_MAX, kQStride>(dv, p_s + warp * kTileRows, do_s, c0, group, nq);
+      accumulate<D_MAX, kQStride>(dk, ds_s + warp * kTileRows, q_s, c0, group, nq);
     }
-    p_s[warp * kTileRows + lane] = make4(pd[0], pd[1], pd[2], pd[3]);
-    ds_s[warp * kTileRows + lane] = make4(ds[0], ds[1], ds[2], ds[3]);
-    __syncwarp();
-    accumulate<D_MAX, kQStride>(dv, p_s + warp * kTileRows, do_s, c0, group, nq);
-    accumulate<D_MAX, kQStride>(dk, ds_s + warp * kTileRows, q_s, c0, group, nq);
   }
 
   combine_groups<D_MAX>(dk);
   combine_groups<D_MAX>(dv);
-  T* dk_bh = p.dk + slice_offset(p.dk_strides, b, head);
-  T* dv_bh = p.dv + slice_offset(p.dv_strides, b, head);
+  T* dk_bh = p.dk + slice_offset(p.dk_strides, b, head_kv, sq.k_start);
+  T* dv_bh = p.dv + slice_offset(p.dv_strides, b, head_kv, sq.k_start);
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
     const int j = jw + r;
-    if (j < p.Lk && group == 0) {  // keys no query sees got no tile: zeros
+    if (j < sq.Lk && group == 0) {  // keys no query sees got no tile: zeros
       // dK = dS^T (scale Q): scaled already.
       store_cols<kCols>(dk_bh + j * p.dk_strides.row, c0, p.D, p.vec2, dk[r], 1.0f);
       store_cols<kCols>(dv_bh + j * p.dv_strides.row, c0, p.D, p.vec2, dv[r], 1.0f);
@@ -562,8 +616,8 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
   }
 }
 
-// dQ. Grid (ceil(Lq / kBlock), B H), block kThreads: warp w owns query rows i0 + 4w .. i0 + 4w + 3, lane j
-// takes key j0 + j of each key tile.
+// dQ. Grid (ceil(max Lq_b / kBlock), B H), block kThreads: warp w owns query rows i0 + 4w .. i0 + 4w + 3 of
+// sequence b, head h, lane j takes key j0 + j of each key tile of kv head h / group.
 template <typename T, int D_MAX>
 FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
     attention_bwd_dq_kernel(const AttentionBwdParams<T> p) {
@@ -585,30 +639,37 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int c0 = (lane % Cols::kLanesPerRow) * kCols, group = lane / Cols::kLanesPerRow;
   const int bh = blockIdx.y, b = bh / p.H, head = bh - b * p.H;
+  const SeqRows sq = seq_rows(p, b);
   const int i0 = blockIdx.x * Cfg::kBlock, row0 = i0 + warp * kRowsPerWarp;
+  if (i0 >= sq.Lq) return;  // past this sequence's queries
   const int n4 = (p.D + 3) / 4;
-  const T* k_bh = p.k + slice_offset(p.k_strides, b, head);  // the rows of (b, h)
-  const T* v_bh = p.v + slice_offset(p.v_strides, b, head);
+  const int head_kv = head / p.group;
+  const T* k_bh = p.k + slice_offset(p.k_strides, b, head_kv, sq.k_start);  // the sequence's rows
+  const T* v_bh = p.v + slice_offset(p.v_strides, b, head_kv, sq.k_start);
+  const int lse0 = sq.lse_row(head, p.Lq) + row0;  // the lse (and delta) row of the warp's first query
   const float neg_inf = -ff_inf();
   const bool* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.Lk : nullptr;
 
+  load_tile<Cfg::kBlock, D_MAX, D_MAX, Cfg::kThreads>(q_s, p.q + slice_offset(p.q_strides, b, head, sq.q_start + i0),
+                                                      p.q_strides.row, sq.Lq - i0, p.D, p.vec2, p.scale);
   load_tile<Cfg::kBlock, D_MAX, D_MAX, Cfg::kThreads>(
-      q_s, p.q + slice_offset(p.q_strides, b, head) + i0 * p.q_strides.row, p.q_strides.row, p.Lq - i0, p.D, p.vec2,
-      p.scale);
-  load_tile<Cfg::kBlock, D_MAX, D_MAX, Cfg::kThreads>(
-      do_s, p.dout + slice_offset(p.dout_strides, b, head) + i0 * p.dout_strides.row, p.dout_strides.row, p.Lq - i0,
-      p.D, p.vec2, 1.0f);
+      do_s, p.dout + slice_offset(p.dout_strides, b, head, sq.q_start + i0), p.dout_strides.row, sq.Lq - i0, p.D,
+      p.vec2, 1.0f);
   float lse[kRowsPerWarp], delta[kRowsPerWarp], dq[kRowsPerWarp][kCols];
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
     const int i = row0 + r;
-    lse[r] = i < p.Lq ? p.lse[static_cast<int64_t>(bh) * p.Lq + i] : neg_inf;
-    delta[r] = i < p.Lq ? p.delta[static_cast<int64_t>(bh) * p.Lq + i] : 0.0f;
+    lse[r] = i < sq.Lq ? p.lse[lse0 + r] : neg_inf;
+    delta[r] = i < sq.Lq ? p.delta[lse0 + r] : 0.0f;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) dq[r][c] = 0.0f;
   }
 
-  const int key_end = causal_key_end(p.causal, imin(i0 + Cfg::kBlock, p.Lq), p.Lq, p.Lk);
+  const int key_end = causal_key_end(p.causal, imin(i0 + Cfg::kBlock, sq.Lq), sq.Lq, sq.Lk);
+  const int diagonal = row0 + sq.Lk - sq.Lq;  // causal: row row0 + r sees keys j <= diagonal + r
+  // Where the warp's rows of dQ go (computed before the key loop: fewer values live through it).
+  T* dq_w = p.dq + slice_offset(p.dq_strides, b, head, sq.q_start + row0);
+  const int rows_w = sq.Lq - row0;
   for (int j0 = 0; j0 < key_end; j0 += kTileRows) {
     const int nk = imin(kTileRows, key_end - j0);
     __syncthreads();  // every warp is done with the previous K, V, dS (and Q, dO are written)
@@ -625,13 +686,13 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
     dot_rows4(v_s + lane * kKStride, do_s + warp * kRowsPerWarp * D_MAX, D_MAX, n4, dp);
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
-      const int i = row0 + r;
-      // As in the dK/dV kernel: lse = NaN gives a NaN dQ row; an invisible pair gives exact zeros.
-      const bool visible = key_ok && i < p.Lq && lse[r] != neg_inf && (!p.causal || j <= i + p.Lk - p.Lq);
+      // As in the dK/dV kernel: lse = NaN gives a NaN dQ row; an invisible pair gives exact zeros. (Rows past
+      // the sequence have lse = -inf.)
+      const bool visible = key_ok && lse[r] != neg_inf && (!p.causal || j <= diagonal + r);
       const float pr = visible ? expf(s[r] - lse[r]) : 0.0f;
       float fr = 1.0f;
       if (p.dropout_p > 0.0f) {
-        const uint64_t idx = (static_cast<uint64_t>(bh) * p.Lq + i) * p.Lk + j;
+        const uint64_t idx = static_cast<uint64_t>(lse0 + r) * p.Lk + j;
         fr = dropout_factor(load_seed(p.seed), idx, p.dropout_p, p.dropout_scale);
       }
       ds[r] = visible ? pr * (dp[r] * fr - delta[r]) : 0.0f;
@@ -642,12 +703,10 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
   }
 
   combine_groups<D_MAX>(dq);
-  T* dq_bh = p.dq + slice_offset(p.dq_strides, b, head);
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
-    const int i = row0 + r;
-    if (i < p.Lq && group == 0) {  // rows with no visible key: dS = 0, so zeros
-      store_cols<kCols>(dq_bh + i * p.dq_strides.row, c0, p.D, p.vec2, dq[r], p.scale);
+    if (r < rows_w && group == 0) {  // rows with no visible key: dS = 0, so zeros
+      store_cols<kCols>(dq_w + r * p.dq_strides.row, c0, p.D, p.vec2, dq[r], p.scale);
     }
   }
 }

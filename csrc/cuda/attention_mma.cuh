@@ -3,7 +3,8 @@
 // m16n8k16, ldmatrix and cp.async (csrc/cuda/mma.cuh). The launchers (csrc/cuda/attention.cu) pick these
 // kernels for 16-bit inputs on compute capability 8.0 and newer, and the SIMT kernels of attention.cuh
 // for float32 or older GPUs; the semantics (masks, bottom-right causal, Lq != Lk, dropout, non-finite
-// scores) are those of attention.cuh, whose parameter structs these kernels take.
+// scores, grouped-query heads, packed sequences: seq_rows) are those of attention.cuh, whose parameter
+// structs these kernels take.
 //
 // One structure serves the three kernels. A block of kWarps warps owns kRows = 16 kWarps rows of one
 // side (query rows in the forward and dQ kernels, keys in the dK/dV kernel), staged once in shared
@@ -22,7 +23,8 @@
 //            attention.cuh: m' = max(m, rowmax(scale s)), l = l e^(m - m') + sum e^(scale s - m'),
 //            acc = acc e^(m - m') + (e^(scale s - m') r) V; out = acc / l, lse = m + log l.
 //   dQ       owned Q, dO; walked K, V: S = Q K^T, dP = dO V^T, dS = P (dP r - delta), dQ += dS K.
-//   dK, dV   owned K, V; walked Q, dO: S^T = K Q^T, dP^T = V dO^T, dV += (P r)^T dO, dK += dS^T Q.
+//   dK, dV   owned K, V (kv head h_kv); walked Q, dO of each query head of its group in turn: S^T = K Q^T,
+//            dP^T = V dO^T, dV += (P r)^T dO, dK += dS^T Q.
 // P = e^(scale s - lse) is recomputed from the same products in the same k order as the forward's (the
 // scale applied to the float32 dot product in both), so the backward sees the forward's probabilities.
 // delta = rowsum(dO O) comes from attention.cuh's attention_bwd_delta_kernel. Each output is written by
@@ -69,6 +71,8 @@ namespace attention_mma_detail {
 using attention_detail::causal_key_end;
 using attention_detail::imax;
 using attention_detail::imin;
+using attention_detail::seq_rows;
+using attention_detail::SeqRows;
 
 // Copies rows [0, rows) of a (rows, D) slice of global memory at row stride `ld` elements (last dim
 // contiguous) into a tile of kRows rows of D_MAX + 8 elements; rows >= `rows` and columns >= D become
@@ -225,7 +229,8 @@ FF_DEVICE void walk_tiles(T* buffers, const T* const (&src)[kWalked], const int6
 
 }  // namespace attention_mma_detail
 
-// Forward. Grid (ceil(Lq / kRows), B H), block kThreads: warp w owns query rows i0 + 16w .. i0 + 16w + 15.
+// Forward. Grid (ceil(max Lq_b / kRows), B H), block kThreads: warp w owns query rows i0 + 16w .. i0 + 16w + 15
+// of sequence b, head h (keys of kv head h / group).
 template <typename T, int D_MAX>
 FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdMmaConfig<D_MAX>::kThreads)
     attention_fwd_mma_kernel(const AttentionFwdParams<T> p) {
@@ -239,14 +244,17 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdMmaConfig<D_MAX>::kThreads)
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int g = lane / 4, t = lane % 4;
   const int bh = blockIdx.y, b = bh / p.H, head = bh - b * p.H;
+  const SeqRows sq = seq_rows(p, b);
   const int i0 = blockIdx.x * Cfg::kRows;
+  if (i0 >= sq.Lq) return;  // past this sequence's queries
   const bool* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.Lk : nullptr;
+  const int lse_h = sq.lse_row(head, p.Lq);
   const float neg_inf = -ff_inf();
   __shared__ uint64_t seed_s;  // the dropout seed (common.cuh load_seed), read by thread 0 for the block
   if (threadIdx.x == 0 && p.dropout_p > 0.0f) seed_s = load_seed(p.seed);  // seen after the first barrier
 
-  stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(
-      q_s, p.q + slice_offset(p.q_strides, b, head) + i0 * p.q_strides.row, p.q_strides.row, p.Lq - i0, p.D, p.vec8);
+  stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(q_s, p.q + slice_offset(p.q_strides, b, head, sq.q_start + i0),
+                                               p.q_strides.row, sq.Lq - i0, p.D, p.vec8);
   float m[2] = {neg_inf, neg_inf}, l[2] = {0.0f, 0.0f};  // rows g, g + 8; l is this lane's share
   float acc[D_MAX / 8][4];
 #pragma unroll
@@ -255,8 +263,9 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdMmaConfig<D_MAX>::kThreads)
     for (int e = 0; e < 4; ++e) acc[db][e] = 0.0f;
   }
 
-  const int key_end = causal_key_end(p.causal, imin(i0 + Cfg::kRows, p.Lq), p.Lq, p.Lk);
-  const T* const src[2] = {p.k + slice_offset(p.k_strides, b, head), p.v + slice_offset(p.v_strides, b, head)};
+  const int key_end = causal_key_end(p.causal, imin(i0 + Cfg::kRows, sq.Lq), sq.Lq, sq.Lk);
+  const T* const src[2] = {p.k + slice_offset(p.k_strides, b, head / p.group, sq.k_start),
+                           p.v + slice_offset(p.v_strides, b, head / p.group, sq.k_start)};
   const int64_t ld[2] = {p.k_strides.row, p.v_strides.row};
   walk_tiles<Cfg, D_MAX, 2>(
       reinterpret_cast<T*>(kv_s4), src, ld, ceil_div(key_end, Cfg::kTileN), p.D, p.vec8,
@@ -274,8 +283,8 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdMmaConfig<D_MAX>::kThreads)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const int j = j0 + nb * 8 + 2 * t + e;
-              const bool visible = j < key_end && !(kpm != nullptr && kpm[j]) && i < p.Lq &&
-                                   (!p.causal || j <= i + p.Lk - p.Lq);
+              const bool visible = j < key_end && !(kpm != nullptr && kpm[j]) && i < sq.Lq &&
+                                   (!p.causal || j <= i + sq.Lk - sq.Lq);
               const float x = visible ? s[nb][2 * h + e] * p.scale : neg_inf;
               s[nb][2 * h + e] = x;
               mx = fmaxf(mx, x);
@@ -298,7 +307,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdMmaConfig<D_MAX>::kThreads)
               float pr = expf(s[nb][2 * h + e] - m_use);
               l[h] += pr;
               if (p.dropout_p > 0.0f) {
-                const uint64_t idx = (static_cast<uint64_t>(bh) * p.Lq + i) * p.Lk + (j0 + nb * 8 + 2 * t + e);
+                const uint64_t idx = static_cast<uint64_t>(lse_h + i) * p.Lk + (j0 + nb * 8 + 2 * t + e);
                 pr *= dropout_factor(seed_s, idx, p.dropout_p, p.dropout_scale);
               }
               s[nb][2 * h + e] = pr;
@@ -313,17 +322,18 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdMmaConfig<D_MAX>::kThreads)
   for (int h = 0; h < 2; ++h) {
     const int i = i0 + 16 * warp + g + 8 * h;
     const float l_row = quad_sum(l[h]);
-    if (i < p.Lq) {
-      const int64_t row = static_cast<int64_t>(bh) * p.Lq + i;
+    if (i < sq.Lq) {
+      const int row = lse_h + i;
       // l = 0: no visible key (or only -inf scores) -> zeros and lse = -inf; l = NaN: out and lse NaN.
-      store_row<D_MAX>(p.out + slice_offset(p.out_strides, b, head) + i * p.out_strides.row, acc, h, t, p.D, p.vec2,
+      store_row<D_MAX>(p.out + slice_offset(p.out_strides, b, head, sq.q_start + i), acc, h, t, p.D, p.vec2,
                        l_row == 0.0f ? 0.0f : 1.0f / l_row);
       if (t == 0) p.lse[row] = l_row == 0.0f ? neg_inf : m[h] + logf(l_row);
     }
   }
 }
 
-// dQ. Grid (ceil(Lq / kRows), B H), block kThreads: warp w owns query rows i0 + 16w .. i0 + 16w + 15.
+// dQ. Grid (ceil(max Lq_b / kRows), B H), block kThreads: warp w owns query rows i0 + 16w .. i0 + 16w + 15
+// of sequence b, head h (keys of kv head h / group).
 template <typename T, int D_MAX>
 FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdMmaConfig<D_MAX>::kThreads)
     attention_bwd_dq_mma_kernel(const AttentionBwdParams<T> p) {
@@ -338,23 +348,25 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdMmaConfig<D_MAX>::kThreads)
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int g = lane / 4, t = lane % 4;
   const int bh = blockIdx.y, b = bh / p.H, head = bh - b * p.H;
+  const SeqRows sq = seq_rows(p, b);
   const int i0 = blockIdx.x * Cfg::kRows;
+  if (i0 >= sq.Lq) return;  // past this sequence's queries
   const bool* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.Lk : nullptr;
+  const int lse_h = sq.lse_row(head, p.Lq);
   const float neg_inf = -ff_inf();
   __shared__ uint64_t seed_s;  // the dropout seed (common.cuh load_seed), read by thread 0 for the block
   if (threadIdx.x == 0 && p.dropout_p > 0.0f) seed_s = load_seed(p.seed);  // seen after the first barrier
 
-  stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(
-      q_s, p.q + slice_offset(p.q_strides, b, head) + i0 * p.q_strides.row, p.q_strides.row, p.Lq - i0, p.D, p.vec8);
-  stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(do_s,
-                                               p.dout + slice_offset(p.dout_strides, b, head) + i0 * p.dout_strides.row,
-                                               p.dout_strides.row, p.Lq - i0, p.D, p.vec8);
+  stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(q_s, p.q + slice_offset(p.q_strides, b, head, sq.q_start + i0),
+                                               p.q_strides.row, sq.Lq - i0, p.D, p.vec8);
+  stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(do_s, p.dout + slice_offset(p.dout_strides, b, head, sq.q_start + i0),
+                                               p.dout_strides.row, sq.Lq - i0, p.D, p.vec8);
   float lse[2], delta[2], dq[D_MAX / 8][4];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int i = i0 + 16 * warp + g + 8 * h;
-    lse[h] = i < p.Lq ? p.lse[static_cast<int64_t>(bh) * p.Lq + i] : neg_inf;
-    delta[h] = i < p.Lq ? p.delta[static_cast<int64_t>(bh) * p.Lq + i] : 0.0f;
+    lse[h] = i < sq.Lq ? p.lse[lse_h + i] : neg_inf;
+    delta[h] = i < sq.Lq ? p.delta[lse_h + i] : 0.0f;
   }
 #pragma unroll
   for (int db = 0; db < D_MAX / 8; ++db) {
@@ -362,8 +374,9 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdMmaConfig<D_MAX>::kThreads)
     for (int e = 0; e < 4; ++e) dq[db][e] = 0.0f;
   }
 
-  const int key_end = causal_key_end(p.causal, imin(i0 + Cfg::kRows, p.Lq), p.Lq, p.Lk);
-  const T* const src[2] = {p.k + slice_offset(p.k_strides, b, head), p.v + slice_offset(p.v_strides, b, head)};
+  const int key_end = causal_key_end(p.causal, imin(i0 + Cfg::kRows, sq.Lq), sq.Lq, sq.Lk);
+  const T* const src[2] = {p.k + slice_offset(p.k_strides, b, head / p.group, sq.k_start),
+                           p.v + slice_offset(p.v_strides, b, head / p.group, sq.k_start)};
   const int64_t ld[2] = {p.k_strides.row, p.v_strides.row};
   walk_tiles<Cfg, D_MAX, 2>(
       reinterpret_cast<T*>(kv_s4), src, ld, ceil_div(key_end, Cfg::kTileN), p.D, p.vec8,
@@ -382,12 +395,12 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdMmaConfig<D_MAX>::kThreads)
             for (int e = 0; e < 2; ++e) {
               const int j = j0 + nb * 8 + 2 * t + e;
               // As attention.cuh: lse = NaN gives a NaN dQ row; an invisible pair gives exact zeros.
-              const bool visible = j < key_end && !(kpm != nullptr && kpm[j]) && i < p.Lq && lse[h] != neg_inf &&
-                                   (!p.causal || j <= i + p.Lk - p.Lq);
+              const bool visible = j < key_end && !(kpm != nullptr && kpm[j]) && i < sq.Lq && lse[h] != neg_inf &&
+                                   (!p.causal || j <= i + sq.Lk - sq.Lq);
               const float pr = visible ? expf(s[nb][2 * h + e] * p.scale - lse[h]) : 0.0f;
               float fr = 1.0f;
               if (p.dropout_p > 0.0f) {
-                const uint64_t idx = (static_cast<uint64_t>(bh) * p.Lq + i) * p.Lk + j;
+                const uint64_t idx = static_cast<uint64_t>(lse_h + i) * p.Lk + j;
                 fr = dropout_factor(seed_s, idx, p.dropout_p, p.dropout_scale);
               }
               s[nb][2 * h + e] = visible ? pr * (dp[nb][2 * h + e] * fr - delta[h]) : 0.0f;  // dS
@@ -400,14 +413,14 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdMmaConfig<D_MAX>::kThreads)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int i = i0 + 16 * warp + g + 8 * h;
-    if (i < p.Lq) {
-      store_row<D_MAX>(p.dq + slice_offset(p.dq_strides, b, head) + i * p.dq_strides.row, dq, h, t, p.D, p.vec2,
-                       p.scale);
+    if (i < sq.Lq) {
+      store_row<D_MAX>(p.dq + slice_offset(p.dq_strides, b, head, sq.q_start + i), dq, h, t, p.D, p.vec2, p.scale);
     }
   }
 }
 
-// dK and dV. Grid (ceil(Lk / kRows), B H), block kThreads: warp w owns keys j_blk + 16w .. j_blk + 16w + 15.
+// dK and dV. Grid (ceil(max Lk_b / kRows), B H_kv), block kThreads: warp w owns keys j_blk + 16w .. j_blk + 16w + 15
+// of sequence b, kv head h_kv, summed over the query heads of its group in turn (no atomics).
 template <typename T, int D_MAX>
 FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdMmaConfig<D_MAX>::kThreads)
     attention_bwd_dkdv_mma_kernel(const AttentionBwdParams<T> p) {
@@ -421,24 +434,25 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdMmaConfig<D_MAX>::kThreads)
 
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize, lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int g = lane / 4, t = lane % 4;
-  const int bh = blockIdx.y, b = bh / p.H, head = bh - b * p.H;
+  const int H_kv = p.H / p.group;
+  const int bh = blockIdx.y, b = bh / H_kv, head_kv = bh - b * H_kv;
+  const SeqRows sq = seq_rows(p, b);
   const int j_blk = blockIdx.x * Cfg::kRows;
+  if (j_blk >= sq.Lk) return;  // past this sequence's keys
   const bool* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.Lk : nullptr;
   const float neg_inf = -ff_inf();
   __shared__ uint64_t seed_s;  // the dropout seed (common.cuh load_seed), read by thread 0 for the block
   if (threadIdx.x == 0 && p.dropout_p > 0.0f) seed_s = load_seed(p.seed);  // seen after the first barrier
 
-  stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(
-      k_s, p.k + slice_offset(p.k_strides, b, head) + j_blk * p.k_strides.row, p.k_strides.row, p.Lk - j_blk, p.D,
-      p.vec8);
-  stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(
-      v_s, p.v + slice_offset(p.v_strides, b, head) + j_blk * p.v_strides.row, p.v_strides.row, p.Lk - j_blk, p.D,
-      p.vec8);
+  stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(k_s, p.k + slice_offset(p.k_strides, b, head_kv, sq.k_start + j_blk),
+                                               p.k_strides.row, sq.Lk - j_blk, p.D, p.vec8);
+  stage_tile<Cfg::kRows, D_MAX, Cfg::kThreads>(v_s, p.v + slice_offset(p.v_strides, b, head_kv, sq.k_start + j_blk),
+                                               p.v_strides.row, sq.Lk - j_blk, p.D, p.vec8);
   bool key_ok[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int j = j_blk + 16 * warp + g + 8 * h;
-    key_ok[h] = j < p.Lk && !(kpm != nullptr && kpm[j]);
+    key_ok[h] = j < sq.Lk && !(kpm != nullptr && kpm[j]);
   }
   float dk[D_MAX / 8][4], dv[D_MAX / 8][4];
 #pragma unroll
@@ -448,51 +462,55 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdMmaConfig<D_MAX>::kThreads)
   }
 
   // Queries before the diagonal of the block's first key see none of its keys.
-  const int first = p.causal ? imax(0, j_blk - (p.Lk - p.Lq)) / Cfg::kTileN * Cfg::kTileN : 0;
-  const T* const src[2] = {p.q + slice_offset(p.q_strides, b, head) + first * p.q_strides.row,
-                           p.dout + slice_offset(p.dout_strides, b, head) + first * p.dout_strides.row};
+  const int first = p.causal ? imax(0, j_blk - (sq.Lk - sq.Lq)) / Cfg::kTileN * Cfg::kTileN : 0;
   const int64_t ld[2] = {p.q_strides.row, p.dout_strides.row};
-  walk_tiles<Cfg, D_MAX, 2>(
-      reinterpret_cast<T*>(qdo_s4), src, ld, ceil_div(imax(0, p.Lq - first), Cfg::kTileN), p.D, p.vec8,
-      [&](int tile) { return p.Lq - first - tile * Cfg::kTileN; },
-      [&](int tile, const T* qdo) {
-        const int i0 = first + tile * Cfg::kTileN;
-        float s[kNB][4], dp[kNB][4];
-        scores<Cfg::kTileN, D_MAX>(s, k_s, 16 * warp, qdo, lane);                // S^T
-        scores<Cfg::kTileN, D_MAX>(dp, v_s, 16 * warp, qdo + kTileElems, lane);  // dP^T
+  for (int head = head_kv * p.group; head < (head_kv + 1) * p.group; ++head) {
+    const int lse_h = sq.lse_row(head, p.Lq);
+    const T* const src[2] = {p.q + slice_offset(p.q_strides, b, head, sq.q_start + first),
+                             p.dout + slice_offset(p.dout_strides, b, head, sq.q_start + first)};
+    walk_tiles<Cfg, D_MAX, 2>(
+        reinterpret_cast<T*>(qdo_s4), src, ld, ceil_div(imax(0, sq.Lq - first), Cfg::kTileN), p.D, p.vec8,
+        [&](int tile) { return sq.Lq - first - tile * Cfg::kTileN; },
+        [&](int tile, const T* qdo) {
+          const int i0 = first + tile * Cfg::kTileN;
+          float s[kNB][4], dp[kNB][4];
+          scores<Cfg::kTileN, D_MAX>(s, k_s, 16 * warp, qdo, lane);                // S^T
+          scores<Cfg::kTileN, D_MAX>(dp, v_s, 16 * warp, qdo + kTileElems, lane);  // dP^T
 #pragma unroll
-        for (int nb = 0; nb < kNB; ++nb) {
+          for (int nb = 0; nb < kNB; ++nb) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int i = i0 + nb * 8 + 2 * t + e;
-            const int64_t row = static_cast<int64_t>(bh) * p.Lq + i;
-            const float lse_i = i < p.Lq ? p.lse[row] : neg_inf;
-            const float delta_i = i < p.Lq ? p.delta[row] : 0.0f;
+            for (int e = 0; e < 2; ++e) {
+              const int i = i0 + nb * 8 + 2 * t + e;
+              const int row = lse_h + i;
+              const float lse_i = i < sq.Lq ? p.lse[row] : neg_inf;
+              const float delta_i = i < sq.Lq ? p.delta[row] : 0.0f;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int j = j_blk + 16 * warp + g + 8 * h;
-              // lse = NaN (a poisoned row) is "visible": P, dS and so dK, dV of its keys turn NaN.
-              const bool visible = key_ok[h] && i < p.Lq && lse_i != neg_inf && (!p.causal || j <= i + p.Lk - p.Lq);
-              const float pr = visible ? expf(s[nb][2 * h + e] * p.scale - lse_i) : 0.0f;
-              float fr = 1.0f;
-              if (p.dropout_p > 0.0f) fr = dropout_factor(seed_s, static_cast<uint64_t>(row) * p.Lk + j, p.dropout_p,
-                                                          p.dropout_scale);
-              s[nb][2 * h + e] = pr * fr;                                                      // (P r)^T
-              dp[nb][2 * h + e] = visible ? pr * (dp[nb][2 * h + e] * fr - delta_i) : 0.0f;  // dS^T
+              for (int h = 0; h < 2; ++h) {
+                const int j = j_blk + 16 * warp + g + 8 * h;
+                // lse = NaN (a poisoned row) is "visible": P, dS and so dK, dV of its keys turn NaN.
+                const bool visible =
+                    key_ok[h] && i < sq.Lq && lse_i != neg_inf && (!p.causal || j <= i + sq.Lk - sq.Lq);
+                const float pr = visible ? expf(s[nb][2 * h + e] * p.scale - lse_i) : 0.0f;
+                float fr = 1.0f;
+                if (p.dropout_p > 0.0f) {
+                  fr = dropout_factor(seed_s, static_cast<uint64_t>(row) * p.Lk + j, p.dropout_p, p.dropout_scale);
+                }
+                s[nb][2 * h + e] = pr * fr;                                                      // (P r)^T
+                dp[nb][2 * h + e] = visible ? pr * (dp[nb][2 * h + e] * fr - delta_i) : 0.0f;  // dS^T
+              }
             }
           }
-        }
-        accumulate<Cfg::kTileN, D_MAX>(dv, s, qdo + kTileElems, lane);
-        accumulate<Cfg::kTileN, D_MAX>(dk, dp, qdo, lane);
-      });
+          accumulate<Cfg::kTileN, D_MAX>(dv, s, qdo + kTileElems, lane);
+          accumulate<Cfg::kTileN, D_MAX>(dk, dp, qdo, lane);
+        });
+  }
 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int j = j_blk + 16 * warp + g + 8 * h;
-    if (j < p.Lk) {  // keys no query sees got no tile: zeros
-      store_row<D_MAX>(p.dk + slice_offset(p.dk_strides, b, head) + j * p.dk_strides.row, dk, h, t, p.D, p.vec2,
-                       p.scale);
-      store_row<D_MAX>(p.dv + slice_offset(p.dv_strides, b, head) + j * p.dv_strides.row, dv, h, t, p.D, p.vec2, 1.0f);
+    if (j < sq.Lk) {  // keys no query sees got no tile: zeros
+      store_row<D_MAX>(p.dk + slice_offset(p.dk_strides, b, head_kv, sq.k_start + j), dk, h, t, p.D, p.vec2, p.scale);
+      store_row<D_MAX>(p.dv + slice_offset(p.dv_strides, b, head_kv, sq.k_start + j), dv, h, t, p.D, p.vec2, 1.0f);
     }
   }
 }

@@ -23,7 +23,8 @@ SEEDS = (1, 2, 3)
 def barrier_sites():
     """(kernel file, line, the ops whose kernels include it, the dtype that runs them) for every
     __syncthreads() in csrc/cuda/*.cuh. <op>_mma.cuh holds <op>'s tensor-core kernels, which the model
-    (playing sm_80) runs for float16; the SIMT kernels of <op>.cuh run for float32."""
+    (playing sm_80) runs for float16; the SIMT kernels of <op>.cuh run for float32. The kernels of <op>.cuh
+    also serve the ops named <op>_... (attention's serve attention_varlen)."""
     if not fastformer.backends()["cuda_sim"]:
         return []
     from fastformer import cuda_sim
@@ -31,7 +32,8 @@ def barrier_sites():
     sites = []
     for path in sorted((cuda_sim.SOURCE_ROOT / "cuda").glob("*.cuh")):
         stem, mma = (path.stem[:-len("_mma")], True) if path.stem.endswith("_mma") else (path.stem, False)
-        users = [stem] if stem in cuda_sim.OPS else list(cuda_sim.OPS)  # common.cuh: every op
+        users = [op for op in cuda_sim.OPS if op == stem or op.startswith(stem + "_")]
+        users = users or list(cuda_sim.OPS)  # common.cuh: every op
         dtype = torch.float16 if mma else torch.float32
         for number, text in enumerate(path.read_text().splitlines(), start=1):
             if re.search(r"\b__syncthreads\(\)", text.split("//")[0]):
@@ -106,6 +108,26 @@ def attention_case():
     return run
 
 
+def attention_varlen_case():
+    # Packed sequences (an empty one among them) with grouped-query heads: the longest spans several walked
+    # tiles of every kernel, and the dK/dV kernels walk them once per query head of the group.
+    lens_q, lens_k, H, H_kv, D = (70, 0, 45), (150, 3, 90), 4, 2, 40
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+                  for lens in (lens_q, lens_k))
+    q = randn(sum(lens_q), H, D, dtype=torch.float32)
+    k, v = (randn(sum(lens_k), H_kv, D, dtype=torch.float32) for _ in range(2))
+
+    def run(backend, dtype):
+        out = []
+        for causal in (False, True):
+            out += _grads(lambda *t: ops.attention_varlen(*t, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                                          backend=backend),
+                          [q.to(dtype), k.to(dtype), v.to(dtype)])
+        return out
+
+    return run
+
+
 def cross_entropy_case():
     # Rows of V = 97 (element by element, fewer logits than threads: some warps hold none), 2501 (element
     # by element, several per thread), 2500 and 1000 (16-byte packs of floats). The forward's per-warp
@@ -135,7 +157,7 @@ def cross_entropy_case():
 
 # One parity case per op of csrc/ops.h's list (tests/test_op_lists.py fails while an op has none).
 CASES = {"softmax": softmax_case, "layer_norm_residual": layer_norm_residual_case, "attention": attention_case,
-         "cross_entropy": cross_entropy_case}
+         "attention_varlen": attention_varlen_case, "cross_entropy": cross_entropy_case}
 
 
 @pytest.mark.parametrize("file, line, users, dtype", barrier_sites())

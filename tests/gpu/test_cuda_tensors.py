@@ -109,6 +109,87 @@ def test_attention_reads_and_writes_projection_layout(backend, dtype, case):
         assert_close(g, eg, dtype, name)
 
 
+
+# (B, H, H_kv, Lq, Lk, D, mask kind): grouped-query (H_kv < H) and multi-query (H_kv = 1) attention, k and v read
+# at kv head h / (H / H_kv) in place; dk, dv (B, H_kv, Lk, D).
+GQA_CASES = [(2, 8, 2, 113, 97, 64, "both"), (3, 6, 1, 1, 77, 128, "causal"), (2, 4, 2, 256, 256, 40, "padding")]
+
+
+@pytest.mark.parametrize("backend,dtype,case", params(GQA_CASES))
+def test_attention_grouped_query_heads(backend, dtype, case):
+    B, H, H_kv, Lq, Lk, D, kind = case
+    q, dout = (randn(B, H, Lq, D, dtype=dtype) for _ in range(2))
+    k, v = (randn(B, H_kv, Lk, D, dtype=dtype) for _ in range(2))
+    mask = padding_mask(B, Lk) if kind in ("padding", "both") else None
+    causal = kind in ("causal", "both")
+    gpu_mask = None if mask is None else mask.cuda()
+
+    def fn(backend, m):
+        return lambda q, k, v: ops.attention(q, k, v, key_padding_mask=m, causal=causal, backend=backend)
+
+    (out,), grads = forward_backward(fn(backend, gpu_mask), cuda([q, k, v]), cuda([dout]))
+    (ref,), ref_grads = forward_backward(fn("torch", mask), upcast([q, k, v]), upcast([dout]))
+    assert grads[1].shape == k.shape and grads[2].shape == v.shape
+    assert_close(out.cpu(), ref, dtype, "out")
+    for name, g, rg in zip(("dq", "dk", "dv"), cpu(grads), ref_grads):
+        assert_close(g, rg, dtype, name)
+
+
+def cu_seqlens(lengths):
+    """int32 (B + 1) row offsets of packed sequences of these lengths (CPU)."""
+    return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
+
+
+# (query lengths, key lengths or None: self-attention, H, H_kv, D, causal): packed sequences with empty and
+# one-token ones and ones spanning many tiles, grouped-query heads.
+VARLEN_CASES = [((97, 0, 1, 113), None, 4, 2, 64, True), ((7, 300, 33), (50, 129, 0), 6, 1, 40, False),
+                ((256, 17), None, 8, 8, 128, True), ((1, 1, 1), (97, 5, 64), 4, 1, 16, True),
+                ((1000, 3, 500), None, 2, 2, 7, True)]
+
+
+def varlen(backend, case, device, **kwargs):
+    lens_q, lens_k, H, H_kv, D, causal = case
+    lens_k = lens_q if lens_k is None else lens_k
+    cu_q, cu_k = cu_seqlens(lens_q).to(device), cu_seqlens(lens_k).to(device)
+    return lambda q, k, v: ops.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                                backend=backend, **kwargs)
+
+
+def varlen_inputs(case, dtype):
+    lens_q, lens_k, H, H_kv, D, _ = case
+    lens_k = lens_q if lens_k is None else lens_k
+    q, dout = (randn(sum(lens_q), H, D, dtype=dtype) for _ in range(2))
+    k, v = (randn(sum(lens_k), H_kv, D, dtype=dtype) for _ in range(2))
+    return q, k, v, dout
+
+
+@pytest.mark.parametrize("backend,dtype,case", params(VARLEN_CASES))
+def test_attention_varlen(backend, dtype, case):
+    q, k, v, dout = varlen_inputs(case, dtype)
+    (out,), grads = forward_backward(varlen(backend, case, "cuda"), cuda([q, k, v]), cuda([dout]))
+    (ref,), ref_grads = forward_backward(varlen("torch", case, "cpu"), upcast([q, k, v]), upcast([dout]))
+    assert out.is_contiguous() and all(g.is_contiguous() for g in grads)
+    assert_close(out.cpu(), ref, dtype, "out")
+    for name, g, rg in zip(("dq", "dk", "dv"), cpu(grads), ref_grads):
+        assert_close(g, rg, dtype, name)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_attention_varlen_dropout_matches_cpu_mask(backend):
+    # Element (b, h, i, j) has Philox index (h Tq + cu_seqlens_q[b] + i) Tk + j on every backend.
+    case = ((97, 0, 40), (30, 7, 64), 4, 2, 64, True)
+    q, k, v, dout = varlen_inputs(case, torch.float32)
+    torch.manual_seed(11)
+    (out,), grads = forward_backward(varlen(backend, case, "cuda", dropout_p=0.3), cuda([q, k, v]), cuda([dout]))
+    seed = device_seed(11)
+    cu_q, cu_k = cu_seqlens(case[0]), cu_seqlens(case[1])
+    (rout,), rgrads = forward_backward(
+        lambda q, k, v: torch.ops.fastformer.attention_varlen_fwd(q, k, v, cu_q, cu_k, 97, 64, True, 0.3, None,
+                                                                  seed)[0], [q, k, v], [dout])
+    assert_close(out.cpu(), rout.double(), torch.float32, "out")
+    for g, r in zip(grads, rgrads):
+        assert_close(g.cpu(), r.double(), torch.float32, "grad")
+
 # (rows, N, mask)
 SOFTMAX_CASES = [(1, 1, False), (7, 97, True), (4096, 64, True), (256, 1024, True), (33, 1025, True),
                  (8, 5000, True), (2, 40000, False)]

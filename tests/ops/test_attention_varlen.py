@@ -251,6 +251,62 @@ def test_gradcheck_float64(backend):
     assert torch.autograd.gradcheck(varlen_fn(backend, case), inputs, eps=1e-6, atol=1e-5)
 
 
+# The cuda launchers pick the tensor-core kernels (csrc/cuda/attention_mma.cuh) for 16-bit inputs on compute
+# capability 8.0 and newer and the SIMT kernels (attention.cuh) below; cuda_sim plays 8.0 by default. Here both
+# generations on packed sequences with grouped-query heads (several query tiles and key blocks per sequence,
+# empty and key-less sequences, dropout): each must match the float64 reference run with the same seed, and
+# the two must not be the same computation (the choice really switched).
+MMA_CASES = [Case((40, 0, 3, 17), (9, 4, 0, 30), 4, 2, 16, causal=True),
+             Case((70, 1), None, 2, 1, 64, causal=True, scale=0.3),
+             Case((33, 2), (20, 47), 3, 3, 40)]
+
+
+@pytest.mark.skipif("cuda_sim" not in ALL_BACKENDS, reason="cuda_sim is not among the tested backends (no C++ "
+                    "compiler, or FASTFORMER_TEST_BACKENDS)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+@pytest.mark.parametrize("case", MMA_CASES, ids=str)
+def test_cuda_sim_runs_the_simt_and_the_tensor_core_kernels(dtype, dropout_p, case):
+    from fastformer import cuda_sim
+
+    q, k, v, dout = make_inputs(case, dtype)
+    torch.manual_seed(7)
+    (ref,), ref_grads = forward_backward(varlen_fn("torch", case, dropout_p=dropout_p), upcast([q, k, v]),
+                                         upcast([dout]))
+    results = {}
+    for capability in (60, 80):
+        torch.manual_seed(7)
+        with cuda_sim.compute_capability(capability):
+            (out,), grads = forward_backward(varlen_fn("cuda_sim", case, dropout_p=dropout_p), [q, k, v], [dout])
+        assert_close(out, ref, dtype, f"out (sm_{capability})")
+        for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
+            assert_close(g, rg, dtype, f"{name} (sm_{capability})")
+        results[capability] = [out, *grads]
+    assert any(not torch.equal(a, b) for a, b in zip(results[60], results[80])), "both runs took the same kernels"
+
+
+@pytest.mark.skipif("cuda_sim" not in ALL_BACKENDS, reason="cuda_sim is not among the tested backends (no C++ "
+                    "compiler, or FASTFORMER_TEST_BACKENDS)")
+@pytest.mark.parametrize("capability", [60, 80])
+def test_cuda_sim_bad_table_stays_in_bounds(capability):
+    """The kernels clamp each sequence into [0, T] (the host check of the tables is skipped during CUDA graph
+    capture): a table running past the totals, given to the launcher directly, reads and writes only in bounds;
+    clamped, this one describes the same two sequences and an empty third."""
+    from fastformer import cuda_sim
+
+    case = Case((5, 6), (4, 7), 2, 1, 16)
+    q, k, v, _ = make_inputs(case, torch.float16)
+    cu_q, cu_k = pack(case.lens_q), pack(case.keys)
+    bad_q = torch.tensor([0, 5, 1 << 30, -7], dtype=torch.int32)  # sequences 1 and 2 run past the end
+    bad_k = torch.tensor([0, 4, 1 << 30, -7], dtype=torch.int32)
+    fwd = cuda_sim.entry("attention_varlen", "fwd")
+    with cuda_sim.compute_capability(capability):
+        good = fwd(q, k, v, cu_q, cu_k, 6, 7, False, 0.0, 0.25, None)
+        bad = fwd(q, k, v, bad_q, bad_k, 1 << 20, 1 << 20, False, 0.0, 0.25, None)
+    for a, b in zip(bad, good):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 def good_args():
     case = Case((3, 4), (5, 2), 4, 2, 8)
     q, k, v, _ = make_inputs(case, torch.float32)
