@@ -619,7 +619,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
 // dQ. Grid (ceil(max Lq_b / kBlock), B H), block kThreads: warp w owns query rows i0 + 4w .. i0 + 4w + 3 of
 // sequence b, head h, lane j takes key j0 + j of each key tile of kv head h / group.
 template <typename T, int D_MAX>
-FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
+FF_GLOBAL void FF_LAUNCH_BOUNDS_BLOCKS(AttentionBwdConfig<D_MAX>::kThreads, 1)
     attention_bwd_dq_kernel(const AttentionBwdParams<T> p) {
   using namespace attention_detail;
   using Cfg = AttentionBwdConfig<D_MAX>;

@@ -422,7 +422,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdMmaConfig<D_MAX>::kThreads)
 // dK and dV. Grid (ceil(max Lk_b / kRows), B H_kv), block kThreads: warp w owns keys j_blk + 16w .. j_blk + 16w + 15
 // of sequence b, kv head h_kv, summed over the query heads of its group in turn (no atomics).
 template <typename T, int D_MAX>
-FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdMmaConfig<D_MAX>::kThreads)
+FF_GLOBAL void FF_LAUNCH_BOUNDS_BLOCKS(AttentionBwdMmaConfig<D_MAX>::kThreads, 1)
     attention_bwd_dkdv_mma_kernel(const AttentionBwdParams<T> p) {
   using namespace attention_mma_detail;
   using Cfg = AttentionBwdMmaConfig<D_MAX>;

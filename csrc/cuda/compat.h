@@ -30,9 +30,13 @@ typedef long long int64_t;
 #define FF_DEVICE __device__ __forceinline__
 #define FF_GLOBAL __global__
 #define FF_LAUNCH_BOUNDS(threads) __launch_bounds__(threads)
+// ... and at least min_blocks blocks per SM: with 1, ptxas no longer trades a few spilled bytes for a second
+// block's registers (the attention backward kernels that read several heads per block: docs/kernels.md)
+#define FF_LAUNCH_BOUNDS_BLOCKS(threads, min_blocks) __launch_bounds__(threads, min_blocks)
 #else  // the CPU SIMT execution model
 #include "../cuda_sim/simt.h"
 #define FF_DEVICE inline
 #define FF_GLOBAL
 #define FF_LAUNCH_BOUNDS(threads)
+#define FF_LAUNCH_BOUNDS_BLOCKS(threads, min_blocks)
 #endif
