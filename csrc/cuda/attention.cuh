@@ -80,6 +80,7 @@
 // backend, regenerated in the backward; the seed is read from device memory at each Philox call (common.cuh
 // load_seed). Kept probabilities are scaled by 1/(1-p); l (and so lse) uses the undropped ones.
 #pragma once
+#include "attention_varlen.cuh"
 #include "common.cuh"
 
 namespace fastformer {
@@ -174,34 +175,6 @@ namespace attention_detail {
 
 FF_DEVICE int imin(int a, int b) { return a < b ? a : b; }
 FF_DEVICE int imax(int a, int b) { return a > b ? a : b; }
-
-// Where the rows of sequence b are (see the top of the file): dense, all Lq query and Lk key rows of batch
-// b; packed, rows cu_seqlens[b] .. cu_seqlens[b + 1] clamped into [0, T].
-struct SeqRows {
-  int q_start, k_start;  // first row in q (out, dout, dq) and in k (v, dk, dv)
-  int Lq, Lk;            // the sequence's lengths Lq_b, Lk_b
-  int lse_b;  // query row i of head h is row lse_b + h p.Lq + i of lse and delta (int: the launchers check
-              // that lse has fewer than 2^31 rows; 32-bit rows keep the kernels within their registers)
-  FF_DEVICE int lse_row(int h, int Lq_total) const { return lse_b + h * Lq_total; }
-};
-
-template <typename Params>
-FF_DEVICE SeqRows seq_rows(const Params& p, int b) {
-  SeqRows s;
-  if (p.cu_seqlens_q == nullptr) {
-    s.q_start = s.k_start = 0;
-    s.Lq = p.Lq;
-    s.Lk = p.Lk;
-    s.lse_b = b * p.H * p.Lq;  // (b H + h) Lq + i
-  } else {
-    s.q_start = imin(imax(p.cu_seqlens_q[b], 0), p.Lq);
-    s.k_start = imin(imax(p.cu_seqlens_k[b], 0), p.Lk);
-    s.Lq = imin(imax(p.cu_seqlens_q[b + 1], s.q_start), p.Lq) - s.q_start;
-    s.Lk = imin(imax(p.cu_seqlens_k[b + 1], s.k_start), p.Lk) - s.k_start;
-    s.lse_b = s.q_start;  // h Tq + q_start + i
-  }
-  return s;
-}
 
 // Component r (0..3) of a float4 (r is a constant after unrolling).
 FF_DEVICE float component(const float4& v, int r) { return r == 0 ? v.x : r == 1 ? v.y : r == 2 ? v.z : v.w; }
@@ -370,7 +343,7 @@ FF_DEVICE int causal_key_end(bool causal, int i_end, int Lq, int Lk) {
 // Forward. Grid (ceil(max Lq_b / kBlockM), B H), block kThreads: warp w owns query rows i0 + 4w .. i0 + 4w + 3
 // of sequence b, head h, lane j takes key j0 + j of each key tile of kv head h / group.
 template <typename T, int D_MAX>
-FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdConfig<D_MAX>::kThreads)
+FF_GLOBAL void FF_LAUNCH_BOUNDS_BLOCKS(AttentionFwdConfig<D_MAX>::kThreads, 1)
     attention_fwd_kernel(const AttentionFwdParams<T> p) {
   using namespace attention_detail;
   using Cfg = AttentionFwdConfig<D_MAX>;
@@ -507,7 +480,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kDeltaThreads) attention_bwd_delta_kernel(const 
 // of sequence b, kv head h_kv, and sums their gradients over the group's query heads h_kv group ..
 // (h_kv + 1) group - 1 in turn (no atomics); lane i takes query i0 + i of each query tile.
 template <typename T, int D_MAX>
-FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdConfig<D_MAX>::kThreads)
+FF_GLOBAL void FF_LAUNCH_BOUNDS_BLOCKS(AttentionBwdConfig<D_MAX>::kThreads, 1)
     attention_bwd_dkdv_kernel(const AttentionBwdParams<T> p) {
   using namespace attention_detail;
   using Cfg = AttentionBwdConfig<D_MAX>;

@@ -232,7 +232,7 @@ FF_DEVICE void walk_tiles(T* buffers, const T* const (&src)[kWalked], const int6
 // Forward. Grid (ceil(max Lq_b / kRows), B H), block kThreads: warp w owns query rows i0 + 16w .. i0 + 16w + 15
 // of sequence b, head h (keys of kv head h / group).
 template <typename T, int D_MAX>
-FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdMmaConfig<D_MAX>::kThreads)
+FF_GLOBAL void FF_LAUNCH_BOUNDS_BLOCKS(AttentionFwdMmaConfig<D_MAX>::kThreads, 1)
     attention_fwd_mma_kernel(const AttentionFwdParams<T> p) {
   using namespace attention_mma_detail;
   using Cfg = AttentionFwdMmaConfig<D_MAX>;
@@ -335,7 +335,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionFwdMmaConfig<D_MAX>::kThreads)
 // dQ. Grid (ceil(max Lq_b / kRows), B H), block kThreads: warp w owns query rows i0 + 16w .. i0 + 16w + 15
 // of sequence b, head h (keys of kv head h / group).
 template <typename T, int D_MAX>
-FF_GLOBAL void FF_LAUNCH_BOUNDS(AttentionBwdMmaConfig<D_MAX>::kThreads)
+FF_GLOBAL void FF_LAUNCH_BOUNDS_BLOCKS(AttentionBwdMmaConfig<D_MAX>::kThreads, 1)
     attention_bwd_dq_mma_kernel(const AttentionBwdParams<T> p) {
   using namespace attention_mma_detail;
   using Cfg = AttentionBwdMmaConfig<D_MAX>;

@@ -30,8 +30,9 @@ typedef long long int64_t;
 #define FF_DEVICE __device__ __forceinline__
 #define FF_GLOBAL __global__
 #define FF_LAUNCH_BOUNDS(threads) __launch_bounds__(threads)
-// ... and at least min_blocks blocks per SM: with 1, ptxas no longer trades a few spilled bytes for a second
-// block's registers (the attention backward kernels that read several heads per block: docs/kernels.md)
+// ... and at least min_blocks blocks per SM. The attention kernels take 1: with the plain bound ptxas traded a
+// few spilled bytes (8-28 per thread) for another block's registers, moving between instantiations with every
+// change of the code (docs/kernels.md shows the registers and occupancy each gets now)
 #define FF_LAUNCH_BOUNDS_BLOCKS(threads, min_blocks) __launch_bounds__(threads, min_blocks)
 #else  // the CPU SIMT execution model
 #include "../cuda_sim/simt.h"
