@@ -23,12 +23,15 @@ def calls():
     x = torch.randn(3, 5)
     logits, target = torch.randn(3, 7), torch.tensor([1, 6, 0])
     w, b = torch.randn(5), torch.randn(5)
+    cu = torch.tensor([0, 2, 3], dtype=torch.int32)  # attention_varlen: 2 sequences of 2 and 1 rows
     return {
         "attention": lambda t: ops.attention(t, k, v, causal=True),
+        "attention_varlen": lambda t: ops.attention_varlen(t, k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, 2, 2,
+                                                           causal=True),
         "softmax": lambda t: ops.softmax(t, mask=torch.tensor([False, True, False, False, False]), scale=2),
         "layer_norm_residual": lambda t: ops.layer_norm_residual(t, x, w, b),
         "cross_entropy": lambda t: ops.cross_entropy(t, target, label_smoothing=0.1),
-    }, {"attention": q, "softmax": x, "layer_norm_residual": x, "cross_entropy": logits}
+    }, {"attention": q, "attention_varlen": q[0].transpose(0, 1), "softmax": x, "layer_norm_residual": x, "cross_entropy": logits}
 
 
 def test_every_op_has_an_eager_entry():
