@@ -7,7 +7,8 @@ into a module of its own (csrc/cpu/kernel_table.h says why); the best level the 
 at import, or a lower one named by FASTFORMER_CPU_CAPABILITY at run time (fastformer/_ext.py).
 FASTFORMER_CPU_LEVELS, a comma list of those names (e.g. "avx2" or "default,avx512"; unset or empty: every
 level the target has), builds only the levels it names: a build for one machine, or a CI build whose level
-modules another step compiles. Import then loads the highest built level at or below the one the CPU
+modules another step compiles; "native" names the one level this machine's CPU runs (the rule of
+csrc/cpu_levels.cpp best_cpu_level, read from /proc/cpuinfo): the quickest build for this machine only. Import then loads the highest built level at or below the one the CPU
 supports (or FASTFORMER_CPU_CAPABILITY names), and fails when there is none. An unknown name stops the build.
 The CUDA kernels (csrc/cuda/*.cu) are compiled when torch is a CUDA build, nvcc is found, and either a GPU
 is visible or FASTFORMER_FORCE_CUDA=1; FASTFORMER_FORCE_CUDA=0 skips them. TORCH_CUDA_ARCH_LIST selects the
@@ -77,6 +78,7 @@ def cpu_levels():
     if not value:
         return native
     wanted = [name.strip().lower() for name in value.split(",") if name.strip()]
+    wanted = [native_cpu_level(machine) if name == "native" else name for name in wanted]
     unknown = [name for name in wanted if name not in CPU_LEVELS]
     if unknown or not wanted:
         problem = f"unknown CPU level {', '.join(unknown)}" if unknown else "names no CPU level"
@@ -89,6 +91,23 @@ def cpu_levels():
     levels = [name for name in CPU_LEVELS if name in wanted]
     print(f"fastformer: building the CPU kernel levels {', '.join(levels)} only (FASTFORMER_CPU_LEVELS={value})")
     return levels
+
+
+def native_cpu_level(machine: str) -> str:
+    """The level this CPU runs best: csrc/cpu_levels.cpp best_cpu_level's rule on /proc/cpuinfo's flags (the
+    kernel lists what the CPU and the OS support; "default" where there is no /proc/cpuinfo)."""
+    if machine not in ("x86_64", "amd64"):
+        return "default"
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return "default"
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= set(flags):
+        return "avx512"
+    if {"avx2", "fma", "f16c"} <= set(flags):
+        return "avx2"
+    return "default"
 
 
 def want_cuda():

@@ -34,3 +34,15 @@ def test_the_named_levels_are_built_lowest_first_whatever_their_case_and_spacing
     done = run_setup(" AVX512, default ")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "fastformer: building the CPU kernel levels default, avx512 only" in done.stdout, done.stdout
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the avx levels: x86-64")
+def test_native_builds_the_one_level_this_cpu_runs():
+    """FASTFORMER_CPU_LEVELS=native (tools/gpu_check.sh's quick build) names the level csrc/cpu_levels.cpp's
+    best_cpu_level picks at import on this machine (fastformer.cpu_capability() without an override)."""
+    import fastformer
+    if os.environ.get("FASTFORMER_CPU_CAPABILITY"):
+        pytest.skip("FASTFORMER_CPU_CAPABILITY overrides the level loaded here")
+    done = run_setup("native")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"building the CPU kernel levels {fastformer.cpu_capability()} only" in done.stdout, done.stdout
