@@ -47,6 +47,8 @@ Sizes: ``--bench-sizes default|paper|smoke`` (or ``FASTFORMER_BENCH_SIZES=...``)
            training step of ``TransformerConfig.base`` (vocab 37,000) on 390 sentence pairs of up to 64
            tokens; generate: 128 sentences of 10-50 tokens, 50 target tokens each, beam 4. About 1 s per
            benchmark, at least 10 rounds.
+  paper-quick  the paper's sizes timed for about 0.2 s each (at least 5 rounds): the op benchmarks of a
+           cold lent GPU within tools/gpu_check.sh's time box.
 Device: ``--bench-device cpu|cuda`` (default: cuda when a GPU is visible). dtype: ``--bench-dtype``
 (default float32 on CPU; on CUDA bfloat16 where supported, else float16; the training step autocasts to
 it on CUDA, and runs on CPU both in float32 and, where the CPU has bfloat16 dot products, in bfloat16
@@ -77,7 +79,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import pytest
@@ -127,6 +129,7 @@ SIZES = {
                    model="base", vocab_size=37000, train_sentences=390, train_max_len=64, gen_sentences=128,
                    gen_src_len=(10, 50), gen_tgt_len=50, seconds=1.0, min_rounds=10),
 }
+SIZES["paper-quick"] = replace(SIZES["paper"], name="paper-quick", seconds=0.2, min_rounds=5)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
