@@ -76,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cuda-graphs", action="store_true",
                    help="on a CUDA device, replay the training step as CUDA graphs: batches come in a few fixed "
                         "shapes (lengths rounded up to 8, 16, 32 or 64 "
-                        "tokens, rows padded: 11 shapes and 20%% padded target positions on the default corpus), one graph is captured per "
+                        "tokens, rows padded: 11 shapes and 20%% padded target positions on the default corpus; "
+                        "with --batching packed one shape, each side padded to --max-tokens: 1.4%% padded target "
+                        "positions), one graph is captured per "
                         "shape and one for the optimizer update, after one eager run of each; the host then "
                         "launches a step with a few calls. Needs --precision bf16 or fp32, one process, no "
                         "--compile. Off by default until measured faster on a GPU (docs/training.md)")
@@ -96,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batching", choices=("padded", "packed"), default="padded",
                    help="padded: length-sorted batches of (sentences, longest sentence), padding masked; packed: "
                         "padding-free, the sentences of a batch packed one after another and every attention run "
-                        "per sentence on the packed tokens (ops.attention_varlen): no padded position computed. "
-                        "Not with --cuda-graphs")
+                        "per sentence on the packed tokens (ops.attention_varlen): no padded position computed "
+                        "(with --cuda-graphs: each side padded to --max-tokens, one shape)")
     g.add_argument("--update-tokens", type=int_at_least(1), default=3500,
                    help="target tokens per update: batches are accumulated (over all ranks) until this many")
     g.add_argument("--warmup", type=int_at_least(1), default=300,

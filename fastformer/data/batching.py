@@ -6,6 +6,9 @@ With ``fixed_shapes`` (CUDA graph replay, fastformer/training/graphs.py) every b
 shapes: a pair's length (the longer side, + bos/eos) is rounded up to a length bucket (``bucket_length``),
 and a batch of bucket L holds at most ``max_tokens // L`` pairs and is padded to exactly that many rows
 (all-pad rows are never attended to and carry no loss) and to L columns on both sides (``collate(shape=)``).
+Packed batches with ``fixed_shapes`` have one shape for the whole run (``packed_shape``): each side's tokens
+padded to --max-tokens, the padding tail cut into sentences of pad tokens that carry no loss, and the
+sentence tables padded with empty sentences to a count no batch of the data can exceed.
 """
 from __future__ import annotations
 
@@ -133,12 +136,61 @@ def sequences(lengths: list[int]) -> Sequences:
     return Sequences(cu.to(torch.int32), torch.arange(int(cu[-1])) - starts, max(lengths, default=0))
 
 
-def collate_packed(src: list[list[int]], tgt: list[list[int]], *, bos_id: int = BOS_ID,
-                   eos_id: int = EOS_ID) -> PackedBatch:
-    """The pairs as one PackedBatch: no padding anywhere (fastformer.nn.Transformer's packed path)."""
+class PackedShape(NamedTuple):
+    """The one shape of a run's fixed-shape packed batches (CUDA graph replay): ``tokens`` per side,
+    ``sentences`` entries in each sentence table (real sentences, padding sentences, empty ones), every
+    sentence at most ``max_len`` tokens (the max_seqlen the attention kernels are launched for)."""
+    tokens: int
+    sentences: int
+    max_len: int
+
+
+def packed_shape(src: list[list[int]], tgt: list[list[int]], max_tokens: int) -> PackedShape:
+    """The fixed shape that every packed batch of these pairs fits (token_batches(packed=True) with
+    ``max_tokens``, whatever the shuffle): a batch's real tokens per side are at most ``max_tokens`` and each
+    sentence has at least the shortest sentence's tokens (+ eos or bos), so a batch holds at most
+    max_tokens // shortest sentences of a side; the padding tail of up to ``max_tokens`` tokens needs at most
+    ceil(max_tokens / max_len) sentences of ``max_len``. The sentence count is rounded up to a multiple of 8."""
+    if not src:
+        raise ValueError("packed_shape needs at least one sentence pair")
+    sides = ([len(s) + 1 for s in src], [len(t) + 1 for t in tgt])
+    max_len = max(max(side) for side in sides)
+    if max_len > max_tokens:
+        raise ValueError(f"a sentence of {max_len} tokens is more than max_tokens={max_tokens}")
+    real = min(max_tokens // min(side) for side in sides)
+    sentences = real + -(-max_tokens // max_len)
+    return PackedShape(max_tokens, -(-sentences // 8) * 8, max_len)
+
+
+def collate_packed(src: list[list[int]], tgt: list[list[int]], *, bos_id: int = BOS_ID, eos_id: int = EOS_ID,
+                   pad_id: int = PAD_ID, shape: PackedShape | None = None) -> PackedBatch:
+    """The pairs as one PackedBatch: no padding anywhere (fastformer.nn.Transformer's packed path). With
+    ``shape`` (fixed-shape batches, ``packed_shape``): each side padded to ``shape.tokens`` tokens of pad_id,
+    the padding cut into sentences of at most ``shape.max_len`` (they attend only among themselves, and their
+    targets are pad: ignored by the loss), the tables padded with empty sentences to ``shape.sentences``,
+    ``max_len`` = ``shape.max_len``. The real sentences' rows are those of the batch without ``shape``."""
     src_rows = [s + [eos_id] for s in src]
     tgt_in = [[bos_id] + t for t in tgt]
     tgt_out = [t + [eos_id] for t in tgt]
-    flat = lambda rows: torch.tensor([x for r in rows for x in r], dtype=torch.long)  # noqa: E731
-    return PackedBatch(flat(src_rows), flat(tgt_in), flat(tgt_out), sequences([len(r) for r in src_rows]),
-                       sequences([len(r) for r in tgt_in]))
+    if shape is None:
+        flat = lambda rows: torch.tensor([x for r in rows for x in r], dtype=torch.long)  # noqa: E731
+        return PackedBatch(flat(src_rows), flat(tgt_in), flat(tgt_out), sequences([len(r) for r in src_rows]),
+                           sequences([len(r) for r in tgt_in]))
+
+    def side(*rows_of):
+        lengths = [len(r) for r in rows_of[0]]
+        tail = shape.tokens - sum(lengths)
+        if tail < 0 or max(lengths, default=0) > shape.max_len:
+            raise ValueError(f"a packed batch of {len(lengths)} sentences, {sum(lengths)} tokens, the longest "
+                             f"{max(lengths, default=0)}, does not fit the shape {tuple(shape)}")
+        lengths += [shape.max_len] * (tail // shape.max_len) + ([tail % shape.max_len] if tail % shape.max_len else [])
+        if len(lengths) > shape.sentences:
+            raise ValueError(f"a packed batch of {len(rows_of[0])} sentences and {tail} padding tokens needs "
+                             f"{len(lengths)} sentences, more than the shape's {shape.sentences}")
+        seqs = sequences(lengths + [0] * (shape.sentences - len(lengths)))
+        padded = [torch.tensor([x for r in rows for x in r] + [pad_id] * tail, dtype=torch.long) for rows in rows_of]
+        return padded, Sequences(seqs.cu_seqlens, seqs.positions, shape.max_len)
+
+    (src_t,), src_seqs = side(src_rows)
+    (tgt_in_t, tgt_out_t), tgt_seqs = side(tgt_in, tgt_out)
+    return PackedBatch(src_t, tgt_in_t, tgt_out_t, src_seqs, tgt_seqs)

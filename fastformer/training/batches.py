@@ -5,7 +5,8 @@ sorted by length into batches of at most --max-tokens padded tokens, in a shuffl
 round-robin to the ranks (``Processes.shard``). A rank's position is (epoch, index into its share): with
 the RNG states, all that a rank needs to continue exactly where it stopped. With ``fixed_shapes`` (CUDA
 graphs) the batches come in the few shapes of fastformer/data/batching.py's length buckets; with ``packed``
-(--batching packed) they are padding-free (collate_packed), each side's real tokens within --max-tokens.
+(--batching packed) they are padding-free (collate_packed), each side's real tokens within --max-tokens, and
+with both, padded to the one shape of the run (packed_shape: --max-tokens tokens per side).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Callable
 import torch
 
 from fastformer.data import collate, collate_packed, token_batches
-from fastformer.data.batching import PackedBatch, batch_shape
+from fastformer.data.batching import PackedBatch, PackedShape, batch_shape, packed_shape
 
 
 class BatchStream:
@@ -23,6 +24,7 @@ class BatchStream:
                  packed: bool = False):
         self.src_ids, self.tgt_ids, self.max_tokens, self.seed, self.shard = src_ids, tgt_ids, max_tokens, seed, shard
         self.fixed_shapes, self.packed = fixed_shapes, packed
+        self._packed_shape: PackedShape | None = None
         self.seek(epoch, batch_in_epoch)
 
     def seek(self, epoch: int, batch_in_epoch: int = 0) -> None:
@@ -53,10 +55,15 @@ class BatchStream:
 
     def next_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | PackedBatch:
         """The next batch collated on the host: src (B, S), tgt_in and tgt_out (B, T), int64; with
-        ``fixed_shapes`` padded to its bucket's shape; with ``packed`` a PackedBatch."""
+        ``fixed_shapes`` padded to its bucket's shape; with ``packed`` a PackedBatch (with ``fixed_shapes``, of
+        the run's one packed shape)."""
         src, tgt = self.next()
         if self.packed:
-            return collate_packed(src, tgt)
+            if not self.fixed_shapes:
+                return collate_packed(src, tgt)
+            if self._packed_shape is None:  # of all the data, so every batch of every epoch and rank fits it
+                self._packed_shape = packed_shape(self.src_ids, self.tgt_ids, self.max_tokens)
+            return collate_packed(src, tgt, shape=self._packed_shape)
         shape = None
         if self.fixed_shapes:
             shape = batch_shape(max(len(s) for s in src + tgt) + 2, self.max_tokens)

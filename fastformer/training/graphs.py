@@ -4,11 +4,12 @@ On a GPU a Transformer step at the paper's sizes is host-bound: launching its ~1
 takes longer than running them (docs/gpu-report.md). A CUDA graph records the launches once and replays them
 with one call. What makes the step capturable (fastformer/training/step.py): no host synchronization in
 forward, backward or the update; batches in a small fixed set of shapes (fastformer/data/batching.py's
-length buckets: rows x columns fixed per bucket, all-pad rows added); dropout seeds drawn on the device from
+length buckets: rows x columns fixed per bucket, all-pad rows added; or, with --batching packed, one shape:
+--max-tokens tokens per side, the sentence tables of a fixed length); dropout seeds drawn on the device from
 torch's CUDA generator, whose Philox offset advances on every replay (fastformer/ops/_registry.py); the
 learning rate and the gradient's scale in device tensors; a fused, capturable Adam.
 
-Per batch shape (B, L): the first batch of that shape is copied into static input buffers and run eagerly on
+Per batch shape ((B, S, T), or the packed tensors' shapes): the first batch of that shape is copied into static input buffers and run eagerly on
 a side stream (real work: it trains, and it warms up lazy initialisation, Triton's compilation and
 autotuning, the allocator), then the micro-batch (forward, backward into the persistent .grad tensors, loss
 sums into ``run.sums``) is captured; later batches of that shape are copied into the buffers and replayed.
@@ -22,7 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fastformer.training.step import loss_sums, optimizer_update
+from fastformer.data.batching import PackedBatch, Sequences
+from fastformer.training.step import loss_sums, optimizer_update, packed_loss_sums
 
 if TYPE_CHECKING:
     from fastformer.training.setup import Run
@@ -39,9 +41,6 @@ def refusal(args, device: torch.device, world: int) -> str | None:
                 "the host every update")
     if args.compile:
         return "--cuda-graphs and --compile are two ways of removing the host from the step; choose one"
-    if args.batching == "packed":
-        return ("--cuda-graphs takes padded batches of fixed shapes (--batching padded); packed batches vary in "
-                "their token counts")
     return None
 
 
@@ -72,17 +71,41 @@ class CudaGraphs:
 
     @property
     def shapes(self) -> list[tuple]:
-        """The batch shapes captured so far, as (B, S, T)."""
+        """The batch shapes captured so far: (B, S, T) of padded batches, (Ts, Tt, sentences + 1, max_len) of
+        packed ones."""
         return sorted(self.micro)
 
-    def _micro_body(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> None:
+    def _micro_body(self, *batch: torch.Tensor) -> None:
+        """Forward, backward and loss sums of one batch: (src, tgt_in, tgt_out), or a packed batch's tensors
+        (``_tensors``), whose max_len is the graph's (``self.max_len``)."""
         run = self.run
         # autocast's weight cache would hold casts made during capture past it: off under graphs
         with torch.autocast("cuda", dtype=run.amp_dtype, enabled=run.amp_dtype is not None, cache_enabled=False):
-            loss, nll = loss_sums(run.model, src, tgt_in, tgt_out, run.config.pad_id, run.config.label_smoothing,
-                                  backend=run.model.backend)
+            if len(batch) == 3:
+                loss, nll = loss_sums(run.model, *batch, run.config.pad_id, run.config.label_smoothing,
+                                      backend=run.model.backend)
+            else:
+                src, tgt_in, tgt_out, src_cu, src_pos, tgt_cu, tgt_pos, max_len = batch
+                packed = PackedBatch(src, tgt_in, tgt_out, Sequences(src_cu, src_pos, max_len),
+                                     Sequences(tgt_cu, tgt_pos, max_len))
+                loss, nll = packed_loss_sums(run.model, packed, run.config.pad_id, run.config.label_smoothing,
+                                             backend=run.model.backend)
         loss.backward()
         run.sums.add_(torch.stack([loss.detach(), nll]))
+
+    @staticmethod
+    def _tensors(batch) -> tuple[list[torch.Tensor], tuple]:
+        """A host batch's tensors (what is copied into a graph's static buffers) and its key: (src, tgt_in,
+        tgt_out) and (B, S, T); of a PackedBatch also its sentence tables and positions, and the key holds the
+        sentence count and max_len (a launch parameter of the captured attention kernels)."""
+        if isinstance(batch, PackedBatch):
+            if batch.src_seqs.max_len != batch.tgt_seqs.max_len:
+                raise ValueError("a fixed-shape packed batch has one max_len on both sides (collate_packed(shape=))")
+            tensors = [batch.src, batch.tgt_in, batch.tgt_out, *batch.src_seqs[:2], *batch.tgt_seqs[:2]]
+            return tensors, (batch.src.shape[0], batch.tgt_in.shape[0], batch.src_seqs.cu_seqlens.shape[0],
+                             batch.src_seqs.max_len)
+        src, tgt_in, tgt_out = batch
+        return [src, tgt_in, tgt_out], (*src.shape, tgt_in.shape[1])
 
     def _update_body(self) -> None:
         optimizer_update(self.run)
@@ -97,17 +120,18 @@ class CudaGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         return capture(body, inputs, self.pool)
 
-    def micro_batch(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> None:
-        """Forward and backward of one host batch (int64 (B, S), (B, T), (B, T)): replayed when its shape has
-        a graph, else run and captured."""
-        key = (*src.shape, tgt_in.shape[1])
+    def micro_batch(self, batch) -> None:
+        """Forward and backward of one host batch (src, tgt_in, tgt_out: int64 (B, S), (B, T), (B, T); or a
+        fixed-shape PackedBatch): replayed when its shape has a graph, else run and captured."""
+        tensors, key = self._tensors(batch)
         entry = self.micro.get(key)
         if entry is None:
-            static = tuple(t.to(self.device) for t in (src, tgt_in, tgt_out))
-            self.micro[key] = (self._warm_and_capture(self._micro_body, *static), static)
+            static = tuple(t.to(self.device) for t in tensors)
+            inputs = static + ((key[3],) if isinstance(batch, PackedBatch) else ())
+            self.micro[key] = (self._warm_and_capture(self._micro_body, *inputs), static)
             return
         graph, static = entry
-        for buffer, t in zip(static, (src, tgt_in, tgt_out)):
+        for buffer, t in zip(static, tensors):
             buffer.copy_(t.pin_memory() if buffer.is_cuda else t, non_blocking=True)
         graph.replay()
 

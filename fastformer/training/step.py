@@ -45,11 +45,12 @@ def loss_sums(model, src, tgt_in, tgt_out, pad_id: int, label_smoothing: float,
     return loss.sum(), nll.detach().sum()
 
 
-def packed_loss_sums(model, batch: PackedBatch, label_smoothing: float,
+def packed_loss_sums(model, batch: PackedBatch, pad_id: int, label_smoothing: float,
                      backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """loss_sums of a padding-free batch: logits of the packed targets (Tt, V), every one a real token."""
+    """loss_sums of a padding-free batch: logits of the packed targets (Tt, V), every one a real token except
+    a fixed-shape batch's padding tail (pad targets, ignored)."""
     loss, nll = ops.cross_entropy(model(packed=batch), batch.tgt_out, label_smoothing=label_smoothing,
-                                  return_nll=True, backend=backend)
+                                  ignore_index=pad_id, return_nll=True, backend=backend)
     return loss.sum(), nll.detach().sum()
 
 
@@ -68,7 +69,7 @@ def check_batch(run: Run, batch) -> int:
     target tokens."""
     if isinstance(batch, PackedBatch):
         run.model.check_tokens(batch.src[None], batch.tgt_in[None])
-        return batch.tgt_out.numel()
+        return int(batch.tgt_out.ne(run.config.pad_id).sum())
     run.model.check_tokens(*batch[:2])
     return int(batch[2].ne(run.config.pad_id).sum())
 
@@ -81,7 +82,8 @@ def micro_batch(run: Run, *batch, sync: bool) -> None:
     with run.procs.gradient_sync(run.train_model, sync=sync), \
             torch.autocast(run.procs.device.type, dtype=run.amp_dtype, enabled=run.amp_dtype is not None):
         if isinstance(batch[0], PackedBatch):
-            loss, nll = packed_loss_sums(run.train_model, batch[0], config.label_smoothing, backend=run.model.backend)
+            loss, nll = packed_loss_sums(run.train_model, batch[0], config.pad_id, config.label_smoothing,
+                                         backend=run.model.backend)
         else:
             loss, nll = loss_sums(run.train_model, *batch, config.pad_id, config.label_smoothing,
                                   backend=run.model.backend)
@@ -129,7 +131,7 @@ def train_step(run: Run) -> dict:
         n = check_batch(run, batch)  # on the host, before the batch moves
         last = tokens + n >= args.update_tokens / procs.world
         if run.graphs is not None:
-            run.graphs.micro_batch(*batch)
+            run.graphs.micro_batch(batch)
         else:
             device_batch = to_device(batch, procs.device)
             micro_batch(run, *((device_batch,) if isinstance(batch, PackedBatch) else device_batch), sync=last)

@@ -48,7 +48,7 @@ def test_packed_batch_is_the_padded_batch(backend):
         return loss.detach(), nll, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     loss, nll, g = grads(lambda: loss_sums(model, *padded, config.pad_id, 0.1, backend=backend))
-    ploss, pnll, pg = grads(lambda: packed_loss_sums(model, packed, 0.1, backend=backend))
+    ploss, pnll, pg = grads(lambda: packed_loss_sums(model, packed, config.pad_id, 0.1, backend=backend))
     torch.testing.assert_close(ploss, loss, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(pnll, nll, rtol=1e-12, atol=1e-12)
     assert g.keys() == pg.keys()
@@ -72,6 +72,57 @@ def test_packed_batches_hold_real_tokens_within_the_budget():
     assert (batch.tgt_seqs.positions[batch.tgt_seqs.cu_seqlens[:-1].long()] == 0).all()
 
 
+def test_fixed_shape_packed_batches_have_one_shape_and_the_same_loss():
+    """--batching packed with --cuda-graphs: every batch of every epoch padded to one shape (packed_shape, of
+    the whole data), the padding cut into pad-token sentences of at most max_len and the tables filled with
+    empty sentences; the real sentences' logits, the loss and every gradient are the unpadded batch's (the
+    padding attends only to itself and its pad targets are ignored)."""
+    from fastformer.data.batching import packed_shape
+    g = torch.Generator().manual_seed(4)
+    src = [torch.randint(4, 50, (int(n),), generator=g).tolist() for n in torch.randint(0, 30, (200,), generator=g)]
+    tgt = [torch.randint(4, 50, (int(n),), generator=g).tolist() for n in torch.randint(0, 30, (200,), generator=g)]
+    shape = packed_shape(src, tgt, 128)
+    assert shape.tokens == 128 and shape.max_len == max(len(r) + 1 for r in src + tgt) and shape.sentences % 8 == 0
+    shapes = set()
+    for seed in range(3):
+        for b in token_batches(src, tgt, 128, shuffle=True, seed=seed, packed=True):
+            fixed = collate_packed([src[i] for i in b], [tgt[i] for i in b], shape=shape)
+            shapes.add((*(t.shape for t in fixed[:3]), *(s.cu_seqlens.shape for s in fixed[3:]),
+                        fixed.src_seqs.max_len, fixed.tgt_seqs.max_len))
+            for seqs, tokens in ((fixed.src_seqs, fixed.src), (fixed.tgt_seqs, fixed.tgt_in)):
+                lengths = seqs.cu_seqlens.diff()
+                assert int(seqs.cu_seqlens[-1]) == tokens.numel() == 128 and int(lengths.max()) <= shape.max_len
+            assert int(fixed.tgt_out.ne(0).sum()) == sum(len(tgt[i]) + 1 for i in b)  # pad targets: the tail only
+    assert len(shapes) == 1, shapes
+
+    torch.manual_seed(0)
+    config = TransformerConfig.tiny(vocab_size=50, dropout=0.0)
+    model = Transformer(config, backend="cpu").double().train()
+    b = token_batches(src, tgt, 128, shuffle=True, seed=0, packed=True)[0]
+    plain = collate_packed([src[i] for i in b], [tgt[i] for i in b])
+    fixed = collate_packed([src[i] for i in b], [tgt[i] for i in b], shape=shape)
+    real = plain.tgt_out.numel()
+    torch.testing.assert_close(model(packed=fixed)[:real], model(packed=plain), rtol=1e-12, atol=1e-12)
+    results = []
+    for batch in (plain, fixed):
+        model.zero_grad()
+        loss, nll = packed_loss_sums(model, batch, config.pad_id, 0.1, backend="cpu")
+        loss.backward()
+        results.append((loss.detach(), nll, [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-12, atol=1e-12)
+    for got, expected in zip(results[1][2], results[0][2]):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_a_packed_batch_that_does_not_fit_its_shape_is_refused():
+    from fastformer.data.batching import PackedShape
+    with pytest.raises(ValueError, match="does not fit the shape"):
+        collate_packed([[5] * 9], [[6] * 3], shape=PackedShape(8, 8, 10))
+    with pytest.raises(ValueError, match="needs 4 sentences, more than the shape's 2"):
+        collate_packed([[5], [5], [5]], [[6], [6], [6]], shape=PackedShape(8, 2, 4))
+
+
 def test_packed_run_trains_and_resumes_exactly(tmp_path):
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
     result = main(tiny_run_args(straight, "--max-steps", "30", "--keep", "40", "--batching", "packed",
@@ -90,7 +141,10 @@ def test_packed_run_trains_and_resumes_exactly(tmp_path):
     assert sum(train[-5:]) / 5 < sum(train[:5]) / 5 - 0.5
 
 
-def test_packed_batching_refuses_cuda_graphs(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        main(tiny_run_args(tmp_path / "run", "--max-steps", "1", "--batching", "packed", "--cuda-graphs"))
-    assert "--cuda-graphs" in capsys.readouterr().err
+def test_packed_batching_takes_cuda_graphs():
+    """--batching packed with --cuda-graphs: one shape of batch (above), nothing to refuse (on a GPU)."""
+    from fastformer.training.graphs import refusal
+    args = __import__("fastformer.train", fromlist=["build_parser"]).build_parser().parse_args(
+        ["--batching", "packed", "--cuda-graphs", "--precision", "bf16"])
+    assert refusal(args, torch.device("cuda"), 1) is None
+    assert "needs a CUDA device" in refusal(args, torch.device("cpu"), 1)

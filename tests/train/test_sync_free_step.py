@@ -78,6 +78,24 @@ def test_training_step_has_no_host_sync(tmp_path, precision):
     assert torch.isfinite(run.sums).all() and run.sums[0] > 0
 
 
+def test_fixed_shape_packed_step_has_no_host_sync(tmp_path):
+    """The packed step of --batching packed --cuda-graphs (one fixed shape): attention_varlen's tables and
+    max_len come from the host batch, the loss ignores the padding tail by ignore_index."""
+    run = make_run(tmp_path, "--batching", "packed")
+    run.batches.fixed_shapes = True
+    run.batches.seek(0)
+    run.model.train()
+    for _ in range(2):
+        batch = run.batches.next_tensors()
+        run.optimizer.zero_grad(set_to_none=True)
+        run.grad_scale.fill_(1.0 / int(batch.tgt_out.ne(run.config.pad_id).sum()))
+        with SyncDetector() as detector:
+            micro_batch(run, to_device(batch, run.procs.device), sync=True)
+            optimizer_update(run)
+        assert detector.syncs == [], detector.syncs
+    assert torch.isfinite(run.sums).all() and run.sums[0] > 0
+
+
 def test_the_detector_sees_what_the_step_avoids(tmp_path):
     """The model's own token check (kept for users; the trainer checks on the host instead) and the boolean
     selection of pad positions (the old loss) are host syncs on a GPU: the detector reports both."""
@@ -134,7 +152,8 @@ class ReplayedBody:
         self.body(*self.inputs)
 
 
-def test_graph_logic_gives_the_eager_losses(tmp_path, monkeypatch):
+@pytest.mark.parametrize("batching", ["padded", "packed"])
+def test_graph_logic_gives_the_eager_losses(tmp_path, monkeypatch, batching):
     """fastformer/training/graphs.py's control flow on the CPU, CUDA's stream and capture calls replaced by
     stand-ins: one capture per batch shape and one of the update, the first batch of a shape trained eagerly,
     later ones copied into the static buffers and replayed, gradients kept and zeroed by the update, the
@@ -157,7 +176,7 @@ def test_graph_logic_gives_the_eager_losses(tmp_path, monkeypatch):
 
     def fixed_shape_run(name):
         torch.manual_seed(0)
-        run = make_run(tmp_path / name, "--dropout", "0", "--clip-norm", "0.5")
+        run = make_run(tmp_path / name, "--dropout", "0", "--clip-norm", "0.5", "--batching", batching)
         run.optimizer = torch.optim.Adam(run.model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=True)
         run.batches.fixed_shapes = True
         run.batches.seek(0)
@@ -173,6 +192,7 @@ def test_graph_logic_gives_the_eager_losses(tmp_path, monkeypatch):
             out.append(update["sums"][0].item() / update["tokens"])
     shapes = len(graphed.graphs.shapes)
     assert ReplayedBody.captures == shapes + 1  # one per shape met, one of the update
+    assert shapes == 1 if batching == "packed" else shapes >= 2, graphed.graphs.shapes
     assert ReplayedBody.replays >= 7 + 4, ReplayedBody.replays  # the later updates, and micro-batches
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-5)
     for p, q in zip(eager.model.parameters(), graphed.model.parameters()):
