@@ -4,21 +4,28 @@
 // compiled kernels through Triton's launcher (and, for attention, its autotuner). What it does depends only
 // on the call's configuration: the op and phase, every tensor argument's dtype, device, sizes, strides and
 // whether its address is 16-byte aligned (Triton specializes its kernels on that), which tensor arguments
-// are the same tensor, which optional ones are None, and every scalar argument's value. So the first call of
-// a configuration runs the Python implementation under a recorder (fastformer/triton/plans.py) that notes
-// each allocation (torch.empty and its kin: sizes, strides, dtype), each view and each kernel launch (the
-// compiled function, grid, block, shared memory, and every parameter: a pointer into an input or an
-// allocation at a byte offset, or a scalar's bits), and the outputs (an allocation or a view of one). That
+// are the same tensor, which optional ones are None, and every scalar argument's value. So a configuration
+// that repeats is recorded: its Python implementation runs under a recorder (fastformer/triton/plans.py)
+// that notes each allocation (torch.empty and its kin: sizes, strides, dtype), each view and each kernel
+// launch (the compiled function, grid, block, shared memory, and every parameter: a pointer into an input or
+// an allocation at a byte offset, or a scalar's bits), and the outputs (an allocation or a view of one). That
 // list is the configuration's plan, stored here under a key made from the configuration (KeyBuilder). Every
 // later call with that key is replayed in C++: allocate (at::empty_strided on the inputs' device, the caching
 // allocator), pack the parameters (addresses read from this call's tensors), launch each kernel with
 // cuLaunchKernel on the current stream, and return the outputs. No host synchronization, no host memory, no
 // Python: a replay can be captured in a CUDA graph.
 //
+// When a configuration is recorded: the second time its key is seen. Its first call runs in Python
+// unrecorded (counted as a first sight): a run whose shapes vary (every batch a new (B, S, T)) meets most
+// configurations once, and a recording costs more than the Python call it would replace. The table is
+// bounded (capacity, 4,096 by default): a new configuration that finds it full evicts the least recently
+// used eighth (counted), so a run that keeps meeting new shapes keeps its repeating ones and at most
+// `capacity` plans. Triton's autotuner benchmarks outside the recording (plans.py suspends it), so what a
+// recording holds is the call's own launches.
+//
 // A configuration whose Python run does anything else (any other ATen op: a copy, a fill, a reduction in
 // torch; a launch the recorder cannot describe) is refused: it keeps running in Python, correct by
-// construction, and triton_plans_stats() counts it and names the reason. A recording during which Triton's
-// autotuner benchmarked (its launches are not the call's) is discarded and the next call records again.
+// construction, and triton_plans_stats() counts it and names the reason.
 //
 // Where this runs: fastformer::<op>_<phase>_py's kernel for the CUDA dispatch key (registered below, in the
 // CUDA build): for backend "triton" it checks and prepares the arguments as the C++ backends' adapters do
@@ -36,6 +43,7 @@
 #include <torch/library.h>
 #include <torch/python.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdlib>
@@ -206,25 +214,31 @@ class KeyBuilder {
 
 // ---- the cache and the counters ----
 
-// A configuration: its plan once recorded, or refused (it runs in Python for the rest of the process).
+// A configuration in the table: seen once (no plan, not refused: the next call records), recorded (its
+// plan), or refused (it runs in Python for as long as it stays in the table).
 struct Configuration {
   std::shared_ptr<const Plan> plan;
-  int attempts = 0;  // recordings discarded because the autotuner benchmarked during them
   bool refused = false;
+  std::atomic<uint64_t> used{0};  // State::clock at its last call: the least recently used are evicted first
 };
 
-constexpr int kMaxAttempts = 3;
-constexpr size_t kMaxEntries = 20000;  // past this, new configurations run in Python (counted)
+constexpr size_t kDefaultCapacity = 4096;
 
+// Per op and phase. Every call is a replay or a Python call; first sights are among the Python calls.
 struct Counters {
-  std::atomic<int64_t> replays{0}, python{0}, recorded{0}, refused{0};
+  std::atomic<int64_t> replays{0}, python{0}, first_sight{0}, recorded{0}, refused{0}, evicted{0};
 };
 
 struct State {
   std::shared_mutex mutex;
   std::unordered_map<std::string, Configuration> entries;
-  std::map<std::string, int64_t> reasons;  // refused configurations by reason
+  std::map<std::string, int64_t> reasons;  // refusals by reason
   Counters counters[kNumOps][2];
+  // Advanced by every call that runs in Python, read by replays: a replay writes its configuration's `used`
+  // only when the clock moved since that configuration's last call, so replays of a settled run (every
+  // configuration recorded, no Python calls) write nothing shared.
+  std::atomic<uint64_t> clock{0};
+  size_t capacity = kDefaultCapacity;  // guarded by mutex
   std::atomic<bool> enabled{std::getenv("FASTFORMER_TRITON_PLANS") == nullptr ||
                             std::string(std::getenv("FASTFORMER_TRITON_PLANS")) != "0"};
 };
@@ -234,28 +248,74 @@ State& state() {
   return *s;
 }
 
-// What a call does: replay `plan`, or run Python, recording when `record`.
+// Evicts the `count` least recently used configurations (the mutex held exclusively), each counted under its
+// op and phase (the key's first two bytes).
+void evict(State& s, size_t count) {
+  count = std::min(count, s.entries.size());
+  if (count == 0) return;
+  using Entry = std::unordered_map<std::string, Configuration>::iterator;
+  std::vector<std::pair<uint64_t, Entry>> by_use;
+  by_use.reserve(s.entries.size());
+  for (auto it = s.entries.begin(); it != s.entries.end(); ++it) by_use.emplace_back(it->second.used.load(), it);
+  std::nth_element(by_use.begin(), by_use.begin() + (count - 1), by_use.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (size_t i = 0; i < count; ++i) {
+    const std::string& key = by_use[i].second->first;
+    ++s.counters[static_cast<int>(key[0])][static_cast<int>(key[1])].evicted;
+    s.entries.erase(by_use[i].second);
+  }
+}
+
+// What a call does: replay `plan`, or run in Python (recorded when `record`; `first_sight` when its
+// configuration was new).
 struct Lookup {
   std::shared_ptr<const Plan> plan;
   bool record = false;
+  bool first_sight = false;
 };
+
+// A configuration already in the table (the mutex held, shared or exclusive).
+Lookup seen(State& s, Configuration& e) {
+  if (e.plan) {
+    const uint64_t now = s.clock.load(std::memory_order_relaxed);
+    if (e.used.load(std::memory_order_relaxed) != now) e.used.store(now, std::memory_order_relaxed);
+    return {e.plan};
+  }
+  e.used.store(s.clock.fetch_add(1) + 1, std::memory_order_relaxed);
+  return {nullptr, !e.refused};
+}
 
 Lookup lookup(const std::string& key) {
   State& s = state();
-  std::shared_lock<std::shared_mutex> lock(s.mutex);
+  {
+    std::shared_lock<std::shared_mutex> lock(s.mutex);
+    const auto it = s.entries.find(key);
+    if (it != s.entries.end()) return seen(s, it->second);
+  }
+  std::unique_lock<std::shared_mutex> lock(s.mutex);
   const auto it = s.entries.find(key);
-  if (it == s.entries.end()) return {nullptr, s.entries.size() < kMaxEntries};
-  return {it->second.plan, !it->second.plan && !it->second.refused && it->second.attempts < kMaxAttempts};
+  if (it != s.entries.end()) return seen(s, it->second);  // another thread's call put it there meanwhile
+  // A full table evicts an eighth of itself at once: one scan per capacity / 8 new configurations.
+  if (s.entries.size() >= s.capacity) evict(s, s.entries.size() - s.capacity + std::max<size_t>(1, s.capacity / 8));
+  s.entries[key].used = s.clock.fetch_add(1) + 1;
+  return {nullptr, false, true};
 }
 
-void refuse(const std::string& key, const std::string& reason, Counters& counters) {
+// The outcome of a recording, stored if its configuration is still in the table (a configuration evicted
+// while its call ran in Python is not put back: its next call is a first sight again).
+void store(const std::string& key, std::shared_ptr<const Plan> plan, const std::string& reason, Counters& counters) {
   State& s = state();
   std::unique_lock<std::shared_mutex> lock(s.mutex);
-  Configuration& e = s.entries[key];
-  if (e.refused || e.plan) return;
-  e.refused = true;
-  ++s.reasons[reason];
-  ++counters.refused;
+  const auto it = s.entries.find(key);
+  if (it == s.entries.end() || it->second.refused || it->second.plan) return;
+  if (plan) {
+    it->second.plan = std::move(plan);
+    ++counters.recorded;
+  } else {
+    it->second.refused = true;
+    ++s.reasons[reason];
+    ++counters.refused;
+  }
 }
 
 // ---- the Python side (fastformer/triton/plans.py), looked up once with the GIL held ----
@@ -515,7 +575,7 @@ c10::DeviceIndex current_device(c10::Device device) {
 }
 
 // fastformer/triton/<op>.py's <op>_<phase> for this call: replayed from its plan, else run in Python (and
-// recorded when the configuration is new, or its last recording was discarded).
+// recorded when its configuration is seen for the second time).
 template <typename R, typename... A>
 R run(int op, int phase, const A&... args) {
   const std::array<const Tensor*, sizeof...(A)> inputs{tensor_of(args)...};
@@ -536,21 +596,13 @@ R run(int op, int phase, const A&... args) {
     return Result<R>::make(outputs);
   }
   ++counters.python;
+  if (found.first_sight) ++counters.first_sight;
   const bool record = found.record && current == device.index();  // Triton launches on the current device
   py::gil_scoped_acquire gil;
   const py::tuple result = python().run(kOpNames[op], kPhaseNames[phase], record, py::make_tuple(args...));
   R outputs = result[0].cast<R>();
   const int status = result[1].cast<int>();
   if (status < 0) return outputs;  // not recorded
-  if (status == 2) {  // the autotuner benchmarked during the recording: try again next call
-    State& s = state();
-    std::unique_lock<std::shared_mutex> lock(s.mutex);
-    if (++s.entries[key.bytes()].attempts >= kMaxAttempts) {
-      lock.unlock();
-      refuse(key.bytes(), "autotuning did not settle in " + std::to_string(kMaxAttempts) + " calls", counters);
-    }
-    return outputs;
-  }
   std::string reason = status == 1 ? result[2].cast<std::string>() : "";
   std::shared_ptr<Plan> plan;
   if (status == 0) {
@@ -558,17 +610,7 @@ R run(int op, int phase, const A&... args) {
     for (const Tensor* t : inputs) is_tensor.push_back(t != nullptr);
     plan = parse(result[2], is_tensor, Result<R>::size, reason);
   }
-  if (!plan) {
-    refuse(key.bytes(), reason, counters);
-    return outputs;
-  }
-  State& s = state();
-  std::unique_lock<std::shared_mutex> lock(s.mutex);
-  Configuration& e = s.entries[key.bytes()];
-  if (!e.plan && !e.refused) {
-    e.plan = std::move(plan);
-    ++counters.recorded;
-  }
+  store(key.bytes(), std::move(plan), reason, counters);
   return outputs;
 }
 
@@ -640,14 +682,17 @@ py::dict stats() {
       py::dict d;
       d["replays"] = c.replays.load();
       d["python"] = c.python.load();
+      d["first_sight"] = c.first_sight.load();
       d["recorded"] = c.recorded.load();
       d["refused"] = c.refused.load();
+      d["evicted"] = c.evicted.load();
       out[py::str(std::string(kOpNames[op]) + "_" + kPhaseNames[phase])] = d;
     }
   }
   for (const auto& [reason, count] : s.reasons) reasons[py::str(reason)] = count;
   out["refused_reasons"] = reasons;
   out["configurations"] = s.entries.size();
+  out["capacity"] = s.capacity;
   return out;
 }
 
@@ -656,9 +701,20 @@ void clear() {
   std::unique_lock<std::shared_mutex> lock(s.mutex);
   s.entries.clear();
   s.reasons.clear();
+  s.clock = 0;
   for (auto& per_op : s.counters) {
-    for (Counters& c : per_op) c.replays = c.python = c.recorded = c.refused = 0;
+    for (Counters& c : per_op) c.replays = c.python = c.first_sight = c.recorded = c.refused = c.evicted = 0;
   }
+}
+
+size_t set_capacity(size_t capacity) {
+  TORCH_CHECK(capacity >= 1, "fastformer triton plans: the capacity must be at least 1, got ", capacity);
+  State& s = state();
+  std::unique_lock<std::shared_mutex> lock(s.mutex);
+  const size_t previous = s.capacity;
+  s.capacity = capacity;
+  if (s.entries.size() > capacity) evict(s, s.entries.size() - capacity);
+  return previous;
 }
 
 }  // namespace
@@ -671,9 +727,13 @@ TORCH_LIBRARY_IMPL(fastformer, CUDA, m) { fastformer::triton_plans::register_ker
 void fastformer::bind_triton_plans(pybind11::module_& m) {
   namespace tp = fastformer::triton_plans;
   m.def("triton_plans_stats", &tp::stats,
-        "per op and phase: calls replayed from C++, calls run in Python, configurations recorded and refused; "
-        "the reasons of the refusals; the number of configurations seen (csrc/triton/plans.cpp)");
-  m.def("triton_plans_clear", &tp::clear, "forgets every plan and counter (the next calls record again)");
+        "per op and phase: calls replayed from C++, calls run in Python (first sights among them), configurations "
+        "recorded, refused and evicted; the reasons of the refusals; the configurations in the table and its "
+        "capacity (csrc/triton/plans.cpp)");
+  m.def("triton_plans_clear", &tp::clear, "forgets every configuration and counter (the capacity stays)");
+  m.def("triton_plans_set_capacity", &tp::set_capacity, py::arg("capacity"),
+        "bounds the table to `capacity` configurations (evicting the least recently used past it); returns the "
+        "previous bound");
   m.def("triton_plans_set_enabled", [](bool on) { tp::state().enabled = on; },
         "replays on (the default; FASTFORMER_TRITON_PLANS=0 starts with them off) or off (every triton call runs "
         "its Python implementation)");

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from fastformer import _dispatch
 from fastformer.cli import progress
 from fastformer.runtime import provenance, resident_bytes, trim_freed_memory
 from fastformer.training.evaluation import evaluate_dev, final_test
@@ -82,8 +83,21 @@ def train(run: Run) -> None:
     bar.close()
 
 
+def triton_plans_summary() -> str | None:
+    """The triton backend's launch plans over this process's calls in one line (fastformer.triton.plans.summary:
+    configurations recorded and refused with the reasons, replays, Python calls), or None when none was
+    counted: the backend was not triton on CUDA tensors, or triton is not available here."""
+    if not _dispatch.status("triton")[0]:
+        return None
+    from fastformer.triton import plans
+
+    return plans.summary()
+
+
 def finish(run: Run) -> dict:
-    """The final checkpoint; then on the main process a last dev evaluation, loss.png and the test."""
+    """The final checkpoint; then on the main process a last dev evaluation, loss.png and the test. The summary
+    (logged, printed, returned) holds the triton plans' line when that backend ran on CUDA tensors: the
+    calls of the whole run (training, dev evaluations, the test translation)."""
     args, procs, state = run.args, run.procs, run.state
     save_checkpoint(run)
     result = {"run_dir": run.run_dir, "steps": state["step"], "train_minutes": round(state["train_seconds"] / 60, 2),
@@ -98,6 +112,9 @@ def finish(run: Run) -> dict:
         if not args.no_test:
             result.update(final_test(run))
         result["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)  # test included
+        plans = triton_plans_summary()
+        if plans is not None:
+            result["triton_plans"] = plans
         run.log.write({"kind": "summary", "step": state["step"], **result, **provenance()})
         procs.say(json.dumps(result))
     return result

@@ -8,23 +8,36 @@ sizes, strides, 16-byte alignment and which earlier argument it is; None-ness; e
 - replays the configuration's plan when it has one: allocations, kernel launches (cuLaunchKernel on the
   current stream, the parameters packed in C++), outputs; no Python;
 - else calls ``_run`` below, which runs ``fastformer.triton.<op>.<op>_<phase>`` in Python, recording what it
-  does the first time a configuration is seen (and again after a recording the autotuner disturbed).
+  does when the configuration is seen for the second time. A first sight runs unrecorded: a run whose
+  shapes vary (plain ``python -m fastformer.train``, every batch a new (B, S, T)) meets most configurations
+  once, and recording one costs more than the Python call it would replace.
+
+The table of configurations is bounded (``set_capacity``, 4,096 by default): a new configuration that finds
+it full evicts the least recently used eighth, so plans that keep being replayed stay.
 
 What is recorded (``_Recording``), while the Python implementation runs:
 - ATen ops, through a TorchDispatchMode: allocations (``torch.empty``, ``empty_like``, ``new_empty``,
   ``empty_strided``, ``new_empty_strided``: sizes, strides, dtype) and views (which tensor each is a view
   of). Any other ATen op (a copy, a fill, a sum, ``.contiguous()`` that copies, an ``.item()``) makes the
-  configuration refused: it runs in Python for the rest of the process, as before, and ``stats()`` counts
-  it under that reason.
+  configuration refused: it runs in Python for as long as it stays in the table, as before, and
+  ``stats()`` counts it under that reason.
 - Kernel launches, by wrapping Triton's launcher (``CompiledKernel.run``, the same in Triton 3.6 and 3.8):
-  the CUfunction Triton loaded (kept alive here), threads (32 x num_warps), dynamic shared memory, the grid,
-  and each parameter: a pointer into an input or an allocation at a byte offset (views resolved to their
-  root), a scalar's bits by the kernel signature's type (i32, i64, fp32, ...), or a null pointer for
-  Triton's trailing scratch parameters, whose count and sizes come from the kernel's PTX (``.entry``
-  parameter list) and are checked in C++ against cuFuncGetParamInfo. Kernels that need scratch memory, more
-  than one CTA per cluster, cooperative or PDL launches, tensor descriptors or 16-bit scalars are refused.
-- Triton's autotuner: a recording during which it filled its cache (it benchmarked candidates, whose
-  launches are not the call's) is discarded; the next call records again.
+  the CUfunction Triton loaded, threads (32 x num_warps), dynamic shared memory, the grid, and each
+  parameter: a pointer into an input or an allocation at a byte offset (views resolved to their root), a
+  scalar's bits by the kernel signature's type (i32, i64, fp32, ...), or a null pointer for Triton's
+  trailing scratch parameters, whose count and sizes come from the kernel's PTX (``.entry`` parameter list)
+  and are checked in C++ against cuFuncGetParamInfo. Kernels that need scratch memory, more than one CTA per
+  cluster, cooperative or PDL launches, tensor descriptors or 16-bit scalars are refused. The kernels of a
+  plan handed to C++ are kept alive here (C++ launches their CUfunctions); those of a refused recording are
+  not.
+- Not Triton's autotuner: when it benchmarks candidates (``Autotuner._bench``, on a key it has not tuned),
+  the recording is suspended for the benchmark: this thread's launches are not recorded and every dispatch
+  mode is off (``_unrecorded``). The benchmark then times the candidates as it would without plans (no
+  recorder's host time added to short kernels), its allocations and cache flushes do not refuse the
+  configuration, and no candidate's kernel is kept alive; the recording goes on with the tuned launch.
+
+Counters (``stats()``, per op and phase; ``summary()`` sums them into one line for logs: fastformer.train
+prints it and writes it into its run's summary record).
 
 Under TRITON_INTERPRET=1 (CPU tensors, CI) ``on_cpu(True)`` registers the same C++ kernel for CPU tensors;
 the interpreter's launches are then recorded by wrapping ``InterpretedFunction.run`` and replayed through
@@ -47,14 +60,14 @@ import struct
 import threading
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from fastformer import _dispatch
 from fastformer._ext import C
 from fastformer.triton import INTERPRET
 
-# _run's status: a plan, a refusal (reason), a recording to retry (reason), or no recording asked for.
-PLAN, REFUSED, RETRY, NOT_RECORDED = 0, 1, 2, -1
+# _run's status: a plan, a refusal (reason), or no recording asked for.
+PLAN, REFUSED, NOT_RECORDED = 0, 1, -1
 # Parameter kinds (csrc/triton/plans.cpp Param::Kind).
 INPUT, ALLOC, VALUE, NULL = 0, 1, 2, 3
 
@@ -67,14 +80,46 @@ _MASK64 = (1 << 64) - 1
 
 def stats() -> dict:
     """Per op and phase (``"attention_fwd"``, ...): ``replays`` (calls replayed from C++), ``python`` (calls
-    run in Python: a configuration's first, and every call of a refused one), ``recorded`` and ``refused``
-    (configurations); ``refused_reasons`` {reason: configurations}; ``configurations`` seen."""
+    run in Python: first sights, recordings, and every call of a refused configuration), ``first_sight``
+    (among those, calls of a configuration not in the table: unrecorded), ``recorded``, ``refused`` and
+    ``evicted`` (configurations); ``refused_reasons`` {reason: refusals}; ``configurations`` (in the table
+    now) and ``capacity`` (its bound)."""
     return C.triton_plans_stats()
 
 
+def summary(counts: dict | None = None) -> str | None:
+    """The counters of ``stats()`` (or ``counts``, a dict it returned) summed over ops and phases, in one line:
+
+        triton plans: 41 configurations, 38 recorded, 3 refused (2: runs aten.copy_.default in torch;
+        1: ...), 0 evicted; 12,345 replays (99.0% of calls), 120 python calls (45 first sights)
+
+    (one line; reasons by count, most first). None when no call was counted: the backend was not triton on
+    CUDA tensors (or, under the interpreter, plans were not on for CPU tensors), or plans were off."""
+    counts = stats() if counts is None else counts
+    per_op = [c for c in counts.values() if isinstance(c, dict) and "replays" in c]
+    total = {k: sum(c[k] for c in per_op) for k in ("replays", "python", "first_sight", "recorded", "refused",
+                                                    "evicted")}
+    calls = total["replays"] + total["python"]
+    if calls == 0:
+        return None
+    reasons = sorted(counts["refused_reasons"].items(), key=lambda kv: (-kv[1], kv[0]))
+    refused = f"{total['refused']:,} refused"
+    if reasons:
+        refused += " (" + "; ".join(f"{n:,}: {reason}" for reason, n in reasons) + ")"
+    return (f"triton plans: {counts['configurations']:,} configurations, {total['recorded']:,} recorded, {refused}, "
+            f"{total['evicted']:,} evicted; {total['replays']:,} replays ({100 * total['replays'] / calls:.1f}% of "
+            f"calls), {total['python']:,} python calls ({total['first_sight']:,} first sights)")
+
+
 def clear() -> None:
-    """Forgets every plan and counter: the next call of each configuration records again."""
+    """Forgets every configuration and counter: each configuration's next call is a first sight again."""
     C.triton_plans_clear()
+
+
+def set_capacity(capacity: int) -> int:
+    """Bounds the table to ``capacity`` configurations (4,096 by default), evicting the least recently used
+    past it; returns the previous bound."""
+    return C.triton_plans_set_capacity(int(capacity))
 
 
 def set_enabled(on: bool) -> None:
@@ -106,16 +151,37 @@ def _run(op: str, phase: str, record: bool, args: tuple):
     with autocast or contextlib.nullcontext():
         if not record:
             return fn(*args), NOT_RECORDED, None
-        _install_hooks()
-        recording = _Recording(args, device)
-        _local.recording = recording
-        try:
-            with _Watch(recording):
-                out = fn(*args)
-        finally:
-            _local.recording = None
+        with _recorded(args, device) as recording:
+            out = fn(*args)
     status, payload = recording.result(out)
     return out, status, payload
+
+
+@contextlib.contextmanager
+def _recorded(args: tuple, device: torch.device):
+    """Records what this thread does inside (a _Recording of a call with arguments ``args`` on ``device``)."""
+    _install_hooks()
+    recording = _Recording(args, device)
+    _local.recording = recording
+    try:
+        with _Watch(recording):
+            yield recording
+    finally:
+        _local.recording = None
+
+
+@contextlib.contextmanager
+def _unrecorded():
+    """Inside a recording, what runs here is not the call's (the autotuner's benchmark): this thread's
+    launches go straight to Triton and ATen ops to their kernels, past every dispatch mode (the _Watch and
+    any outer one: the candidates' launches are the autotuner's, not the call's)."""
+    recording = getattr(_local, "recording", None)
+    _local.recording = None
+    try:
+        with _disable_current_modes():
+            yield
+    finally:
+        _local.recording = recording
 
 
 def _run_interpreted(kernel: int, grid: tuple, bits: list) -> None:
@@ -156,8 +222,8 @@ class _Recording:
         self.allocs: list[tuple] = []
         self.alloc_tensors: list[torch.Tensor] = []
         self.launches: list[tuple] = []
+        self.kernels: list = []  # the CompiledKernels launched: kept alive by _compiled once the plan is handed over
         self.refusal: str | None = None
-        self.retry: str | None = None
         self.launching = False  # inside a launch: the launcher's own ATen ops (interpreter) are not the call's
 
     def refuse(self, reason: str) -> None:
@@ -241,7 +307,7 @@ class _Recording:
             return
         params = [(kind, index, value, s) for (kind, index, value, _), s in zip(params, sizes)]
         params += [(NULL, 0, 0, 8)] * len(hidden)
-        _compiled.setdefault(kernel.function, kernel)
+        self.kernels.append(kernel)
         threads = kernel.metadata.num_warps * kernel.metadata.target.warp_size
         self.launches.append(((kernel.function, -1, threads, kernel.metadata.shared, name), grid, params))
 
@@ -275,8 +341,6 @@ class _Recording:
                               params))
 
     def result(self, out):
-        if self.retry:
-            return RETRY, self.retry
         if self.refusal:
             return REFUSED, self.refusal
         outputs = []
@@ -286,6 +350,8 @@ class _Recording:
                 return REFUSED, "returns a tensor that it did not allocate"
             outputs.append((root[1], o is self.alloc_tensors[root[1]], tuple(o.shape), tuple(o.stride()),
                             o.storage_offset()))
+        for kernel in self.kernels:
+            _compiled.setdefault(kernel.function, kernel)
         return PLAN, (self.allocs, self.launches, outputs)
 
 
@@ -392,8 +458,9 @@ _hooks_lock = threading.Lock()
 
 
 def _install_hooks() -> None:
-    """Wraps Triton's launcher (CompiledKernel.run, or InterpretedFunction.run under the interpreter) and
-    Autotuner.run, once: outside a recording (this thread's _local.recording) they behave as before."""
+    """Wraps Triton's launcher (CompiledKernel.run, or InterpretedFunction.run under the interpreter) and the
+    autotuner's benchmark of a candidate (Autotuner._bench), once: outside a recording (this thread's
+    _local.recording) they behave as before."""
     global _hooks_installed
     with _hooks_lock:
         if _hooks_installed:
@@ -439,17 +506,14 @@ def _install_hooks() -> None:
 
             CompiledKernel.run = property(run_property)
 
-        autotuner_run = Autotuner.run
+        bench = Autotuner._bench  # times one candidate config; run() calls it only for keys not yet tuned
 
-        @functools.wraps(autotuner_run)
-        def run_autotuner(self, *args, **kwargs):
-            recording = getattr(_local, "recording", None)
-            tuned = len(self.cache)
-            try:
-                return autotuner_run(self, *args, **kwargs)
-            finally:
-                if recording is not None and len(self.cache) != tuned:
-                    recording.retry = "the autotuner benchmarked during the recording"
+        @functools.wraps(bench)
+        def bench_unrecorded(self, *args, **kwargs):
+            if getattr(_local, "recording", None) is None:
+                return bench(self, *args, **kwargs)
+            with _unrecorded():
+                return bench(self, *args, **kwargs)
 
-        Autotuner.run = run_autotuner
+        Autotuner._bench = bench_unrecorded
         _hooks_installed = True

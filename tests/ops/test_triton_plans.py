@@ -1,12 +1,13 @@
 """The triton backend's launch plans (csrc/triton/plans.cpp, fastformer/triton/plans.py) on the CPU.
 
-A configuration's first call runs its Triton implementation in Python and records it; later calls replay the
-plan in C++. On a GPU a replay launches the compiled kernels with cuLaunchKernel (tests/gpu/test_triton_plans_on_cuda.py);
+A configuration's first call runs its Triton implementation in Python unrecorded (a first sight), its second
+runs it again and records it, later calls replay the plan in C++; the table keeps at most its capacity of
+configurations, the least recently used evicted. On a GPU a replay launches the compiled kernels with cuLaunchKernel (tests/gpu/test_triton_plans_on_cuda.py);
 here, under TRITON_INTERPRET=1, plans.on_cpu(True) registers the same C++ kernel for CPU tensors and a replay
 runs each recorded kernel in the interpreter through one Python call, so everything but cuLaunchKernel runs:
 the key, the recorder's classification, the allocations, the parameters (pointers at their offsets, scalars'
-bits), the outputs' layout, the counters, and the fallback to Python for refused configurations and for
-the other backends. The compiled-kernel half of the recorder (signature, PTX parameters) is checked on a
+bits), the outputs' layout, the counters, the bound, the fallback to Python for refused configurations and for
+the other backends, and the autotuner's benchmark kept out of a recording. The compiled-kernel half of the recorder (signature, PTX parameters) is checked on a
 kernel that Triton compiles here for sm_80 without a GPU.
 """
 import json
@@ -43,8 +44,10 @@ def plans_on_cpu():
 def fresh(plans_on_cpu):
     plans_on_cpu.clear()
     plans_on_cpu.set_enabled(True)
+    capacity = plans_on_cpu.stats()["capacity"]
     yield
     plans_on_cpu.set_enabled(True)
+    plans_on_cpu.set_capacity(capacity)
 
 
 def stats(op):
@@ -52,6 +55,11 @@ def stats(op):
 
     s = plans.stats()
     return s[f"{op}_fwd"], s[f"{op}_bwd"]
+
+
+def counts(replays=0, python=0, first_sight=0, recorded=0, refused=0, evicted=0):
+    return {"replays": replays, "python": python, "first_sight": first_sight, "recorded": recorded,
+            "refused": refused, "evicted": evicted}
 
 
 # One call per op, forward and backward through autograd: (op, inputs, upstream gradients, function).
@@ -105,31 +113,37 @@ def run(fn, inputs, upstream, seed):
 
 
 @pytest.mark.parametrize("op", list(CASES))
-def test_second_call_replays_and_matches_python_bit_for_bit(op):
+def test_repeated_configuration_is_recorded_then_replayed_bit_for_bit(op):
+    """The first call of a configuration runs in Python unrecorded, the second records, the later ones replay:
+    every call gives the Python run's bits and layouts."""
     from fastformer.triton import plans
 
     inputs, upstream, fn = CASES[op]()
     plans.set_enabled(False)
     expected = run(fn, inputs, upstream, seed=5)
-    assert stats(op) == ({"replays": 0, "python": 0, "recorded": 0, "refused": 0},) * 2
+    assert stats(op) == (counts(),) * 2
     plans.set_enabled(True)
-    for call in range(3):
+    interpreted = len(plans._interpreted)
+    progress = [counts(python=1, first_sight=1), counts(python=2, first_sight=1, recorded=1),
+                counts(replays=1, python=2, first_sight=1, recorded=1),
+                counts(replays=2, python=2, first_sight=1, recorded=1)]
+    for call, want in enumerate(progress):
         got = run(fn, inputs, upstream, seed=5)
         for g, e in zip(got, expected):
             assert g.dtype == e.dtype and g.shape == e.shape and g.stride() == e.stride()
             assert torch.equal(g, e), f"call {call} differs from the Python run"
-    fwd, bwd = stats(op)
-    assert fwd == bwd == {"replays": 2, "python": 1, "recorded": 1, "refused": 0}, (fwd, bwd, plans.stats())
+        fwd, bwd = stats(op)
+        assert fwd == bwd == want, (call, fwd, bwd, plans.stats())
+        if call == 0:
+            assert len(plans._interpreted) == interpreted, "a first sight recorded launches"
 
 
 def test_replays_allocate_fresh_outputs():
     x = randn(4, 24, dtype=F32)
-    first = ops.softmax(x, backend="triton")
-    second = ops.softmax(x, backend="triton")
-    third = ops.softmax(x, backend="triton")
+    first, second, third, fourth = (ops.softmax(x, backend="triton") for _ in range(4))
     assert stats("softmax")[0]["replays"] == 2
-    assert len({t.data_ptr() for t in (first, second, third)}) == 3
-    assert torch.equal(first, second) and torch.equal(second, third)
+    assert len({t.data_ptr() for t in (first, second, third, fourth)}) == 4
+    assert all(torch.equal(first, t) for t in (second, third, fourth))
 
 
 def configurations():
@@ -178,8 +192,9 @@ def test_varlen_replay_reads_this_calls_tables():
     tables' values were checked by csrc/ops.h before the replay."""
     q, k, v = (randn(10, 2, 16, dtype=F32) for _ in range(3))
     tables = [torch.tensor(t, dtype=torch.int32) for t in ([0, 4, 10], [0, 0, 10], [0, 7, 10])]
+    ops.attention_varlen(q, k, v, tables[1], tables[1], 10, 10, causal=True, backend="triton")  # first sight
     replayed = [ops.attention_varlen(q, k, v, t, t, 10, 10, causal=True, backend="triton") for t in tables]
-    assert stats("attention_varlen")[0] == {"replays": 2, "python": 1, "recorded": 1, "refused": 0}
+    assert stats("attention_varlen")[0] == counts(replays=2, python=2, first_sight=1, recorded=1)
     for t, out in zip(tables, replayed):
         torch.testing.assert_close(out, ops.attention_varlen(q, k, v, t, t, 10, 10, causal=True, backend="torch"))
     with pytest.raises(ValueError, match="must be non-decreasing"):
@@ -197,7 +212,7 @@ def test_refused_configuration_runs_in_python():
     for _ in range(3):
         torch.testing.assert_close(ops.softmax(x, mask=mask, backend="triton"), expected)
     fwd, _ = stats("softmax")
-    assert fwd == {"replays": 0, "python": 3, "recorded": 0, "refused": 1}
+    assert fwd == counts(python=3, first_sight=1, refused=1)
     (reason,) = plans.stats()["refused_reasons"]
     assert reason.startswith("runs aten.") and reason.endswith(" in torch"), reason
 
@@ -210,6 +225,7 @@ def test_errors_come_through_as_before():
         ops.attention(q, *(randn(2, 1, 4, 130, dtype=F32) for _ in range(2)), backend="triton")
     x = randn(3, 8, dtype=F32)
     ops.softmax(x, backend="triton")
+    ops.softmax(x, backend="triton")  # recorded
     with pytest.raises(ValueError, match="scale must be a finite number"):  # a replayable configuration's checks
         ops.softmax(x, scale=float("inf"), backend="triton")
 
@@ -230,6 +246,141 @@ def test_disabled_plans_run_python():
     for _ in range(2):
         ops.softmax(x, backend="triton")
     assert configurations() == 0 and stats("softmax")[0]["python"] == 0
+
+
+def test_configurations_seen_once_are_not_recorded():
+    """A run whose shapes vary: every call a new configuration, each run in Python once and never recorded."""
+    from fastformer.triton import plans
+
+    interpreted = len(plans._interpreted)
+    for n in range(20, 26):
+        x = randn(3, n, dtype=F32)
+        torch.testing.assert_close(ops.softmax(x, backend="triton"), torch.softmax(x, -1))
+    assert stats("softmax")[0] == counts(python=6, first_sight=6)
+    assert configurations() == 6 and len(plans._interpreted) == interpreted
+
+
+def softmax_call(n: int, replay: bool = False) -> None:
+    """One softmax call of the configuration of width n, checked against torch; ``replay``: it must be replayed."""
+    before = stats("softmax")[0]["replays"]
+    x = randn(2, n, dtype=F32)
+    torch.testing.assert_close(ops.softmax(x, backend="triton"), torch.softmax(x, -1))
+    assert (stats("softmax")[0]["replays"] == before + 1) == replay, (n, stats("softmax"))
+
+
+def test_the_table_is_bounded_least_recently_used_evicted():
+    from fastformer.triton import plans
+
+    assert plans.stats()["capacity"] == 4096
+    plans.set_capacity(4)
+    for n in (10, 11, 12, 13):  # four configurations, each recorded
+        softmax_call(n)
+        softmax_call(n)
+    softmax_call(10, replay=True)  # 10 is now the most recently used, 11 the least
+    softmax_call(14)  # a fifth configuration: the table is full, 11 goes
+    assert configurations() == 4 and stats("softmax")[0]["evicted"] == 1
+    softmax_call(10, replay=True)
+    softmax_call(13, replay=True)
+    before = stats("softmax")[0]
+    softmax_call(11)  # evicted: a first sight again (12 goes now)
+    after = stats("softmax")[0]
+    assert after["first_sight"] == before["first_sight"] + 1 and after["evicted"] == 2
+    for n in range(30, 60):  # shapes that never repeat: the bound holds, the plans in use stay
+        softmax_call(n)
+        softmax_call(10, replay=True)
+        assert configurations() <= 4
+    assert stats("softmax")[0]["evicted"] == 2 + 30
+    plans.set_capacity(2)  # a smaller bound evicts down to it
+    assert configurations() == 2 and stats("softmax")[0]["evicted"] == 2 + 30 + 2
+    softmax_call(10, replay=True)
+
+
+def test_summary_line():
+    from fastformer.triton import plans
+
+    assert plans.summary() is None  # nothing counted: fastformer.train leaves the line out
+    softmax = {"replays": 12345, "python": 100, "first_sight": 40, "recorded": 38, "refused": 3, "evicted": 5}
+    zero = {k: 0 for k in softmax}
+    attention = {**zero, "python": 20, "first_sight": 5}
+    made = {"softmax_fwd": softmax, "softmax_bwd": zero, "attention_fwd": attention, "capacity": 4096,
+            "configurations": 41, "refused_reasons": {"needs scratch memory": 1, "runs aten.copy_.default in torch": 2}}
+    assert plans.summary(made) == (
+        "triton plans: 41 configurations, 38 recorded, 3 refused (2: runs aten.copy_.default in torch; 1: needs "
+        "scratch memory), 5 evicted; 12,345 replays (99.0% of calls), 120 python calls (45 first sights)")
+    x = randn(2, 8, dtype=F32)
+    for _ in range(3):
+        ops.softmax(x, backend="triton")
+    assert plans.summary() == ("triton plans: 1 configurations, 1 recorded, 0 refused, 0 evicted; 1 replays "
+                               "(33.3% of calls), 2 python calls (1 first sights)")
+
+
+def test_training_summary_holds_the_plans_line():
+    """fastformer.train's summary record takes its triton line from here (None: left out)."""
+    from fastformer.training.loop import triton_plans_summary
+    from fastformer.triton import plans
+
+    assert triton_plans_summary() is None
+    ops.softmax(randn(2, 8, dtype=F32), backend="triton")
+    assert triton_plans_summary() == plans.summary() is not None
+
+
+# ---- Triton's autotuner benchmarks outside the recording ----
+
+def autotuned_double():
+    """A toy autotuned kernel (y = 2 x) with two candidate tiles and a benchmark that does what Triton's
+    do_bench does around a candidate (ATen ops: a cache flush), noting what it sees."""
+    import triton
+    import triton.language as tl
+
+    seen = []
+
+    def bench(kernel_call, quantiles):
+        flush = torch.empty(64)
+        flush.zero_()
+        kernel_call()
+        seen.append(torch._C._len_torch_dispatch_stack())  # dispatch modes on while it benchmarks
+        return [float(len(seen))] * len(quantiles)  # the first candidate (BLOCK 16) wins
+
+    @triton.autotune(configs=[triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})], key=["n"],
+                     do_bench=bench)
+    @triton.jit
+    def double(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + i, tl.load(x_ptr + i, mask=i < n) * 2, mask=i < n)
+
+    def softmax_fwd(x, mask, scale):  # stands in for the triton backend's softmax forward
+        y = torch.empty_like(x)
+        double[lambda meta: (triton.cdiv(x.numel(), meta["BLOCK"]),)](x, y, x.numel())
+        return y
+
+    return double, softmax_fwd, seen
+
+
+def test_autotuner_benchmarks_outside_the_recording(monkeypatch):
+    """A call that records while the autotuner tunes a new key: the candidates' launches and the benchmark's
+    ATen ops are neither recorded nor seen by a dispatch mode, no candidate's kernel is kept, and the plan
+    holds the tuned launch alone, which replays bit for bit."""
+    from fastformer import _dispatch
+    from fastformer.triton import plans
+
+    double, softmax_fwd, seen = autotuned_double()
+    implementation = _dispatch.implementation
+    monkeypatch.setattr(_dispatch, "implementation", lambda op, phase, backend: softmax_fwd if (
+        op, phase, backend) == ("softmax", "fwd", "triton") else implementation(op, phase, backend))
+    x = randn(3, 15, dtype=F32)
+    expected = 2 * x
+    torch.testing.assert_close(ops.softmax(x, backend="triton"), expected)  # first sight: tunes, unrecorded
+    assert len(seen) == 2 and stats("softmax")[0] == counts(python=1, first_sight=1)
+    double.cache.clear()  # the autotuner forgets: the recording call tunes again
+    interpreted = len(plans._interpreted)
+    torch.testing.assert_close(ops.softmax(x, backend="triton"), expected)
+    assert seen == [0] * 4, "the benchmark ran under a dispatch mode"
+    assert stats("softmax")[0] == counts(python=2, first_sight=1, recorded=1), plans.stats()
+    assert len(plans._interpreted) == interpreted + 1, "a candidate's launch was recorded"
+    assert plans._interpreted[interpreted][2] == {"BLOCK": 16}  # the tuned candidate's launch
+    for _ in range(2):
+        assert torch.equal(ops.softmax(x, backend="triton"), expected)
+    assert stats("softmax")[0]["replays"] == 2 and len(seen) == 4
 
 
 # ---- the recorder's half for compiled kernels ----

@@ -110,6 +110,7 @@ def test_runs_shorter_than_the_log_interval_finish(tmp_path, updates):
     result = main(tiny_run_args(out, "--max-steps", str(updates), "--log-every", "10", "--eval-every", "250",
                                 "--eval-sentences", "4"))
     assert result["steps"] == updates
+    assert "triton_plans" not in result  # no triton call on CUDA tensors: the plans' line is left out
     log = read_log(out)
     assert [r["step"] for r in log if r["kind"] == "train"] == [updates]
     assert [r["step"] for r in log if r["kind"] == "dev"] == [updates]
