@@ -47,6 +47,29 @@ def test_step_table_times_every_row_it_can_and_says_why_not(tmp_path):
     assert "left out on the CPU" in rows["torch.compile(nn.Transformer)"]
 
 
+def test_step_table_keeps_what_it_measured_when_interrupted(tmp_path, monkeypatch):
+    """A time-out's SIGINT (KeyboardInterrupt) in the second row: the table written to --out keeps the first
+    row's figures and its peak-memory column, says which rows were not reached and that the run is
+    incomplete; main returns 130. --rows picked fastformer's rows, and the baseline came along."""
+    spec = importlib.util.spec_from_file_location("step_table", ROOT / "tools" / "step_table.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    rows = [(name, make) for name, make in tool.rows_wanted(__import__("torch").device("cpu"))]
+    monkeypatch.setattr(tool, "rows_wanted", lambda device: [rows[0], ("fastformer cut off", interrupted), *rows[1:]])
+    out = tmp_path / "steps.md"
+    assert tool.main(["--device", "cpu", "--config", "tiny", "--vocab", "64", "--pairs", "3", "--max-len", "6",
+                      "--warmup", "1", "--steps", "1", "--rounds", "2", "--rows", "fastformer", "--out", str(out)]) == 130
+    text = out.read_text()
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert rows["fastformer cpu eager"].split(" | ")[1].replace(",", "").isdigit()  # measured before the cut
+    assert "not reached (interrupted" in rows["nn.Transformer eager"]
+    assert "torch.compile(nn.Transformer)" not in rows  # not asked for
+    assert "**Incomplete: interrupted" in text
+
+
 def test_translation_report_scores_every_engine(tmp_path):
     """tools/translation_report.py on the tiny trained checkpoint of tests/data: a table per batch size with
     BLEU, chrF and time for fastformer float32 and int8 (and CTranslate2's two where it is installed)."""

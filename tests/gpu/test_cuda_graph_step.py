@@ -1,7 +1,8 @@
 """The training step on a GPU: captured as CUDA graphs it gives the eager step's losses, it never
 synchronizes with the host, and an op call on CUDA tensors reaches its kernel launch without a Python frame
 (issue 44). Skipped without a CUDA device (CI has none: tests/train/test_sync_free_step.py checks the step's
-ATen calls on the CPU there).
+ATen calls and the graphs' control flow on the CPU there, and tests/test_gpu_checks.py shows the checks of
+tests/gpu_checks.py failing on broken cases).
 """
 import sys
 
@@ -9,74 +10,85 @@ import pytest
 import torch
 
 import fastformer
-from fastformer import ops
 from fastformer.train import build_parser
 from fastformer.training.processes import Processes
 from fastformer.training.setup import setup
-from fastformer.training.step import train_step
+
+from gpu_checks import ENTRY_POINTS, assert_every_update_replayed, cuda_sync_errors, fastformer_calls, op_calls
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "train"))
-from train_helpers import tiny_run_args  # noqa: E402
+from train_helpers import GRAPH_CASES, set_attention_dropout, tiny_run_args, train_updates  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 GPU_BACKENDS = [b for b in ("cuda", "triton") if fastformer.backends().get(b)]
 
 
-def make_run(tmp_path, backend, *extra):
-    args = build_parser().parse_args(tiny_run_args(tmp_path / f"run-{backend}-{len(extra)}", "--device", "cuda",
-                                                   "--backend", backend, "--precision", "bf16", *extra))
-    return setup(args, Processes.start("cuda"))
+def make_run(out, backend, *extra, attention_dropout=0.0):
+    args = build_parser().parse_args(tiny_run_args(out, "--device", "cuda", "--backend", backend,
+                                                   "--precision", "bf16", *extra))
+    run = setup(args, Processes.start("cuda"))
+    set_attention_dropout(run.model, attention_dropout)
+    return run
 
 
-def losses(run, steps):
-    out = []
-    for _ in range(steps):
-        update = train_step(run)
-        out.append(update["sums"][0].item() / update["tokens"])
-    return out
-
-
+@pytest.mark.parametrize("case", list(GRAPH_CASES))
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-def test_captured_step_gives_the_eager_losses(tmp_path, backend):
-    """Same seed, same fixed-shape batches (--cuda-graphs' buckets for both), no dropout (the eager and the
-    captured steps draw their masks from different RNG offsets): the same losses, step after step, the first
-    steps of each shape running eagerly and the later ones replayed."""
-    torch.manual_seed(0)
-    eager = make_run(tmp_path, backend, "--dropout", "0")
+def test_captured_step_gives_the_eager_losses(tmp_path, backend, case):
+    """Same seed, same fixed-shape batches (--cuda-graphs' buckets for both), no residual or embedding
+    dropout, each run's training started from the same generator state: the same losses, update after
+    update, and the same weights, the first batch of each shape and the first update running eagerly and
+    the later ones replayed.
+
+    Accumulated micro-batches: the replayed backward passes add into the persistent .grad tensors, which
+    only the update graph zeroes; a captured backward that overwrote them would keep only the last
+    micro-batch's gradient, which one micro-batch per update cannot show (the CPU stand-in of this test
+    breaks it so: tests/train/test_sync_free_step.py). Every update here holds >= 2 micro-batches.
+
+    Attention dropout: the masks come from seeds drawn on the device from the CUDA generator, and under
+    capture torch hands a graph's random ops the generator's offset at each replay, advancing it by what the
+    captured ops consume, as the same ops advance it run eagerly (the capture itself draws nothing): so the
+    replays draw the eager step's masks, and the losses still agree. (The residual and embedding dropout
+    stay off: 0 here, as in the other cases, keeps this case about attention.) That dropout was on is
+    checked too: two forward passes of one batch differ. A replay that froze its capture's masks would
+    differ from the eager losses (the CPU stand-in shows it)."""
+    extra, attention_dropout = GRAPH_CASES[case]
+    eager = make_run(tmp_path / "eager", backend, "--dropout", "0", *extra, attention_dropout=attention_dropout)
     eager.batches.fixed_shapes = True
     eager.batches.seek(0)
+    graphed = make_run(tmp_path / "graphed", backend, "--dropout", "0", "--cuda-graphs", *extra,
+                       attention_dropout=attention_dropout)
+    torch.manual_seed(0)  # each run's training starts from the same generators (the CUDA one at offset 0)
+    expected, eager_micro, drawn = train_updates(eager, 12)
     torch.manual_seed(0)
-    graphed = make_run(tmp_path, backend, "--dropout", "0", "--cuda-graphs")
-    expected, got = losses(eager, 12), losses(graphed, 12)
+    got, micro, _ = train_updates(graphed, 12)
+    assert micro == eager_micro
     assert len(graphed.graphs.shapes) >= 2, graphed.graphs.shapes  # replays of more than one shape
+    if extra:
+        assert min(micro) >= 2, micro
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=2e-3, atol=2e-3)
     for p, q in zip(eager.model.parameters(), graphed.model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-2, atol=1e-3)
+    if attention_dropout:
+        src, tgt_in = (t.cuda() for t in drawn[0][:2])
+        eager.model.train()
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            assert not torch.equal(eager.model(src, tgt_in), eager.model(src, tgt_in)), "attention dropout is off"
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_captured_step_never_synchronizes(tmp_path, backend):
-    """With dropout: every replay after the captures runs under set_sync_debug_mode("error"), which raises on
-    any synchronizing CUDA call, the ones inside C++ kernels included; the loss keeps falling, and two
-    replays of one batch draw different dropout masks (the seeds advance on the device)."""
-    run = make_run(tmp_path, backend, "--dropout", "0.3", "--cuda-graphs")
-    first = losses(run, 6)  # captures every shape met so far
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(6):
-            run.sums.zero_()
-            batch = run.batches.next_tensors()
-            if (*batch[0].shape, batch[1].shape[1]) not in run.graphs.micro:
-                continue  # a new shape is captured after an eager warm-up run, which may synchronize
-            run.graphs.micro_batch(*batch)
-            run.grad_scale.fill_(1.0 / 400)
-            run.graphs.update()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    """With residual and attention dropout: after 6 updates, whose batches captured a graph per shape, the
+    same batches again under set_sync_debug_mode("error"), which raises on any synchronizing CUDA call, the
+    ones inside C++ kernels included; every micro-batch and update among them counted as a replay
+    (gpu_checks.assert_every_update_replayed: a batch run eagerly or captured afresh fails the count rather
+    than escaping the check). The loss is finite, and two replays of one batch draw different dropout
+    masks (the seeds advance on the device)."""
+    run = make_run(tmp_path / "run", backend, "--dropout", "0.3", "--cuda-graphs", attention_dropout=0.1)
+    first, _, drawn = train_updates(run, 6)
+    assert_every_update_replayed(run, drawn, cuda_sync_errors())
     assert all(torch.isfinite(torch.tensor(first)))
-    shape, (graph, static) = next(iter(run.graphs.micro.items()))
+    graph, _ = next(iter(run.graphs.micro.values()))
     sums = []
     for _ in range(2):
         run.sums.zero_()
@@ -87,34 +99,29 @@ def test_captured_step_never_synchronizes(tmp_path, backend):
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_no_python_frame_between_the_op_and_its_kernel(backend):
-    """sys.setprofile sees every Python call: after the public function hands over to the registered op,
-    nothing in Python runs until the op returns (forward and backward): the cuda backend's kernels are C++,
-    the triton backend's are launched from C++ by each configuration's plan (csrc/triton/plans.cpp), which its
-    first calls recorded."""
-    q, k, v = (torch.randn(2, 4, 33, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    x, r = (torch.randn(2, 33, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    w, b = torch.ones(256, device="cuda", dtype=torch.bfloat16), torch.zeros(256, device="cuda", dtype=torch.bfloat16)
-    calls = []
-
-    def run():
-        out = ops.attention(q, k, v, causal=True, backend=backend)
-        y = ops.layer_norm_residual(x, r, w, b, backend=backend)
-        (out.float().sum() + y.float().sum()).backward()
-
+    """After the public function hands over to the registered op, nothing in fastformer's Python runs until
+    the op returns, forward and backward: the cuda backend's kernels are C++, the triton backend's are
+    launched from C++ by each configuration's plan (csrc/triton/plans.cpp), which its first calls recorded.
+    gpu_checks.fastformer_calls runs the backward on this thread, where sys.setprofile sees it, and fails
+    unless a gradient hook of each output was seen (tests/test_gpu_checks.py shows it flagging the torch
+    backend's Python backward, and failing when the backward runs on another thread)."""
+    forward = op_calls(backend, "cuda")
     for _ in range(3):  # first calls: imports, caches, Triton's compiles and autotuning, the plans' recordings
-        run()
+        fastformer_calls(forward)
     torch.cuda.synchronize()
+    calls = fastformer_calls(forward)
+    assert set(calls) <= ENTRY_POINTS, sorted(set(calls) - ENTRY_POINTS)
 
-    def profiler(frame, event, arg):
-        if event == "call":
-            calls.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
 
-    sys.setprofile(profiler)
-    try:
-        run()
-    finally:
-        sys.setprofile(None)
-    ours = [c for c in calls if "fastformer" in c and "/tests/" not in c]
-    allowed = ("ops/attention.py:attention", "ops/layer_norm_residual.py:layer_norm_residual",
-               "_dispatch.py:forward", "_registry.py:dropout_seed")
-    assert all(c.endswith(allowed) for c in ours), [c for c in ours if not c.endswith(allowed)]
+def test_the_frame_check_fails_on_a_device_thread_backward():
+    """Why fastformer_calls runs the backward with the engine's multithreading off: with it on, the backward
+    of CUDA tensors runs on the engine's device thread, which sys.setprofile does not watch, so the gradient
+    hooks go unseen and the check fails rather than report a backward it never saw. (If this test fails, the
+    engine ran that backward on the calling thread after all: the frame check above still holds, but this
+    account of the engine is wrong.)"""
+    def backward_on_device_threads(loss):
+        with torch.autograd.set_multithreading_enabled(True):
+            loss.backward()
+
+    with pytest.raises(AssertionError, match="gradient hooks"):
+        fastformer_calls(op_calls(None, "cuda"), backward_on_device_threads)

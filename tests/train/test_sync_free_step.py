@@ -13,12 +13,14 @@ import torch
 import pytest
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fastformer.data.batching import PackedBatch
 from fastformer.train import build_parser
 from fastformer.training.processes import Processes
 from fastformer.training.setup import setup
 from fastformer.training.step import micro_batch, optimizer_update, to_device, train_step
 
-from train_helpers import tiny_run_args
+from gpu_checks import assert_every_update_replayed
+from train_helpers import GRAPH_CASES, set_attention_dropout, tiny_run_args, train_updates
 
 aten = torch.ops.aten
 SCALAR_READS = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default}
@@ -152,13 +154,23 @@ class ReplayedBody:
         self.body(*self.inputs)
 
 
-@pytest.mark.parametrize("batching", ["padded", "packed"])
-def test_graph_logic_gives_the_eager_losses(tmp_path, monkeypatch, batching):
-    """fastformer/training/graphs.py's control flow on the CPU, CUDA's stream and capture calls replaced by
-    stand-ins: one capture per batch shape and one of the update, the first batch of a shape trained eagerly,
-    later ones copied into the static buffers and replayed, gradients kept and zeroed by the update, the
-    learning rate and gradient scale read from tensors. Same fixed-shape batches, no dropout: the same
-    losses and weights as the eager step. (tests/gpu/test_cuda_graph_step.py runs the real capture.)"""
+class FrozenMasks(ReplayedBody):
+    """A broken stand-in: every replay draws the random numbers of its capture (the generator's state then),
+    as a graph would whose dropout seeds did not advance between replays."""
+
+    def __init__(self, body, inputs):
+        super().__init__(body, inputs)
+        self.state = torch.get_rng_state()
+
+    def replay(self):
+        torch.set_rng_state(self.state)
+        super().replay()
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    """fastformer/training/graphs.py with CUDA's stream and capture calls replaced by stand-ins: a capture
+    is a ReplayedBody (counted from 0 in each test)."""
     from fastformer.training import graphs
 
     class Stream:
@@ -173,28 +185,107 @@ def test_graph_logic_gives_the_eager_losses(tmp_path, monkeypatch, batching):
     monkeypatch.setattr(torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(graphs, "capture", lambda body, inputs, pool: ReplayedBody(body, inputs))
-
-    def fixed_shape_run(name):
-        torch.manual_seed(0)
-        run = make_run(tmp_path / name, "--dropout", "0", "--clip-norm", "0.5", "--batching", batching)
-        run.optimizer = torch.optim.Adam(run.model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9, fused=True)
-        run.batches.fixed_shapes = True
-        run.batches.seek(0)
-        return run
-
-    eager, graphed = fixed_shape_run("eager"), fixed_shape_run("graphed")
-    graphed.graphs = graphs.CudaGraphs(graphed)
     ReplayedBody.captures = ReplayedBody.replays = 0
-    expected, got = [], []
-    for _ in range(8):
-        for run, out in ((eager, expected), (graphed, got)):
-            update = train_step(run)
-            out.append(update["sums"][0].item() / update["tokens"])
+    return graphs
+
+
+def fixed_shape_run(out, graphs, *extra, attention_dropout=0.0):
+    """A tiny run with no residual or embedding dropout on batches of --cuda-graphs' fixed shapes, through
+    ``graphs.CudaGraphs`` (the stand-ins) unless ``graphs`` is None."""
+    run = make_run(out, "--dropout", "0", "--clip-norm", "0.5", *extra)
+    set_attention_dropout(run.model, attention_dropout)
+    run.batches.fixed_shapes = True
+    run.batches.seek(0)
+    if graphs is not None:
+        run.graphs = graphs.CudaGraphs(run)
+    return run
+
+
+def eager_and_graphed(tmp_path, graphs, extra=(), attention_dropout=0.0, steps=8):
+    """The same updates run eagerly and through the graphs' control flow, each run's training from the same
+    generator state: for each, (run, train_updates' losses, micro-batches and host batches)."""
+    results = []
+    for name, stand_ins in (("eager", None), ("graphed", graphs)):
+        run = fixed_shape_run(tmp_path / name, stand_ins, *extra, attention_dropout=attention_dropout)
+        torch.manual_seed(0)
+        results.append((run, *train_updates(run, steps)))
+    return results
+
+
+def dropout_draws_differ(run, batch) -> bool:
+    """Whether two forward passes of one host batch differ (in training mode, dropout on)."""
+    run.model.train()
+    with torch.no_grad():
+        forward = (lambda: run.model(packed=batch)) if isinstance(batch, PackedBatch) else (lambda: run.model(*batch[:2]))
+        return not torch.equal(forward(), forward())
+
+
+@pytest.mark.parametrize("case", list(GRAPH_CASES))
+def test_graph_logic_gives_the_eager_losses(tmp_path, graphs, case):
+    """fastformer/training/graphs.py's control flow on the CPU, CUDA's stream and capture calls replaced by
+    stand-ins: one capture per batch shape and one of the update, the first batch of a shape trained eagerly,
+    later ones copied into the static buffers and replayed, gradients kept (and accumulated over an update's
+    micro-batches) and zeroed by the update, the learning rate and gradient scale read from tensors. Same
+    fixed-shape batches, no residual or embedding dropout: the same losses and weights as the eager step, in
+    the cases of tests/gpu/test_cuda_graph_step.py, which runs the real capture (with attention dropout, a
+    replay here draws from the CPU generator where the eager step does; there, from the CUDA generator's
+    offsets, which a capture hands its replays)."""
+    extra, attention_dropout = GRAPH_CASES[case]
+    steps = 8
+    (eager, expected, eager_micro, drawn), (graphed, got, micro, _) = eager_and_graphed(
+        tmp_path, graphs, extra, attention_dropout, steps)
     shapes = len(graphed.graphs.shapes)
     assert ReplayedBody.captures == shapes + 1  # one per shape met, one of the update
-    assert shapes == 1 if batching == "packed" else shapes >= 2, graphed.graphs.shapes
-    assert ReplayedBody.replays >= 7 + 4, ReplayedBody.replays  # the later updates, and micro-batches
+    assert shapes == 1 if "packed" in extra else shapes >= 2, graphed.graphs.shapes
+    # every micro-batch but the first of each shape, every update but the first
+    assert ReplayedBody.replays == sum(micro) - shapes + steps - 1, (ReplayedBody.replays, micro, shapes)
+    assert micro == eager_micro and ("--update-tokens" not in extra or min(micro) >= 2), micro
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-5)
     for p, q in zip(eager.model.parameters(), graphed.model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert all(q.grad is not None and not q.grad.any() for q in graphed.model.parameters())  # zeroed, kept
+    assert dropout_draws_differ(eager, drawn[0]) == bool(attention_dropout)
+
+
+def test_the_comparison_fails_when_replays_overwrite_the_gradients(tmp_path, graphs, monkeypatch):
+    """A broken capture whose backward writes the gradients instead of adding to them (each micro-batch
+    zeroes them first): an update keeps only its last micro-batch's gradient. With accumulated
+    micro-batches the losses part from the eager ones, as the comparison of the test above would report."""
+    micro_body = graphs.CudaGraphs._micro_body
+
+    def overwriting(self, *batch):
+        torch._foreach_zero_([p.grad for p in self.params])
+        micro_body(self, *batch)
+
+    monkeypatch.setattr(graphs.CudaGraphs, "_micro_body", overwriting)
+    (_, expected, _, _), (_, got, _, _) = eager_and_graphed(tmp_path, graphs, *GRAPH_CASES["accumulated micro-batches"])
+    assert got[0] == pytest.approx(expected[0], rel=1e-5)  # the first update's loss, before any update
+    assert not torch.allclose(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_the_comparison_fails_when_replays_freeze_the_dropout_masks(tmp_path, graphs, monkeypatch):
+    """A broken capture whose replays draw their capture's masks again: with attention dropout the losses
+    part from the eager ones; without dropout (the only case before issue 51) they agree, blind to it."""
+    monkeypatch.setattr(graphs, "capture", lambda body, inputs, pool: FrozenMasks(body, inputs))
+    for case, blind in (("update of one micro-batch", True), ("attention dropout", False)):
+        (_, expected, _, _), (_, got, _, _) = eager_and_graphed(tmp_path / case, graphs, *GRAPH_CASES[case])
+        assert torch.allclose(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-5) == blind, case
+
+
+def test_every_update_counted_as_a_replay(tmp_path, graphs, monkeypatch):
+    """gpu_checks.assert_every_update_replayed, which tests/gpu/test_cuda_graph_step.py runs under
+    set_sync_debug_mode("error"): here under the SyncDetector. After 6 updates, their batches again are all
+    replays and pass; it fails on a batch of a shape never captured (captured now, as the old GPU test's
+    loop skipped it, checking nothing) and on a runner that trains the batches eagerly."""
+    run = fixed_shape_run(tmp_path / "run", graphs, attention_dropout=0.1)
+    _, _, drawn = train_updates(run, 6)
+    detector = SyncDetector()
+    assert_every_update_replayed(run, drawn, detector)
+    assert detector.syncs == []
+    later = (run.batches.next_tensors() for _ in range(100))
+    new_shape = next(b for b in later if (*b[0].shape, b[1].shape[1]) not in run.graphs.micro)
+    with pytest.raises(AssertionError, match="micro-batch graphs 1, of the update graph 2"):
+        assert_every_update_replayed(run, [drawn[0], new_shape], SyncDetector())
+    monkeypatch.setattr(run.graphs, "micro_batch", lambda batch: run.graphs._micro_body(*batch))
+    with pytest.raises(AssertionError, match="micro-batch graphs 0"):
+        assert_every_update_replayed(run, drawn, SyncDetector())
