@@ -43,7 +43,7 @@ from fastformer.export import ctranslate2_translate, write_ctranslate2
 from fastformer.nn import Transformer, TransformerConfig
 from fastformer.nn.decoding import beam_search
 from fastformer.nn.quantize import pack_for_providers
-from conftest import int8_provider, optional  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
+from harness import int8_provider, optional  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
 from plain_decoder import PlainDecoder
 
 LENGTH_PENALTY, SOURCE_LENGTH = 0.6, 20
@@ -57,7 +57,7 @@ def pytest_generate_tests(metafunc):
 
 def _ctranslate2_translator(model, pieces, ctx, config, tmp_path, compute_type, threads):
     """A CTranslate2 Translator of the exported model in ``compute_type``, or None (not the CPU, or not
-    installed: then recorded under "not compared", conftest.optional)."""
+    installed: then recorded under "not compared", harness.optional)."""
     if ctx.device.type != "cpu":
         return None
     ctranslate2 = optional("ctranslate2", config)

@@ -14,12 +14,12 @@ the machine's drift over the run (seen: 5% between the first and the last case o
 9 rounds (the default size profile's minimum is 3): the attention is ~4% of the step, the projections' GEMMs
 ~80% and the same for every attention, so the ratios sought are within a few percent of 1 and a round's
 noise here is +-2-4%. The baseline rows are their own cases, timed alone. Without transformers the module
-skips, the reason naming the extra that brings it (conftest.need).
+skips, the reason naming the extra that brings it (harness.need).
 """
 import torch
 
 import fastformer
-from conftest import need  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
+from harness import need  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
 
 transformers = need("transformers")
 import fastformer.hf  # noqa: E402, F401  (registers attn_implementation="fastformer"; needs transformers)
