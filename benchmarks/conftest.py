@@ -1,8 +1,7 @@
 """fastformer's benchmarks: pytest-benchmark tests that time every backend beside the PyTorch code it
 replaces, in one run, and put the derived figures into ``benchmark.extra_info``.
 
-Run (the default sizes took 2.5-3 minutes on the quiet 2-core development VM, up to 8 under load;
-an H100 takes about 1 minute, 3 with --bench-sizes paper)::
+Run (how long it takes: docs/benchmarks.md, "Run it")::
 
     pytest benchmarks/ --benchmark-only --benchmark-json out.json
     python benchmarks/to_markdown.py out.json              # the markdown table, also printed at the end

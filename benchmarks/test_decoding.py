@@ -231,8 +231,8 @@ def test_decoding_threads(bench, ctx, size, batch, compute):
             return (time.perf_counter() - start) / calls
 
         # Warm-up at each thread count; a timing is as many calls as take TIMING_SECONDS at the faster
-        # thread count, so that every timing lasts at least that (a batch-1 decoding is 10 to 50 ms, within
-        # the noise of a shared VM a call).
+        # thread count, so that every timing lasts at least that (a batch-1 decoding is short, within the
+        # noise of a shared VM a call: docs/benchmarks.md, "Rounds and alternation").
         calls = {"gemm": 1, "decoding": 1}
         for threads in (1, 2):
             torch.set_num_threads(threads)
@@ -245,8 +245,8 @@ def test_decoding_threads(bench, ctx, size, batch, compute):
                 for name, fn in (("gemm", gemm), ("decoding", generate)):
                     # One untimed call first: the timing finds the threads awake and the caches warm. (No
                     # pause between timings: after one, a call at 2 threads first waits for the sleeping
-                    # second core, which on this project's VMs made a 10 ms batch-1 decoding up to 2x slower
-                    # in some turns: a wake-up measurement, not thread scaling.)
+                    # second core, which made a batch-1 decoding much slower in some turns: a wake-up
+                    # measurement, not thread scaling; docs/decoding.md, "How it is tested".)
                     fn()
                     times[name, threads].append(timed(fn, calls[name]))
     finally:
