@@ -43,7 +43,7 @@ from fastformer.export import ctranslate2_translate, write_ctranslate2
 from fastformer.nn import Transformer, TransformerConfig
 from fastformer.nn.decoding import beam_search
 from fastformer.nn.quantize import pack_for_providers
-from conftest import int8_provider, optional  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
+from harness import int8_provider, optional  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
 from plain_decoder import PlainDecoder
 
 LENGTH_PENALTY, SOURCE_LENGTH = 0.6, 20
@@ -57,7 +57,7 @@ def pytest_generate_tests(metafunc):
 
 def _ctranslate2_translator(model, pieces, ctx, config, tmp_path, compute_type, threads):
     """A CTranslate2 Translator of the exported model in ``compute_type``, or None (not the CPU, or not
-    installed: then recorded under "not compared", conftest.optional)."""
+    installed: then recorded under "not compared", harness.optional)."""
     if ctx.device.type != "cpu":
         return None
     ctranslate2 = optional("ctranslate2", config)
@@ -231,8 +231,8 @@ def test_decoding_threads(bench, ctx, size, batch, compute):
             return (time.perf_counter() - start) / calls
 
         # Warm-up at each thread count; a timing is as many calls as take TIMING_SECONDS at the faster
-        # thread count, so that every timing lasts at least that (a batch-1 decoding is 10 to 50 ms, within
-        # the noise of a shared VM a call).
+        # thread count, so that every timing lasts at least that (a batch-1 decoding is short, within the
+        # noise of a shared VM a call: docs/benchmarks.md, "Rounds and alternation").
         calls = {"gemm": 1, "decoding": 1}
         for threads in (1, 2):
             torch.set_num_threads(threads)
@@ -245,8 +245,8 @@ def test_decoding_threads(bench, ctx, size, batch, compute):
                 for name, fn in (("gemm", gemm), ("decoding", generate)):
                     # One untimed call first: the timing finds the threads awake and the caches warm. (No
                     # pause between timings: after one, a call at 2 threads first waits for the sleeping
-                    # second core, which on this project's VMs made a 10 ms batch-1 decoding up to 2x slower
-                    # in some turns: a wake-up measurement, not thread scaling.)
+                    # second core, which made a batch-1 decoding much slower in some turns: a wake-up
+                    # measurement, not thread scaling; docs/decoding.md, "How it is tested".)
                     fn()
                     times[name, threads].append(timed(fn, calls[name]))
     finally:

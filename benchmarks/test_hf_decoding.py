@@ -49,13 +49,13 @@ probability (under 1e-5 here: the top logits are far above 0) hardly moves the o
 
 What is timed: one engine's whole call on the batch, source ids (CTranslate2: pieces) in, best hypotheses out,
 on 1 thread (torch.set_num_threads(1); CTranslate2 intra_threads=1, inter_threads=1), after a 0.3 s pause
-(CTranslate2's threads of the test before stop spinning), one untimed call first (the conftest's warm-up), then
-at least 3 rounds; at full size a baseline's batch 32 is timed in one round (a call takes 10-40 s on a 2-core
-VM). At full size fastformer is timed in alternation with the baselines (Bench's ``turns_with``): each round
+(CTranslate2's threads of the test before stop spinning), one untimed call first (the harness's warm-up), then
+at least 3 rounds; at full size a baseline's batch 32 is timed in one round (a call takes many seconds on a
+2-core VM). At full size fastformer is timed in alternation with the baselines (Bench's ``turns_with``): each round
 runs transformers sdpa, ctranslate2 float32 and ctranslate2 int8 in a rotating order, then fastformer, at
 least 3 rounds (5 at batch 32, whose ratio to transformers sits near issue 37's 2x), and its speed-ups are the baselines' medians over its median from those same
-rounds (extra_info "alternated"), so that the machine's drift over the run does not enter the ratios (a
-single round of batch 32 gave transformers 23.4 s in one run, 26.1-26.3 s in three others). The engines of one
+rounds (extra_info "alternated"), so that the machine's drift over the run does not enter the ratios (the
+figures: docs/benchmarks.md, "Rounds and alternation"). The engines of one
 batch size form one group: benchmarks/to_markdown.py prints each engine's median and sentences/s, and for
 fastformer its speed-up over each baseline; extra_info "ms/sentence" = median / batch.
 
@@ -71,7 +71,7 @@ only. (int8 engines agree with float32 on few whole sentences of this random mod
 pseudo-random function of the last, so one rounding flip changes the rest of the sentence.)
 
 Without transformers the whole module skips, without ctranslate2 the CTranslate2 cases (the reasons name the
-extra that brings each: conftest.need), and the whole module on a GPU session (a 1-thread CPU
+extra that brings each: harness.need), and the whole module on a GPU session (a 1-thread CPU
 comparison: transformers' generate and CTranslate2 are measured on the CPU here).
 
     pytest benchmarks/test_hf_decoding.py --benchmark-only --benchmark-json hf_decoding.json
@@ -95,7 +95,7 @@ import pytest
 import torch
 
 import fastformer
-from conftest import int8_provider, need  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
+from harness import int8_provider, need  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
 
 transformers = need("transformers")  # without it the module skips, the reason naming the extra
 
@@ -395,7 +395,7 @@ def test_hf_decoding(bench, ctx, suite, engine, batch, one_thread, capsys):
         turns_with = {b: suite.run(b, batch).call for b in BASELINES
                       if not b.startswith("ctranslate2") or importlib.util.find_spec("ctranslate2") is not None}
     timer = bench
-    if not smoke and batch >= 32:  # 10-40 s a call: one round after the warm-up call, 5 when alternated
+    if not smoke and batch >= 32:  # seconds a call: one round after the warm-up call, 5 when alternated
         rounds = dataclasses.replace(ctx, sizes=dataclasses.replace(ctx.sizes, min_rounds=5 if turns_with else 1))
         timer = type(bench)(bench.benchmark, bench.request, rounds, bench.copy_gbps)
     lo, hi = SOURCE_LENGTHS

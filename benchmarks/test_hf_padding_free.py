@@ -18,7 +18,7 @@ rounds. Target (issue 53): >= 1.5x both on the CPU.
 import torch
 
 import fastformer
-from conftest import need  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
+from harness import need  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
 
 transformers = need("transformers")
 import fastformer.hf  # noqa: E402, F401  (registers attn_implementation="fastformer"; needs transformers)

@@ -10,16 +10,16 @@ non-pad target tokens, backward; no optimizer step (the same for every attention
 on each fastformer backend of the benchmark device; all of them in float32 (issue 37's target is the CPU's).
 On the CPU each fastformer case also runs "sdpa" and "eager" in every one of its rounds (in a rotating
 order, before the fastformer step), and its speed-ups are the medians of those rounds: side by side, so that
-the machine's drift over the run (seen: 5% between the first and the last case of one run) cancels. At least
-9 rounds (the default size profile's minimum is 3): the attention is ~4% of the step, the projections' GEMMs
-~80% and the same for every attention, so the ratios sought are within a few percent of 1 and a round's
-noise here is +-2-4%. The baseline rows are their own cases, timed alone. Without transformers the module
-skips, the reason naming the extra that brings it (conftest.need).
+the machine's drift over the run cancels. At least 9 rounds (the default size profile's minimum is 3): the
+attention is a small part of the step and the projections' GEMMs, the same for every attention, most of it,
+so the ratios sought are within a few percent of 1, about a round's noise (the figures: docs/benchmarks.md,
+"Rounds and alternation"). The baseline rows are their own cases, timed alone. Without transformers the module
+skips, the reason naming the extra that brings it (harness.need).
 """
 import torch
 
 import fastformer
-from conftest import need  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
+from harness import need  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
 
 transformers = need("transformers")
 import fastformer.hf  # noqa: E402, F401  (registers attn_implementation="fastformer"; needs transformers)

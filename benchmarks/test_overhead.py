@@ -52,9 +52,9 @@ import torch
 import torch.nn.functional as F
 
 import fastformer
-from conftest import _TIMED  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
 from fastformer import ops
 from fastformer.nn import Transformer, TransformerConfig
+from harness import TIMED  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 CASES = ("attention", "attention+mask", "softmax+mask", "layer_norm_residual", "cross_entropy", "attention_varlen")
@@ -246,7 +246,7 @@ def test_overhead(benchmark, request, ctx, one_thread, case_name, mode, device):
     ours_us, theirs_us = median(ours_s) * 1e6, median(theirs_s) * 1e6
     info.update({"fastformer us": ours_us, "pytorch us": theirs_us, "ratio": ours_us / theirs_us,
                  "turns": turns, "speedup": {case.baseline: theirs_us / ours_us}})
-    request.config.stash[_TIMED].append(benchmark)
+    request.config.stash[TIMED].append(benchmark)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -276,5 +276,5 @@ def test_generate_latency(benchmark, request, ctx, one_thread, beam, device):
         out = benchmark.pedantic(generate, rounds=rounds)
         median_s = benchmark.stats.stats.median
         info.update({"ms/sentence": median_s * 1e3, "sentences/s": 1 / median_s, "tokens/s": GEN_TGT_LEN / median_s})
-        request.config.stash[_TIMED].append(benchmark)
+        request.config.stash[TIMED].append(benchmark)
     assert [len(tokens) for tokens in out] == [GEN_TGT_LEN]

@@ -9,7 +9,7 @@ fastformer.train does (label-smoothed cross-entropy over every target position, 
 ``F.cross_entropy`` for the baseline), take its mean over the target tokens, back-propagate it
 and take one Adam step. tokens/s counts the non-pad target tokens, as fastformer.train's log does.
 
-Precisions (``precision``, see conftest's Context.train_precisions): on CPU float32 and, where the CPU has
+Precisions (``precision``, see harness.py's Context.train_precisions): on CPU float32 and, where the CPU has
 bfloat16 dot products, bfloat16 autocast (fastformer.train's --precision auto there); on a GPU autocast
 to the benchmark dtype. Both models run in the same precision; speedups compare within one.
 """

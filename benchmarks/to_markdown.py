@@ -110,7 +110,7 @@ def header(session: dict, machine: dict | None = None, run: dict | None = None) 
             parts.append(f"{label} {session[key]}")
     if "copy GB/s" in session:
         parts.append(f"copy bandwidth {_sig(session['copy GB/s'])} GB/s (read + write)")
-    if session.get("not compared"):  # optional packages missing in the run (benchmarks/conftest.py OPTIONAL)
+    if session.get("not compared"):  # optional packages missing in the run (benchmarks/harness.py OPTIONAL)
         parts.append(f"not compared (not installed): {', '.join(session['not compared'])}")
     line = ", ".join(p for p in parts if p)
     commit = (run or {}).get("commit_info", {})

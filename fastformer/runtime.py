@@ -5,18 +5,18 @@ keep_freed_memory()
     gradient: tokens x vocab floats, ~100 MB at the small config's 4,096-token batches; the activations,
     several MB each). glibc's malloc serves blocks above its mmap threshold (at most 32 MB) with a fresh
     mmap and unmaps them on free, and trims the heap top, so every step the kernel faults in and zeroes
-    those pages again: ~2 us per 4 KiB page on the development VM, hundreds of ms a step. Telling malloc
-    never to mmap (M_MMAP_MAX = 0) and never to trim (M_TRIM_THRESHOLD = huge) keeps freed memory in the
-    heap for the next step (freed neighbours coalesce, so after a few steps the step's blocks are
-    reused). The price: the process keeps its peak memory until it exits. Measured on
-    the 2-core VM, side by side: a training step of the small config took 20-35% less time (fastformer and
-    torch.nn.Transformer alike). The same as starting Python with MALLOC_MMAP_MAX_=0
-    MALLOC_TRIM_THRESHOLD_=<huge>, applied from inside the process; a no-op where the C library is not glibc.
+    those pages again. Telling malloc never to mmap (M_MMAP_MAX = 0) and never to trim (M_TRIM_THRESHOLD =
+    huge) keeps freed memory in the heap for the next step (freed neighbours coalesce, so after a few steps
+    the step's blocks are reused). The price: the process keeps its peak memory until it exits. Side by
+    side, a training step of the small config took less time so, fastformer's and torch.nn.Transformer's
+    alike (measured: docs/training.md, "Precision, memory, threads, compile"). The same as starting Python
+    with MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=<huge>, applied from inside the process; a no-op where the
+    C library is not glibc.
 
 trim_freed_memory(limit_bytes)
     The bound on what keep_freed_memory keeps. Batches differ in shape from step to step, so the heap that
-    never gives memory back fragments: the default training run's resident memory grew to 11.3 GiB over
-    30 minutes (a 2-core Intel VM) although a step needs far less. Called after each update, this hands
+    never gives memory back fragments: the default training run's resident memory grew far beyond what a
+    step needs over its 30 minutes (docs/training.md). Called after each update, this hands
     the heap's free pages back to the kernel (glibc's malloc_trim(0): madvise(MADV_DONTNEED) on every free
     page, the heap's layout unchanged) whenever resident memory is above the limit, so the next steps
     fault in only what they touch. Costs a read of /proc/self/statm per update, and a trim (a few ms,
@@ -27,10 +27,7 @@ bound_onednn_cache(capacity)
     shape in a cache of 1,024 entries by default: oneDNN its primitives (JIT code and buffers sized by the
     shapes), ideep its computations. A training run's batches differ in shape from step to step, so both
     grow for as long as new shapes come, and none of it is free heap (trim_freed_memory cannot give it
-    back). bfloat16 linears of the small config's shapes (256 -> 1,024 -> 256, 256 -> 8,000, 256 -> 768)
-    forward and backward over 60 new token counts, free heap trimmed after each, on the AVX512_BF16 EPYC:
-    resident memory grew 0.37 GiB with both caches at 1,024, 0.17-0.21 GiB with either one bounded, 0.001
-    GiB with both at 64 (the default main job peaked at 4.25 GiB on an Intel Xeon with AMX). The trainer
+    back); with both bounded to 64 entries the growth stops (measured: docs/training.md). The trainer
     sets both (ONEDNN_PRIMITIVE_CACHE_CAPACITY, LRU_CACHE_CAPACITY) to ONEDNN_CACHE_CAPACITY, enough for
     one update's products (about 10 distinct shapes x forward and two backward passes), so shapes that
     repeat within an update still hit; a value the user set wins.
@@ -42,8 +39,8 @@ provenance()
 
 native_bf16_cpu()
     Whether this CPU has bfloat16 dot-product instructions (AVX512_BF16 or AMX-BF16), with which
-    oneDNN's bfloat16 matmuls run at about twice the float32 rate (measured 2.0-2.6x on the AVX512_BF16
-    development VM at the small config's shapes). Without them bfloat16 matmuls are emulated and no faster.
+    oneDNN's bfloat16 matmuls beat float32 ones (measured: docs/training.md). Without them bfloat16 matmuls
+    are emulated and no faster.
 """
 from __future__ import annotations
 

@@ -66,13 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute precision of forward and backward (autocast; weights, optimizer and the "
                         "residual stream stay float32). auto: on CUDA bf16 where supported, else fp16 with "
                         "loss scaling; on CPU bf16 where the CPU has bfloat16 dot products (AVX512_BF16 or "
-                        "AMX: matmuls about 2x float32), else fp32")
+                        "AMX, where bfloat16 matmuls beat float32's: docs/training.md), else fp32")
     g.add_argument("--compile", action="store_true",
                    help="compile the encoder and decoder stacks with torch.compile (dynamic shapes: batches "
                         "vary in length); the fused ops are compile-clean, so each stack becomes one graph "
                         "around them. Costs about 30 s of compiling at the first updates. Meant for GPUs, "
                         "where the step waits for Python (not yet measured there); on a CPU it is slower "
-                        "(small config, bf16, AVX-512: 0.81x eager's tokens/s)")
+                        "(measured: docs/training.md)")
     g.add_argument("--cuda-graphs", action="store_true",
                    help="on a CUDA device, replay the training step as CUDA graphs: batches come in a few fixed "
                         "shapes (lengths rounded up to 8, 16, 32 or 64 "

@@ -1,6 +1,7 @@
 """The docs name only what exists: every repository path that README.md and docs/*.md name, and every
 csrc/ path that a source comment names, is a file or folder of this repository; no file cites a document
-outside it; docs/cpu-kernels.md's tile sizes are the code's constants."""
+outside it; docs/cpu-kernels.md's tile sizes are the code's constants; docs/architecture.md's source tree
+names every folder and source file of the repository (csrc/, fastformer/, tools/ file by file)."""
 import itertools
 import pathlib
 import re
@@ -104,3 +105,65 @@ def test_readme_results_block_is_generated():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert tool.replace_block(readme) == readme, \
         "README.md's results block differs from docs/results/: run python tools/readme_results.py"
+
+
+# docs/architecture.md's "Source tree" block, checked both ways against the repository. An entry is a line that
+# starts in the first column: its first word is a path (a folder ends with /), the rest describes it, and lines
+# indented below continue the description. A description names more paths: repository paths (csrc/...), and
+# bare file names (common.h), which live in the entry's folder (else at the top of the repository). `<op>`
+# stands for each op of OPS, so a folder of per-op files is named by one pattern.
+FILE_NAME = re.compile(r"(?<![\w./<>-])([\w<>-]+\.(?:h|cpp|cu|cuh|py|sh|md|toml))(?![\w/])")
+
+
+def source_tree() -> list[tuple[str, str]]:
+    """[(entry path, description)] of docs/architecture.md's source tree block."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = re.search(r"^## Source tree\n.*?^```\n(.*?)^```", text, re.M | re.S)
+    assert block, "docs/architecture.md has no source tree block (a ``` block under '## Source tree')"
+    entries = []
+    for line in block.group(1).splitlines():
+        if line[:1].strip():
+            path, _, description = line.partition(" ")
+            entries.append((path, description.strip()))
+        elif line.strip():
+            assert entries, f"docs/architecture.md's source tree opens with an indented line: {line!r}"
+            entries[-1] = (entries[-1][0], entries[-1][1] + " " + line.strip())
+    return entries
+
+
+def tree_paths() -> dict[str, str]:
+    """{repository path: the entry that names it}: every path the source tree names, patterns expanded."""
+    named = {}
+    for entry, description in source_tree():
+        folder = entry.rstrip("/") if entry.endswith("/") else entry.rpartition("/")[0]
+        for path in [entry.rstrip("/"), *(m.group(1).rstrip(".,") for m in PATH.finditer(description))]:
+            named.update((p, entry) for p in expand(path))
+        for name in FILE_NAME.findall(description):
+            for p in expand(name):
+                local = f"{folder}/{p}" if folder else p
+                named[local if (ROOT / local).exists() or not (ROOT / p).exists() else p] = entry
+    return {p: entry for p, entry in named.items() if "<" not in p}  # other placeholders name no one file
+
+
+def test_source_tree_names_existing_paths():
+    missing = sorted(f"{p} (in the entry {entry})" for p, entry in tree_paths().items() if not (ROOT / p).exists())
+    assert not missing, f"docs/architecture.md's source tree names paths that do not exist: {missing}"
+
+
+def test_source_tree_names_every_folder_and_source():
+    """Every folder that holds a tracked file, every file under csrc/, fastformer/ and tools/ (an __init__.py
+    through its folder) and every module of benchmarks/ other than the test_*.py files is named by the tree
+    (a folder also through a path in it): so a new folder, source or tool that nobody placed there fails."""
+    named = set(tree_paths())
+    folders = named | {str(parent) for p in named for parent in pathlib.PurePosixPath(p).parents}
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    unnamed = sorted({str(pathlib.PurePosixPath(f).parent) + "/" for f in files if "/" in f} - {f + "/" for f in folders})
+    for f in files:
+        path = pathlib.PurePosixPath(f)
+        if f in named or not (f.startswith(("csrc/", "fastformer/", "tools/")) or
+                              (path.parent.name == "benchmarks" and not path.name.startswith("test_"))):
+            continue
+        if path.name == "__init__.py" and str(path.parent) in folders:
+            continue
+        unnamed.append(f)
+    assert not unnamed, f"docs/architecture.md's source tree does not name: {unnamed}"

@@ -62,8 +62,8 @@ inline int32_t keep_threshold(float p) {
 
 #if defined(CPU_CAPABILITY_AVX512)
 // Philox4x32-10 and the keep test for 16 consecutive counters (64 elements) in AVX-512 registers, then
-// the transpose into element order (element 4 l + w = word w of counter l): about 0.6 ns an element on
-// the development VM's Zen 4, against 1.6 for the compiler's vectorization of philox_lanes. Each
+// the transpose into element order (element 4 l + w = word w of counter l): faster than the compiler's
+// vectorization of philox_lanes (docs/cpu-kernels.md, "Measured"). Each
 // counter's words sit in the low halves of 64-bit lanes (two registers of 8 counters per word), so one
 // vpmuludq gives a full 32 x 32 -> 64-bit product: its low half is the product's lo word and a shift
 // gives the hi word. The high halves of the lanes carry garbage that vpmuludq and the final pack ignore.

@@ -37,10 +37,11 @@ constexpr int kRowGroup = kVecs <= 2 ? 4 : 2;
 static_assert(kPackedLinearStrip % Vec::size() == 0, "a strip's row is a whole number of vectors");
 #if defined(CPU_CAPABILITY_AVX2)
 // AVX2 with many rows: the 2 x 4 register block above does 8 fused multiply-adds per 4 weight loads and 2
-// broadcasts, too many loads for the FMA units to stay busy (38-57 GFLOP/s against MKL's 69-78 at M = 128,
-// 1 thread). Instead each panel is taken a strip (2 vectors) at a time, and 6 rows at a time: 12 accumulators,
-// 2 weight vectors and a broadcast (15 of the 16 registers), 12 FMAs per 2 loads and 6 broadcasts. A strip
-// (K x 16 floats, one cache line per k, contiguous) stays in L1/L2 while the row groups pass over it.
+// broadcasts, too many loads for the FMA units to stay busy (well below MKL at M = 128, 1 thread:
+// docs/cpu-kernels.md, "Measured"). Instead each panel is taken a strip (2 vectors) at a time, and 6 rows at
+// a time: 12 accumulators, 2 weight vectors and a broadcast (15 of the 16 registers), 12 FMAs per 2 loads and
+// 6 broadcasts. A strip (K x 16 floats, one cache line per k, contiguous) stays in L1/L2 while the row groups
+// pass over it.
 constexpr int kWideRowGroup = 6, kWideVecs = 2;
 constexpr int64_t kWideMinRows = 8;  // fewer rows: the weight streams once, the 2 x 4 block is the better one
 #endif
@@ -100,8 +101,8 @@ void row_group(int rows, const float* x, int64_t K, const float* panel, const fl
 // The rows of the group that starts at m0: R, except near the end. A group of 1-3 rows keeps too few
 // accumulators to cover the FMA latency (2 rows x 2 vectors: 4 chains, a quarter of AVX2's 2 FMAs x 4 cycles
 // in flight), so when R / 2 or fewer rows would be left over, the last R + rest rows go as two groups of about
-// half (128 rows, R = 6: 20 x 6 + 4 + 4, not 21 x 6 + 2, whose 2-row group took ~5% of the projections'
-// time at batch 32, beam 4, for 1.6% of the rows: perf, AVX2 EPYC).
+// half (128 rows, R = 6: 20 x 6 + 4 + 4, not 21 x 6 + 2, whose 2-row group took a share of the
+// projections' time several times its share of the rows: docs/cpu-kernels.md, "Measured").
 template <int R>
 int group_rows(int64_t m0, int64_t M) {
   const int64_t left = M - m0, rest = M % R;
@@ -116,8 +117,8 @@ int group_rows(int64_t m0, int64_t M) {
 // `next` (the panel this thread takes next, or nullptr): its cache lines are prefetched into L2, a share
 // before each row group, so that the next panel's first row group does not wait on memory. Where the weight
 // does not fit the caches (the output projection: 58,101 x 512 floats, 119 MB) that first pass was
-// memory-bound: 71 GFLOP/s at M = 128 against 88 for a weight that stays in L3 (AVX2 EPYC, 1 thread); with
-// the prefetch 82. From kPrefetchMinRows rows only: with fewer the prefetch slowed the stream (24.7 -> 18 at M = 4).
+// memory-bound, well below a weight that stays in L3, and the prefetch wins most of that back. From
+// kPrefetchMinRows rows only: with fewer the prefetch slowed the stream (docs/cpu-kernels.md, "Measured").
 constexpr int64_t kPrefetchMinRows = 8;
 template <int R, int V>
 void panel_all_rows(const float* x, int64_t M, int64_t K, const float* panel, const float* bias, float* y,

@@ -411,7 +411,8 @@ class CpuDecoder {
 
   // The logits of this step: (N, V), each row padded to whole 64-byte lines (its stride a multiple of 16
   // floats), so that the output projection's 16-column stores and the search's vector loads never straddle two
-  // lines (with rows V = 58,101 floats apart most did: the projection ~4% slower at N = 128). One buffer,
+  // lines (with rows V = 58,101 floats apart most did, and the projection was slower: docs/cpu-kernels.md,
+  // "Measured"). One buffer,
   // taken again at each step unless the last step's logits are still held (by Python): fresh pages each step
   // (at::empty of 30 MB at batch 32, beam 4) cost page faults unless malloc keeps freed memory.
   Tensor logits_view() {

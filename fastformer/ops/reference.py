@@ -61,8 +61,7 @@ def _keep_words(seed, counter: torch.Tensor, p: torch.Tensor, scale: torch.Tenso
 
 
 # Counters per slice of dropout_keep on the CPU: the ~250 int64 operations of Philox then run on 512 KiB
-# tensors that stay in cache (2.6x faster than one pass over the whole tensor at 12.8M elements, 2 threads
-# of the AVX-512 VM).
+# tensors that stay in cache, faster than one pass over the whole tensor (measured: docs/api.md, "Dropout").
 _KEEP_SLICE = 1 << 16
 _keep_words_compiled = None
 
