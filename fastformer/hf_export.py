@@ -311,8 +311,12 @@ def write_marian_tokenizer(transformers, tokenizer, cfg: TransformerConfig, fold
             raise ExportError(f"MarianTokenizer has one {name} token: the source's id {index} is "
                               f"{source_pieces[index]!r}, the target's {pieces[index]!r}")
     unk = source_pieces[tokenizer.unk_id if isinstance(tokenizer, VocabTokenizer) else cfg.unk_id]
-    files = dict(source_spm=_write(folder, "source.spm", source_spm), target_spm=_write(folder, "target.spm", target_spm),
-                 vocab=_write(folder, "vocab.json", _vocabulary_json(source_pieces, tokenizer, "source")))
+    source = _vocabulary_json(source_pieces, tokenizer, "source")
+    if unk not in source:
+        raise ExportError("MarianTokenizer needs its unk token in vocab.json: this vocabulary names no piece for the "
+                          f"unk id {tokenizer.unk_id}")
+    files = dict(source_spm=_write(folder, "source.spm", source_spm),
+                 target_spm=_write(folder, "target.spm", target_spm), vocab=_write(folder, "vocab.json", source))
     if separate:
         files["target_vocab_file"] = _write(folder, "target_vocab.json", _vocabulary_json(pieces, tokenizer, "target"))
     # bos (<s>, a fastformer model's start token): the tokenizer's bos_token, as it is config.json's bos_token_id
@@ -386,14 +390,19 @@ def _verify(folder: str, transformers, cfg: TransformerConfig, state: dict[str, 
         raise ExportError(f"the written folder does not convert back: {exc}") from exc
     if model.config != cfg.replace(label_smoothing=model.config.label_smoothing):
         raise ExportError(f"the written folder converts back to another config: {model.config}, not {cfg}")
-    differ = [name for name, tensor in model.state_dict().items() if not torch.equal(tensor, state[name])]
-    if differ or model.state_dict().keys() != state.keys():
+    weights = model.state_dict()
+    if weights.keys() != state.keys():
+        odd = sorted(weights.keys() ^ state.keys())
+        raise ExportError(f"the written folder converts back to other tensors: {odd[:5]}")
+    differ = [name for name, tensor in weights.items() if not torch.equal(tensor, state[name])]
+    if differ:
         raise ExportError(f"the written folder converts back to other weights: {differ[:5]}")
     for what in ("pieces", "source_pieces"):
         if getattr(reread, what)() != getattr(tokenizer, what)():
             raise ExportError(f"the written tokenizer files give other {what.replace('_', ' ')}")
-    if reread.languages != (getattr(tokenizer, "languages", None) or {}):
-        raise ExportError("the written tokenizer files give other language codes")
+    if (reread.languages, reread.source_lang) != (getattr(tokenizer, "languages", None) or {},
+                                                  getattr(tokenizer, "source_lang", None)):
+        raise ExportError("the written tokenizer files give other language codes or another source language")
     hf = transformers.AutoTokenizer.from_pretrained(folder)
     pieces = tokenizer.pieces()
     named = [i for i, piece in enumerate(pieces) if not (isinstance(tokenizer, VocabTokenizer) and piece == UNUSED)]
