@@ -371,7 +371,12 @@ def write_nllb_tokenizer(transformers, tokenizer: VocabTokenizer, cfg: Transform
     _write(folder, "sentencepiece.bpe.model", tokenizer.source_spm)
     _write(folder, "tokenizer_config.json", {"tokenizer_class": "NllbTokenizer", "src_lang": tokenizer.source_lang,
                                              "extra_special_tokens": codes, "mask_token": None})
-    transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(folder)
+    try:  # transformers converts the sentencepiece model (with protobuf) into its tokenizers one
+        hf = transformers.AutoTokenizer.from_pretrained(folder)
+    except (ImportError, ValueError) as exc:  # without protobuf: a ValueError about another format
+        raise ExportError("transformers could not read the NLLB sentencepiece model (it needs protobuf: pip install "
+                          f"protobuf): {type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]}") from exc
+    hf.save_pretrained(folder)
 
 
 _TOKENIZER_WRITERS = {"marian": write_marian_tokenizer, "m2m100": write_m2m100_tokenizer,

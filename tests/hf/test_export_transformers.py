@@ -363,6 +363,18 @@ def test_an_m2m100_tokenizer_whose_codes_are_elsewhere_is_refused(exported, tmp_
         export_main(["--transformers", path, str(tmp_path / "out")])
 
 
+def test_nllb_without_protobuf_is_refused_by_name(exported, tmp_path):
+    """transformers reads NLLB's sentencepiece model with protobuf; without it the export says so."""
+    checkpoint = exported("nllb", 0.3)[1]
+    code = ("import sys; sys.modules['google'] = sys.modules['google.protobuf'] = None; "
+            "from fastformer.export import main; main(sys.argv[1:])")
+    run = subprocess.run([sys.executable, "-c", code, "--transformers", checkpoint, str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert "it needs protobuf: pip install protobuf" in run.stderr.strip().splitlines()[-1]
+    assert os.listdir(tmp_path) == []
+
+
 def test_out_needs_force_and_force_replaces_it(bible, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
