@@ -1,4 +1,5 @@
 """python -m fastformer.export --ctranslate2 CHECKPOINT OUT: a CTranslate2 model of a fastformer checkpoint.
+(``--transformers CHECKPOINT OUT``, a transformers folder, is fastformer/hf_export.py.)
 
 CTranslate2 (``pip install "fastformer[ctranslate2]"``) is the engine Transformer translation models are
 deployed with. The converted model decodes to the same tokens as ``Transformer.generate`` on the same
@@ -189,10 +190,19 @@ def ctranslate2_translate(translator, pieces: list[str], ids: list[list[int]], *
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fastformer.export",
-                                description="Export a fastformer checkpoint to another inference engine.",
+                                description="Export a fastformer checkpoint to another inference engine: a CTranslate2 "
+                                            "model, or a transformers folder that AutoModelForSeq2SeqLM and "
+                                            "AutoTokenizer load offline.",
                                 formatter_class=HelpFormatter)
-    p.add_argument("--ctranslate2", action="store_true", required=True,
-                   help="write a CTranslate2 model folder (needs: pip install ctranslate2)")
+    engine = p.add_mutually_exclusive_group(required=True)
+    engine.add_argument("--ctranslate2", action="store_true",
+                        help="write a CTranslate2 model folder (needs: pip install ctranslate2)")
+    engine.add_argument("--transformers", action="store_true",
+                        help="write a transformers folder (needs: pip install 'fastformer[hf]'): a converted model "
+                             "as the family it came from (Marian, M2M-100, NLLB), a model of fastformer.train as "
+                             "Marian (its residual dimensions reordered so that Marian's position table is the "
+                             "paper's: the same function); what the family has no field for is refused "
+                             "(docs/transformers.md)")
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint file, or run folder (its latest)")
     p.add_argument("out", metavar="OUT", help="output folder")
     p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
@@ -204,6 +214,15 @@ def main(argv: list[str] | None = None) -> None:
     if os.path.exists(args.out) and not args.force:
         raise SystemExit(f"error: {args.out} exists (use --force to overwrite it)")
     try:
+        if args.transformers:
+            from fastformer.hf_export import ExportError, export_transformers
+
+            try:
+                out, family = export_transformers(args.checkpoint, args.out)
+            except ExportError as exc:
+                raise SystemExit(f"error: {exc}") from exc
+            print(f"wrote the transformers {family} folder {out}", file=sys.stderr)
+            return
         out = export_ctranslate2(args.checkpoint, args.out, force=args.force)
     except ckpt.CheckpointError as exc:
         raise SystemExit(f"error: {exc}") from exc

@@ -79,6 +79,20 @@ M2M100_LANGUAGE_CODES = {
 }
 
 
+# The piece of an id that no tokenizer file names (a model's padding rows, NLLB's <mask>): fastformer decodes it
+# to this text; the transformers export (fastformer/hf_export.py) writes no piece for it.
+UNUSED = "<unused>"
+
+
+def nllb_vocabulary(sp) -> dict[str, int]:
+    """NLLB's ids of a sentencepiece model's pieces (transformers' NllbTokenizer, fairseq's dictionary):
+    <s> <pad> </s> <unk> at 0 .. 3, then each piece of sentencepiece id i >= 3 at i + 1."""
+    encoder = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+    for i in range(3, sp.get_piece_size()):
+        encoder.setdefault(sp.id_to_piece(i), i + 1)
+    return encoder
+
+
 class ConversionError(ValueError):
     """A transformers model folder fastformer cannot read or map; the message names the file or field."""
 
@@ -391,7 +405,7 @@ def load_tokenizer(directory: str, config: TransformerConfig, family: str) -> Vo
                     raise ConversionError(f"{os.path.join(directory, 'tokenizer_config.json')}'s language_codes "
                                           f"{listed!r} is not known (known: {', '.join(M2M100_LANGUAGE_CODES)})")
                 languages = {code: len(encoder) + i for i, code in enumerate(M2M100_LANGUAGE_CODES[listed])}
-        else:  # NLLB: sentencepiece ids + 1, with <s> <pad> </s> <unk> at 0 .. 3 (fairseq's order)
+        else:
             import sentencepiece
 
             try:
@@ -399,12 +413,10 @@ def load_tokenizer(directory: str, config: TransformerConfig, family: str) -> Vo
             except (RuntimeError, OSError) as exc:
                 raise ConversionError(f"{os.path.join(directory, 'sentencepiece.bpe.model')} does not load "
                                       f"({exc})") from exc
-            encoder = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
-            for i in range(3, sp.get_piece_size()):
-                encoder.setdefault(sp.id_to_piece(i), i + 1)
+            encoder = nllb_vocabulary(sp)
 
     def pieces(encoder: dict[str, int], size: int, name: str) -> list[str]:
-        vocab = ["<unused>"] * size  # ids no file names (a model's padding rows)
+        vocab = [UNUSED] * size  # ids no file names (a model's padding rows)
         for piece, index in encoder.items():
             if not isinstance(index, int) or isinstance(index, bool):
                 raise ConversionError(f"{os.path.join(directory, name)}: piece {piece!r} has the id {index!r}, "
