@@ -12,8 +12,9 @@ namespace fastformer::cuda {
 namespace {
 
 // The arguments were checked by csrc/ops.h (check_cross_entropy, check_cross_entropy_bwd: shapes, dtypes,
-// the targets' range, unless deferred or captured: csrc/value_checks.h); here only that every tensor the kernels index is on the device and contiguous (a
-// cheap guard against a direct call of a launcher), and the logits' dtype, this backend's own limit.
+// the targets' range, unless deferred or captured: csrc/value_checks.h); here only that every tensor the
+// kernels index is on the device and contiguous (a cheap guard against a direct call of a launcher), and the
+// logits' dtype, this backend's own limit.
 void check_rows_of(const Tensor& logits, const Tensor& target, std::initializer_list<std::pair<const Tensor*, const char*>> rows) {
   check_input(logits, "logits");
   check_dtype(logits, "logits");

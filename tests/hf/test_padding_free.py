@@ -164,7 +164,8 @@ def test_boundaries_read_once_per_forward(way, monkeypatch):
     for forward in range(1, 3):
         batch = flattened(sentences(forward), way == "cu_seq_lens")  # new tensors each forward
         model(**batch, use_cache=way == "position_ids").loss.backward()
-        assert len(built) == forward, f"{len(built)} tables built in {forward} forwards of {model.config.num_hidden_layers} layers"
+        layers = model.config.num_hidden_layers
+        assert len(built) == forward, f"{len(built)} tables built in {forward} forwards of {layers} layers"
         torch.testing.assert_close(built[-1], expected)
 
 
