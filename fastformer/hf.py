@@ -241,12 +241,13 @@ def _packed_sequences(query: torch.Tensor, key: torch.Tensor, attention_mask, kw
                 key.shape[2] != L or positions.shape[-1] != L:
             return None
         return _memo.get((positions,), (L, query.device), lambda: _restarts(positions.reshape(1, L), query.device))
-    tables = (cu_q,) if cu_k is None or cu_k is cu_q else (cu_k,) if cu_q is None else (cu_q, cu_k)
+    tables = tuple(t for t in (cu_q, cu_k) if t is not None)
+    if cu_k is cu_q:
+        tables = tables[:1]
     max_len = kwargs.get("max_length_q", kwargs.get("max_length_k"))
+    if isinstance(max_len, torch.Tensor):  # as transformers' helpers make it: the longest sequence, which the
+        max_len = None                     # host copy of the table gives without a second read of the device
     rows = query.shape[0] * query.shape[2]
-    if isinstance(max_len, torch.Tensor):  # a tensor is told apart by identity, like the tables
-        return _memo.get(tables + (max_len,), (rows, query.device),
-                         lambda: _given_tables(tables, int(max_len), rows, query.device))
     return _memo.get(tables, (max_len, rows, query.device), lambda: _given_tables(tables, max_len, rows, query.device))
 
 
