@@ -30,7 +30,7 @@ struct Rule {
   const char* op;
   const char* what;  // "<what> was passed since the last check_deferred()"
 };
-constexpr int kTableRules = 4;  // per cu_seqlens table, in the order of check_table_on_host/on_device
+constexpr int kTableRules = 4;  // per cu_seqlens table, in the order of check_table_on_host and table_broken
 constexpr Rule kRules[] = {
     {"cross_entropy", "a target outside [0, V) and not ignore_index"},
     {"attention_varlen", "a cu_seqlens_q whose first entry is not 0"},
