@@ -539,7 +539,7 @@ def test_deferred_bad_values_raise_from_check_deferred(backend, sync_free):
     with ops.deferred_checks():
         value_checked_step(backend, torch.tensor([0, 9, -100, 3], device="cuda"), *good_tables(), 12, 15, 7, 7)
         with sync_free():  # after a warm-up (compiles, plans, the flag)
-            loss, out = value_checked_step(backend, bad_target, bad_q, good_k, 12, 15, 7, 7)
+            loss, _ = value_checked_step(backend, bad_target, bad_q, good_k, 12, 15, 7, 7)
     assert loss[1].isnan() and not loss[[0, 2, 3]].isnan().any()
     with pytest.raises(ValueError, match=r"cross_entropy: a target outside \[0, V\) and not ignore_index was passed "
                                          r"since the last check_deferred\(\) \(checked on cuda:\d, deferred\).*"
