@@ -195,7 +195,8 @@ def core_extension():
     with_cuda = want_cuda() and bool(cuda_sources)
     if want_cuda() and not cuda_sources:
         print("fastformer: CUDA requested but csrc/cuda/ holds no .cu sources yet; building the CPU kernels only")
-    sources = ["csrc/fastformer.cpp", "csrc/cpu_levels.cpp", "csrc/gemm/gemm.cpp", "csrc/gemm/int8_onednn.cpp",
+    sources = ["csrc/fastformer.cpp", "csrc/value_checks.cpp", "csrc/cpu_levels.cpp", "csrc/gemm/gemm.cpp",
+               "csrc/gemm/int8_onednn.cpp",
                "csrc/inference/decoder.cpp",
                "csrc/inference/beam_search.cpp", "csrc/triton/plans.cpp"]
     sources = unity_sources("core", sources + sorted(glob.glob("csrc/autograd/*.cpp")))

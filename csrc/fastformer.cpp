@@ -341,6 +341,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         "checks ops.cross_entropy's arguments");
   m.def("check_attention_bwd", &fastformer::check_attention_bwd, "checks attention_bwd's arguments");
+  // The deferred value checks (csrc/value_checks.h); fastformer/ops/deferred.py is their public face.
+  m.def("set_deferred_checks", &fastformer::set_deferred_checks, py::arg("on"), py::arg("device") = py::none(),
+        "turns the deferred mode of the GPU value checks on or off (process-wide); on, with a device, allocates "
+        "that device's flag now (outside CUDA graph capture)");
+  m.def("deferred_checks_enabled", &fastformer::deferred_checks_enabled, "whether the deferred mode is on");
+  m.def("check_deferred", &fastformer::check_deferred, py::call_guard<py::gil_scoped_release>(),
+        "reads and clears every device's deferred-check flag (one sync per device); ValueError naming each op, "
+        "argument and rule found broken since the last call");
+  m.def("checked_cu_seqlens", &fastformer::checked_cu_seqlens, py::arg("host"), py::arg("device"), py::arg("total"),
+        py::arg("max_seqlen"),
+        "a cu_seqlens table made on the host (int32 (B + 1) CPU tensor) for `total` packed rows, checked there and "
+        "copied to `device` without waiting; the ops do not read the copy again while it is unchanged");
+  m.def("defer_cross_entropy_check",
+        [](const at::Tensor& target, int64_t V, int64_t ignore_index) {
+          fastformer::defer_target_check(target, V, ignore_index);
+        },
+        py::arg("target"), py::arg("V"), py::arg("ignore_index"),
+        "the deferred check of cross_entropy's targets as device ops, on any device (the GPU path's; for tests)");
+  m.def("defer_cu_seqlens_check",
+        [](const at::Tensor& cu, const std::string& name, int64_t total, int64_t max_seqlen) {
+          TORCH_CHECK_VALUE(name == "cu_seqlens_q" || name == "cu_seqlens_k",
+                            "name must be cu_seqlens_q or cu_seqlens_k, got ", name);
+          TORCH_CHECK_VALUE(cu.scalar_type() == at::kInt && cu.dim() == 1 && cu.size(0) >= 1,
+                            "cu must be a 1-D int32 tensor of B + 1 entries");
+          fastformer::defer_cu_seqlens_check(cu, name == "cu_seqlens_q" ? fastformer::kCuSeqlensQ
+                                                                         : fastformer::kCuSeqlensK,
+                                             total, max_seqlen);
+        },
+        py::arg("cu"), py::arg("name"), py::arg("total"), py::arg("max_seqlen"),
+        "the deferred check of a cu_seqlens table as device ops, on any device (the GPU path's; for tests)");
   m.def("check_seed",
         [](const OptTensor& seed, double dropout_p, const at::Tensor& ref, const std::string& op) {
           fastformer::check_seed(seed, dropout_p, ref, op.c_str());

@@ -11,7 +11,9 @@
 // alone, forward and backward: the adapters below call them for the C++ kernels, the _py twins call them
 // (through fastformer._C.check_*) for the backends written in Python. The entry points rely on them and
 // check only their own limits (the GPU head-dim bound, 32-bit grid and index limits, dtypes a GPU lacks)
-// and, cheaply, that the tensors they index are on their device and contiguous.
+// and, cheaply, that the tensors they index are on their device and contiguous. The two checks that read
+// tensor values (cross_entropy's targets, attention_varlen's tables) are csrc/value_checks.h's: on a GPU they
+// read the host at the call, or, in the deferred mode, run on the device and raise from check_deferred().
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
@@ -21,6 +23,8 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+
+#include "value_checks.h"
 
 // X(op, forward arguments, forward returns, backward arguments, backward returns): the one list of ops.
 // Adding an op: its row here, its kernel files, its Python module (fastformer/ops/<op>.py).
@@ -95,10 +99,6 @@ inline void check_dropout(double p, const char* op) {
   TORCH_CHECK_VALUE(p >= 0.0 && p < 1.0, "fastformer ", op, ": dropout_p must be a number in [0, 1), got ", p);
 }
 
-// Whether the current stream of a (CUDA) device is capturing a CUDA graph. Set at load by the CUDA part of
-// fastformer._C (csrc/cuda/cross_entropy.cu); null in a build without CUDA kernels.
-inline bool (*stream_is_capturing)(const at::Device& device) = nullptr;
-
 // Grouped-query attention: H query heads share H_kv key/value heads, query head h reading kv head
 // h / (H / H_kv) (H_kv = H: multi-head, H_kv = 1: multi-query). H must be a multiple of H_kv.
 inline void check_head_groups(int64_t H, int64_t H_kv, const char* op, const char* kv) {
@@ -145,35 +145,24 @@ inline void check_attention(const Tensor& q, const Tensor& k, const Tensor& v, c
 }
 
 // A cu_seqlens table of attention_varlen: int32 (B + 1) on q's device, for B sequences of a packed tensor
-// of `total` rows: sequence b is rows cu[b]:cu[b+1]. Its values (0 first, non-decreasing, `total` last, no
-// sequence longer than max_seqlen) need the table on the host: free for CPU tensors; on a GPU a copy and a
-// sync, so they are checked there only outside CUDA graph capture (as cross_entropy's targets), and the
-// kernels clamp every sequence into [0, total) so that a wrong table cannot make them read or write out of
+// of `total` rows: sequence b is rows cu[b]:cu[b+1]. Its values (0 first, non-decreasing, no sequence longer
+// than max_seqlen, `total` last) are checked by check_cu_seqlens_values (csrc/value_checks.h: on the host,
+// or on the device in the deferred mode; a GPU table once while it is unchanged); the kernels clamp every
+// sequence into [0, total), so that a table that gets past the check cannot make them read or write out of
 // bounds.
-inline void check_cu_seqlens(const Tensor& cu, const char* name, int64_t total, int64_t max_seqlen,
-                             const char* max_name, const Tensor& q) {
+inline void check_cu_seqlens(const Tensor& cu, const SeqlensTable& table, int64_t total, int64_t max_seqlen,
+                             const Tensor& q) {
   constexpr const char* op = "attention_varlen";
-  check_given(cu, op, name);
-  TORCH_CHECK_VALUE(cu.scalar_type() == at::kInt, "fastformer attention_varlen: ", name,
+  check_given(cu, op, table.name);
+  TORCH_CHECK_VALUE(cu.scalar_type() == at::kInt, "fastformer attention_varlen: ", table.name,
                     " must be int32 (flash-attn's convention), got ", cu.scalar_type());
-  TORCH_CHECK_VALUE(cu.dim() == 1 && cu.size(0) >= 1, "fastformer attention_varlen: ", name,
+  TORCH_CHECK_VALUE(cu.dim() == 1 && cu.size(0) >= 1, "fastformer attention_varlen: ", table.name,
                     " must be 1-D (B + 1), got shape ", cu.sizes());
-  TORCH_CHECK_VALUE(cu.device() == q.device(), "fastformer attention_varlen: ", name, " is on ", cu.device(),
+  TORCH_CHECK_VALUE(cu.device() == q.device(), "fastformer attention_varlen: ", table.name, " is on ", cu.device(),
                     " but q is on ", q.device(), "; cu_seqlens live on q's device");
-  TORCH_CHECK_VALUE(max_seqlen >= 0, "fastformer attention_varlen: ", max_name, " must be >= 0, got ", max_seqlen);
-  if (!cu.device().is_cpu() && stream_is_capturing != nullptr && stream_is_capturing(cu.device())) return;
-  const Tensor host = cu.device().is_cpu() ? cu.contiguous() : cu.cpu();
-  const int32_t* c = host.const_data_ptr<int32_t>();
-  const int64_t B = host.size(0) - 1;
-  TORCH_CHECK_VALUE(c[0] == 0, "fastformer attention_varlen: ", name, "[0] must be 0, got ", c[0]);
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK_VALUE(c[b + 1] >= c[b], "fastformer attention_varlen: ", name, " must be non-decreasing, but entry ",
-                      b + 1, " is ", c[b + 1], " after ", c[b]);
-    TORCH_CHECK_VALUE(c[b + 1] - c[b] <= max_seqlen, "fastformer attention_varlen: sequence ", b, " has ",
-                      c[b + 1] - c[b], " rows (", name, "), more than ", max_name, " = ", max_seqlen);
-  }
-  TORCH_CHECK_VALUE(c[B] == total, "fastformer attention_varlen: the last entry of ", name, " is ", c[B],
-                    " but the packed tensor has ", total, " rows; it must be the total");
+  TORCH_CHECK_VALUE(max_seqlen >= 0, "fastformer attention_varlen: ", table.max_name, " must be >= 0, got ",
+                    max_seqlen);
+  check_cu_seqlens_values(cu, table, total, max_seqlen);
 }
 
 // q (Tq, H, D); k, v (Tk, H_kv, D) with H a multiple of H_kv; cu_seqlens_q, cu_seqlens_k int32 (B + 1).
@@ -185,8 +174,8 @@ inline void check_attention_varlen(const Tensor& q, const Tensor& k, const Tenso
   TORCH_CHECK_VALUE(k.size(2) == q.size(2), "fastformer attention_varlen: q ", q.sizes(), " and k ", k.sizes(),
                     " must have the same head dim");
   check_head_groups(q.size(1), k.size(1), op, "k and v (Tk, H_kv, D)");
-  check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.size(0), max_seqlen_q, "max_seqlen_q", q);
-  check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.size(0), max_seqlen_k, "max_seqlen_k", q);
+  check_cu_seqlens(cu_seqlens_q, kCuSeqlensQ, q.size(0), max_seqlen_q, q);
+  check_cu_seqlens(cu_seqlens_k, kCuSeqlensK, k.size(0), max_seqlen_k, q);
   TORCH_CHECK_VALUE(cu_seqlens_q.size(0) == cu_seqlens_k.size(0), "fastformer attention_varlen: cu_seqlens_q has ",
                     cu_seqlens_q.size(0) - 1, " sequences but cu_seqlens_k has ", cu_seqlens_k.size(0) - 1,
                     "; query sequence b attends to key sequence b");
@@ -268,11 +257,10 @@ inline void check_layer_norm_residual(const Tensor& x, const Tensor& residual, c
 }
 
 
-// logits (..., V) with V > 0; target (...) int64, each entry in [0, V) or ignore_index. The targets' range
-// is checked here, once per call (on a GPU that costs a reduction and a sync), so that no kernel is ever
-// asked for a logit that is not there; the kernels still never read one (an out-of-range target gives NaN).
-// While a CUDA graph is being captured the GPU check is left out (a captured step cannot wait for the host:
-// fastformer.train checks its batches on the host, before they move); an out-of-range target then gives NaN.
+// logits (..., V) with V > 0; target (...) int64, each entry in [0, V) or ignore_index. The targets' range is
+// checked once per call by check_target_values (csrc/value_checks.h: on the host, or on the device in the
+// deferred mode), so that no kernel is asked for a logit that is not there; the kernels still never read one
+// (an out-of-range target gives NaN), for what gets past the check (deferred, or skipped during capture).
 inline void check_cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing,
                                 int64_t ignore_index) {
   check_given(logits, "cross_entropy", "logits");
@@ -289,23 +277,7 @@ inline void check_cross_entropy(const Tensor& logits, const Tensor& target, doub
                     logits.sizes().slice(0, logits.dim() - 1), ", got ", target.sizes());
   TORCH_CHECK_VALUE(std::isfinite(label_smoothing) && label_smoothing >= 0.0 && label_smoothing <= 1.0,
                     "fastformer cross_entropy: label_smoothing must be a number in [0, 1], got ", label_smoothing);
-  if (target.numel() == 0) return;
-  const int64_t V = logits.size(-1);
-  const auto out_of_range = [&](int64_t t) {
-    TORCH_CHECK_VALUE(false, "fastformer cross_entropy: target holds ", t, ", outside the classes [0, ", V,
-                      ") and not ignore_index (", ignore_index, ")");
-  };
-  if (target.device().is_cpu()) {  // a loop over the targets: on small inputs tensor ops cost more than the op
-    const Tensor t = target.contiguous();
-    const int64_t* p = t.const_data_ptr<int64_t>();
-    for (int64_t i = 0, n = t.numel(); i < n; ++i) {
-      if (p[i] != ignore_index && (p[i] < 0 || p[i] >= V)) out_of_range(p[i]);
-    }
-    return;
-  }
-  if (stream_is_capturing != nullptr && stream_is_capturing(target.device())) return;
-  const Tensor bad = target.ne(ignore_index).logical_and_(target.lt(0).logical_or_(target.ge(V)));
-  if (bad.any().item<bool>()) out_of_range(target.masked_select(bad).slice(0, 0, 1).cpu().item<int64_t>());
+  if (target.numel() > 0) check_target_values(target, logits.size(-1), ignore_index);
 }
 
 // ---- backward arguments ----

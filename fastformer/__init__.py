@@ -8,6 +8,8 @@
     ops.layer_norm_residual(x, residual, weight, bias, eps=..., dropout_p=..., prenorm=...)
     ops.cross_entropy(logits, target, label_smoothing=..., ignore_index=..., return_nll=...)
     ops.OPS                        # the op list (csrc/ops.h); every op also takes backend=
+    with ops.deferred_checks(): ...  # GPU value checks (targets, cu_seqlens) on the device, no host sync;
+    ops.check_deferred()           # ... reported here: ValueError naming the op, argument and rule
     fastformer.backends()          # which backends run on this machine
     fastformer.set_backend(name)   # process default (also FASTFORMER_BACKEND=name)
     fastformer.cpu_capability()    # the CPU kernels' instruction-set level: avx512, avx2 or default

@@ -23,7 +23,10 @@ Two registrations under the one name, as transformers' flash attention has them:
   across sequences computed: from the ``PackedSequences`` of the mask, or from the flash-attention keyword
   arguments ``cu_seq_lens_q``/``cu_seq_lens_k``/``max_length_q``/``max_length_k`` where the collator passes them
   (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), on every backend and device. It returns
-  (B, Lq, H, D), as transformers' other attention functions do.
+  (B, Lq, H, D), as transformers' other attention functions do. The boundaries cost one host read per
+  forward (a copy of the ids or tables, by the mask function or the first layer; the other layers find the
+  result again), and their table reaches the device checked (``_on_device``), so that attention_varlen reads
+  it in no layer, forward or backward.
 
 What the kernel cannot express raises ValueError naming what the model asked for, never a silent fallback:
 a 4-D or block mask (custom masks), an additive position bias (T5's ``position_bias``), a sliding window,
@@ -33,8 +36,8 @@ transformers is an optional dependency (``pip install ".[hf]"``); ``import fastf
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import weakref
+from typing import Callable, Optional
 
 import torch
 
@@ -45,6 +48,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError("fastformer.hf needs transformers: pip install \"fastformer[hf]\" (or pip install "
                       "\"transformers>=5.23,<6\")") from exc
 
+from fastformer._ext import C
 from fastformer.ops.attention import attention
 from fastformer.ops.attention_varlen import attention_varlen
 
@@ -58,13 +62,31 @@ def _describe(mask_function) -> str:
     return getattr(mask_function, "__qualname__", None) or repr(mask_function)
 
 
-@dataclass(frozen=True)
 class PackedSequences:
     """Sequences packed along the rows of a (B, L) batch, as the attention sees them flattened to B L tokens:
-    sequence s is tokens cu_seqlens[s] .. cu_seqlens[s + 1] (int32, on the model's device); max_seqlen the
-    longest."""
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
+    sequence s is tokens cu_seqlens[s] .. cu_seqlens[s + 1] (int32, on the model's device, checked on the host:
+    _on_device); max_seqlen the longest. The mask function's come from the (B, L) sequence ids and are found on
+    first use: one host read per forward, shared by every layer, and none when the layers take transformers'
+    flash-attention keyword arguments instead (which transformers passes besides the mask)."""
+
+    def __init__(self, cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: int = 0, *,
+                 sequence_ids: Optional[torch.Tensor] = None):
+        self._table = None if sequence_ids is not None else (cu_seqlens, max_seqlen)
+        self._sequence_ids = sequence_ids
+
+    def _found(self) -> tuple:
+        if self._table is None:
+            packed = _cu_seqlens(self._sequence_ids, self._sequence_ids.device)
+            self._table = (packed.cu_seqlens, packed.max_seqlen)
+        return self._table
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        return self._found()[0]
+
+    @property
+    def max_seqlen(self) -> int:
+        return self._found()[1]
 
 
 def _closure(fn) -> dict:
@@ -93,15 +115,49 @@ def _packed_sequence_ids(mask_function) -> Optional[torch.Tensor]:
     return ids if plain == 1 and isinstance(ids, torch.Tensor) else None
 
 
-def _cu_seqlens(sequence_ids: torch.Tensor) -> PackedSequences:
-    """PackedSequences of (B, L) sequence ids (a new sequence wherever the id changes or a row starts)."""
-    ids = sequence_ids.reshape(-1)
+def _on_device(cu: torch.Tensor, device: torch.device, total: int, max_seqlen: Optional[int] = None) -> PackedSequences:
+    """PackedSequences of a table on the host (int32 (B + 1) on the CPU) for ``total`` packed rows: its rules
+    checked there and the table copied to ``device`` without waiting (fastformer._C.checked_cu_seqlens), so that
+    no layer's attention_varlen reads it again (csrc/value_checks.h)."""
+    if max_seqlen is None:
+        max_seqlen = int(cu.diff().max()) if cu.numel() > 1 else 0
+    return PackedSequences(C.checked_cu_seqlens(cu, device, total, max_seqlen), max_seqlen)
+
+
+def _cu_seqlens(sequence_ids: torch.Tensor, device: torch.device) -> PackedSequences:
+    """PackedSequences on ``device`` of (B, L) sequence ids (a new sequence wherever the id changes or a row
+    starts), found on the host from one copy of the ids (a no-op on the CPU): the forward's one host read."""
+    ids = sequence_ids.cpu().reshape(-1)
     starts = torch.ones_like(ids, dtype=torch.bool)
     starts[1:] = ids[1:] != ids[:-1]
     starts[:: sequence_ids.shape[1]] = True
     first = starts.nonzero().view(-1)
-    cu = torch.cat([first, first.new_tensor([ids.numel()])]).to(torch.int32)
-    return PackedSequences(cu, int(cu.diff().max()) if cu.numel() > 1 else 0)
+    return _on_device(torch.cat([first, first.new_tensor([ids.numel()])]).to(torch.int32), device, ids.numel())
+
+
+class _ForwardMemo:
+    """The PackedSequences that a forward's first layer derived from tensors that transformers hands every layer
+    unchanged (the flash-attention keyword arguments, position_ids), found again by the other layers: the
+    forward reads the host once, not once per layer. Keyed by the tensors themselves (alive, the same objects,
+    at the same versions) and the call's other inputs."""
+
+    def __init__(self):
+        self.entry = None  # (weak references to the tensors, their versions, other inputs, PackedSequences or None)
+
+    def get(self, tensors: tuple, other: tuple, build: Callable[[], Optional[PackedSequences]]):
+        if any(t.is_inference() for t in tensors):  # no version counter: nothing to tell a change by
+            return build()
+        versions = tuple(t._version for t in tensors)
+        entry = self.entry
+        if entry is not None and entry[1:3] == (versions, other) and len(entry[0]) == len(tensors) and \
+                all(ref() is t for ref, t in zip(entry[0], tensors)):
+            return entry[3]
+        packed = build()
+        self.entry = (tuple(weakref.ref(t) for t in tensors), versions, other, packed)  # one assignment: atomic
+        return packed
+
+
+_memo = _ForwardMemo()
 
 
 def fastformer_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
@@ -114,7 +170,7 @@ def fastformer_mask(batch_size: int, q_length: int, kv_length: int, q_offset: in
     if mask_function not in _PLAIN_MASKS:
         sequence_ids = _packed_sequence_ids(mask_function) if attention_mask is None else None
         if sequence_ids is not None and q_length == kv_length == sequence_ids.shape[1]:
-            return _cu_seqlens(sequence_ids)
+            return PackedSequences(sequence_ids=sequence_ids)  # found on first use
         raise ValueError(f"attn_implementation='fastformer' takes a key-padding mask or packed sequences with plain "
                          f"causal or bidirectional attention; this model asked for the mask function "
                          f"{_describe(mask_function)} (a sliding window, chunked attention or another pattern "
@@ -172,7 +228,9 @@ def _packed_sequences(query: torch.Tensor, key: torch.Tensor, attention_mask, kw
     """The packed sequences of a padding-free call, None for any other. As transformers' flash attention finds
     them: the flash-attention keyword arguments (cu_seq_lens_q/k over the flattened rows, max_length_q/k) if the
     model got them; else the mask's PackedSequences; else, with no mask, position_ids of one row that restart
-    (the model built no packed mask when it holds a cache: a Llama in train mode with use_cache on)."""
+    (the model built no packed mask when it holds a cache: a Llama in train mode with use_cache on).
+    One host read per forward (the table's or the ids' copy, by the first layer; _ForwardMemo for the others,
+    fastformer_mask once per forward), and the table on the device is checked already (_on_device)."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and cu_k is None:
         if isinstance(attention_mask, PackedSequences):
@@ -182,15 +240,37 @@ def _packed_sequences(query: torch.Tensor, key: torch.Tensor, attention_mask, kw
         if attention_mask is not None or not isinstance(positions, torch.Tensor) or B != 1 or L < 2 or \
                 key.shape[2] != L or positions.shape[-1] != L:
             return None
-        positions = positions.reshape(1, L)
-        starts = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1
-        return _cu_seqlens(starts.cumsum(-1)) if bool(starts[:, 1:].any()) else None
-    if cu_k is not None and cu_q is not None and cu_k is not cu_q and not torch.equal(cu_q, cu_k):
-        raise ValueError("attn_implementation='fastformer' takes packed self-attention (cu_seq_lens_q equal to "
-                         "cu_seq_lens_k); these differ")
-    cu = (cu_q if cu_q is not None else cu_k).to(device=query.device, dtype=torch.int32)
+        return _memo.get((positions,), (L, query.device), lambda: _restarts(positions.reshape(1, L), query.device))
+    tables = tuple(t for t in (cu_q, cu_k) if t is not None)
+    if cu_k is cu_q:
+        tables = tables[:1]
     max_len = kwargs.get("max_length_q", kwargs.get("max_length_k"))
-    return PackedSequences(cu, int(max_len) if max_len is not None else int(cu.diff().max()))
+    if isinstance(max_len, torch.Tensor):  # as transformers' helpers make it: the longest sequence, which the
+        max_len = None                     # host copy of the table gives without a second read of the device
+    rows = query.shape[0] * query.shape[2]
+    return _memo.get(tables, (max_len, rows, query.device), lambda: _given_tables(tables, max_len, rows, query.device))
+
+
+def _restarts(positions: torch.Tensor, device: torch.device) -> Optional[PackedSequences]:
+    """PackedSequences on ``device`` of a (1, L) row of positions that restart (None if they never do), from one
+    host copy of the positions."""
+    positions = positions.cpu()
+    starts = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1
+    return _cu_seqlens(starts.cumsum(-1), device) if bool(starts[:, 1:].any()) else None
+
+
+def _given_tables(tables: tuple, max_len: Optional[int], rows: int, device: torch.device) -> PackedSequences:
+    """PackedSequences on ``device`` of the flash-attention keyword arguments (cu_seq_lens_q and/or cu_seq_lens_k:
+    one table, or two that must be equal) over ``rows`` flattened tokens, from one host copy of the tables."""
+    differ = ValueError("attn_implementation='fastformer' takes packed self-attention (cu_seq_lens_q equal to "
+                        "cu_seq_lens_k); these differ")
+    if any(t.shape != tables[0].shape for t in tables):
+        raise differ
+    same_device = all(t.device == tables[0].device for t in tables)
+    on_host = (torch.stack(tables).cpu() if same_device else torch.stack([t.cpu() for t in tables])).to(torch.int32)
+    if not bool((on_host == on_host[0]).all()):
+        raise differ
+    return _on_device(on_host[0], device, rows, max_len)
 
 
 def _varlen_forward(query, key, value, packed: PackedSequences, causal: bool, dropout: float, scaling):

@@ -9,8 +9,10 @@
 // Layout: q, k, v, out and dout are read in place at their row and head strides (last dim contiguous, e.g. the
 // heads of a packed (T, 3, H, D) projection: csrc/ops.h attention_varlen_layout); out, dq (Tq, H, D) and dk,
 // dv (Tk, H_kv, D) are contiguous; lse and the delta workspace are (H, Tq) float32 (flash-attn's layout).
-// The tables were checked on the host by csrc/ops.h (check_cu_seqlens), except during CUDA graph capture;
-// the kernels clamp every sequence into [0, T], so a bad table never reads or writes outside the tensors.
+// The tables were checked by csrc/ops.h (check_cu_seqlens) on the host, or on the device with the result
+// deferred, or not at all during CUDA graph capture (csrc/value_checks.h); the kernels clamp every sequence
+// into [0, T], so a bad table never reads or writes outside the tensors (a sequence longer than max_seqlen
+// is cut to the grid's rows: its other rows are left unwritten, never written out of place).
 #include <algorithm>
 #include <limits>
 

@@ -7,8 +7,9 @@
 // tensors with batch stride 0: sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q (and out, dout,
 // dq) and cu_seqlens_k[b] .. cu_seqlens_k[b + 1] of k (v, dk, dv); lse is (H, Tq), so its row is h Tq +
 // cu_seqlens_q[b] + i. The table's entries are clamped into [0, T] (each end no lower than its start): a
-// table the host did not check (during CUDA graph capture) may give wrong rows, never an access outside the
-// tensors. The dropout element of (b, h, i, j) is that lse row times p.Lk (Lk, or Tk packed), plus j.
+// table whose check is deferred or was skipped during CUDA graph capture (csrc/value_checks.h) may give wrong
+// rows, never an access outside the tensors. The dropout element of (b, h, i, j) is that lse row times p.Lk
+// (Lk, or Tk packed), plus j.
 #pragma once
 #include "compat.h"
 

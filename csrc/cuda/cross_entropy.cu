@@ -12,8 +12,9 @@ namespace fastformer::cuda {
 namespace {
 
 // The arguments were checked by csrc/ops.h (check_cross_entropy, check_cross_entropy_bwd: shapes, dtypes,
-// the targets' range); here only that every tensor the kernels index is on the device and contiguous (a
-// cheap guard against a direct call of a launcher), and the logits' dtype, this backend's own limit.
+// the targets' range, unless deferred or captured: csrc/value_checks.h); here only that every tensor the
+// kernels index is on the device and contiguous (a cheap guard against a direct call of a launcher), and the
+// logits' dtype, this backend's own limit.
 void check_rows_of(const Tensor& logits, const Tensor& target, std::initializer_list<std::pair<const Tensor*, const char*>> rows) {
   check_input(logits, "logits");
   check_dtype(logits, "logits");
@@ -85,12 +86,15 @@ Tensor cross_entropy_bwd(const Tensor& dloss, const Tensor& dnll, const Tensor& 
 TORCH_LIBRARY_IMPL(fastformer, CUDA, m) { FASTFORMER_IMPL_OP(m, fastformer::cuda, cross_entropy); }
 
 namespace {
-// csrc/ops.h stream_is_capturing: the range check of check_cross_entropy stays off a captured graph.
-bool current_stream_is_capturing(const at::Device& device) {
+// csrc/value_checks.h stream_capture_id: the value checks (targets, cu_seqlens tables) never read the host
+// inside a captured graph, and key the tables they checked by capture.
+uint64_t current_stream_capture_id(const at::Device& device) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device.index()).stream(), &status));
-  return status != cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  C10_CUDA_CHECK(cudaStreamGetCaptureInfo(c10::cuda::getCurrentCUDAStream(device.index()).stream(), &status, &id));
+  return status == cudaStreamCaptureStatusNone ? 0 : (id != 0 ? id : ~uint64_t{0});  // 0 stands for "none"
 }
-[[maybe_unused]] const bool kCaptureQueryInstalled = (fastformer::stream_is_capturing = &current_stream_is_capturing, true);
+[[maybe_unused]] const bool kCaptureQueryInstalled =
+    (fastformer::stream_capture_id = &current_stream_capture_id, true);
 }  // namespace
 #endif

@@ -14,8 +14,9 @@
 // +inf is poisoned by poison_unbounded); a row of only -inf has m = -inf, l = 0 and lse = -inf (nll NaN).
 // Backward: dx = g e^(x - lse) - e dloss / V - [col == t] ((1 - e) dloss + dnll), g = dloss + dnll; zeros
 // where t == ignore_index. No reduction, no shared memory: V sizeof(T) read and V sizeof(T) written per row.
-// The launcher's caller checked the targets' range (csrc/ops.h); an out-of-range target reads nothing
-// (its nll is NaN; backward has no one-hot column for it).
+// The launcher's caller checked the targets' range (csrc/ops.h), but not before these kernels run when the
+// check is deferred or skipped under graph capture (csrc/value_checks.h): so an out-of-range target reads
+// nothing (its nll and loss are NaN; backward has no one-hot column for it, since no column equals it).
 #pragma once
 #include "common.cuh"
 

@@ -338,30 +338,41 @@ def layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p, seed, dx_d
 # cross_entropy
 
 
+def _gathered(target, ignore_index, V):
+    """(ignored, outside, index): the rows whose target is ignore_index, those whose other target is outside
+    [0, V) (refused by the checks, csrc/ops.h, but perhaps only after this ran: a deferred check on a GPU), and
+    an index in [0, V) for every row to gather or scatter at (0 for both kinds), so that no target reaches
+    gather or scatter outside the row (a device-side assert on a GPU)."""
+    ignored = target == ignore_index
+    outside = ~ignored & ((target < 0) | (target >= V))
+    return ignored, outside, target.masked_fill(ignored | outside, 0)
+
+
 def cross_entropy_fwd(logits, target, label_smoothing, ignore_index):
     """Per row of logits (..., V): loss = (1 - e) nll + e (lse - mean x), nll = lse - x[target], lse; loss
-    and nll are 0 where target == ignore_index. A NaN or +inf logit makes the row's lse NaN."""
+    and nll are 0 where target == ignore_index, NaN where the target is outside [0, V) (as in the kernels).
+    A NaN or +inf logit makes the row's lse NaN."""
     acc = _acc_dtype(logits.dtype)
     x = logits.to(acc)
     lse = torch.logsumexp(x, dim=-1)
     lse = lse.masked_fill(torch.isposinf(x).any(-1), float("nan"))  # logsumexp gives +inf there
-    ignored = target == ignore_index
-    x_t = x.gather(-1, target.masked_fill(ignored, 0)[..., None])[..., 0]
-    nll = lse - x_t
+    ignored, outside, index = _gathered(target, ignore_index, x.shape[-1])
+    x_t = x.gather(-1, index[..., None])[..., 0]
+    nll = (lse - x_t).masked_fill(outside, float("nan"))
     loss = nll if label_smoothing == 0 else (1 - label_smoothing) * nll + label_smoothing * (lse - x.mean(-1))
     return loss.masked_fill(ignored, 0.0), nll.masked_fill(ignored, 0.0), lse
 
 
 def cross_entropy_bwd(dloss, dnll, logits, target, lse, label_smoothing, ignore_index):
     """dlogits = (dloss + dnll) softmax(x) - ((1 - e) dloss + dnll) onehot(target) - e dloss / V, zero
-    where target == ignore_index."""
+    where target == ignore_index; a target outside [0, V) has no one-hot column."""
     acc = _acc_dtype(logits.dtype)
     x = logits.to(acc)
     V = x.shape[-1]
-    ignored = target == ignore_index
+    ignored, outside, index = _gathered(target, ignore_index, V)
     dloss, dnll = dloss.to(acc), dnll.to(acc)
     dx = torch.exp(x - lse[..., None])  # softmax(x); updated in place below (one (R, V) buffer)
     dx.mul_((dloss + dnll)[..., None]).sub_((label_smoothing * dloss / V)[..., None])
-    onehot = ((1 - label_smoothing) * dloss + dnll)[..., None]
-    dx.scatter_add_(-1, target.masked_fill(ignored, 0)[..., None], -onehot)
+    onehot = ((1 - label_smoothing) * dloss + dnll).masked_fill(outside, 0.0)[..., None]
+    dx.scatter_add_(-1, index[..., None], -onehot)
     return dx.masked_fill_(ignored[..., None], 0.0).to(logits.dtype)

@@ -9,6 +9,7 @@ import time
 import torch
 
 from fastformer import _dispatch
+from fastformer import ops
 from fastformer.cli import progress
 from fastformer.runtime import provenance, resident_bytes, trim_freed_memory
 from fastformer.training.evaluation import evaluate_dev, final_test
@@ -60,9 +61,11 @@ def train(run: Run) -> None:
         stop, save = procs.main_decides(out_of_budget(), save_due)
         if state["step"] % args.log_every == 0 or stop:
             # The one read-back of the device: it waits for the queued steps, so its wait counts as training
-            # time (on a GPU the steps only queue kernels, the host running ahead).
+            # time (on a GPU the steps only queue kernels, the host running ahead). The deferred value checks
+            # of those steps (train_step's value_checks) are read right after it, at no further wait.
             waited = time.monotonic()
             loss_sum, nll_sum = procs.sum(*update["sums"].tolist())
+            ops.check_deferred()
             waited = time.monotonic() - waited
             state["train_seconds"] += waited
             tok_s = window_tokens / max(window_seconds + waited, 1e-9)
@@ -76,8 +79,10 @@ def train(run: Run) -> None:
             bar.set_postfix(upd=state["step"], loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:.0f}",
                             lr=f"{update['lr']:.2e}", refresh=False)  # a refresh here would defeat mininterval
         if args.eval_every and state["step"] % args.eval_every == 0 and procs.main:
+            ops.check_deferred()  # no evaluation of weights that a bad batch has touched
             evaluate_dev(run)
         if save and not stop:  # the last checkpoint is finish()'s
+            ops.check_deferred()  # nor a checkpoint of them
             save_checkpoint(run)
             last_save = time.monotonic()
     bar.close()
@@ -99,7 +104,7 @@ def finish(run: Run) -> dict:
     (logged, printed, returned) holds the triton plans' line when that backend ran on CUDA tensors: the
     calls of the whole run (training, dev evaluations, the test translation)."""
     args, procs, state = run.args, run.procs, run.state
-    save_checkpoint(run)
+    save_checkpoint(run)  # train() checked the last steps' deferred value checks when it logged its last update
     result = {"run_dir": run.run_dir, "steps": state["step"], "train_minutes": round(state["train_seconds"] / 60, 2),
               "tokens_per_s": round(state["tokens"] / max(state["train_seconds"], 1e-9), 1),
               "precision": str(run.amp_dtype or torch.float32).removeprefix("torch."),

@@ -6,11 +6,14 @@ The step never waits for the device: batches are collated, checked and counted o
 move (pinned memory, non-blocking copies); the loss covers every target position, padding excluded by
 ``ignore_index`` (no boolean selection, whose size the host would have to read back); the loss sums stay
 device tensors until the loop logs them; the gradient's scale and the learning rate reach a graph-captured
-optimizer as device tensors. So on a GPU the host runs ahead of the kernels, and with --cuda-graphs
-(fastformer/training/graphs.py) the micro-batch and the update replay as CUDA graphs.
+optimizer as device tensors; on a GPU the ops' value checks (cross_entropy's targets, attention_varlen's
+tables) run deferred, on the device, and the loop reads their flags when it logs (``ops.check_deferred()``).
+So on a GPU the host runs ahead of the kernels, and with --cuda-graphs (fastformer/training/graphs.py) the
+micro-batch and the update replay as CUDA graphs, the checks captured with them.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -112,6 +115,14 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
             group["lr"] = lr
 
 
+def value_checks(run: Run):
+    """The mode of the ops' value checks during a step: deferred on a GPU (fastformer/ops/deferred.py: no host
+    synchronization; the loop calls ``ops.check_deferred()`` where it reads the device anyway), at the call
+    elsewhere (free on the CPU). The batches' token ids are checked on the host before they move
+    (check_batch), so a deferred check that fires is a bug of the trainer, not of the data."""
+    return ops.deferred_checks() if run.procs.device.type == "cuda" else contextlib.nullcontext()
+
+
 def train_step(run: Run) -> dict:
     """One optimizer update; returns its learning rate, its target tokens over all ranks (an int) and its
     loss sums (``sums``: a device tensor (loss, nll) of this rank, read only when the loop logs).
@@ -119,29 +130,30 @@ def train_step(run: Run) -> dict:
     Each rank takes batches from its stream until its share (1/N) of --update-tokens target tokens; only
     the last micro-batch's backward all-reduces (DDP averages over ranks), and the gradient is rescaled to
     the mean over every target token of the update."""
-    args, procs, config = run.args, run.procs, run.config
-    lr = learning_rate(run.state["step"] + 1, config.d_model, args.warmup, args.lr_factor)
-    set_learning_rate(run.optimizer, lr)
-    if run.graphs is None:
-        run.optimizer.zero_grad(set_to_none=True)
-    run.sums.zero_()
-    tokens = 0
-    while True:
-        batch = run.batches.next_tensors()
-        n = check_batch(run, batch)  # on the host, before the batch moves
-        last = tokens + n >= args.update_tokens / procs.world
+    with value_checks(run):
+        args, procs, config = run.args, run.procs, run.config
+        lr = learning_rate(run.state["step"] + 1, config.d_model, args.warmup, args.lr_factor)
+        set_learning_rate(run.optimizer, lr)
+        if run.graphs is None:
+            run.optimizer.zero_grad(set_to_none=True)
+        run.sums.zero_()
+        tokens = 0
+        while True:
+            batch = run.batches.next_tensors()
+            n = check_batch(run, batch)  # on the host, before the batch moves
+            last = tokens + n >= args.update_tokens / procs.world
+            if run.graphs is not None:
+                run.graphs.micro_batch(batch)
+            else:
+                device_batch = to_device(batch, procs.device)
+                micro_batch(run, *((device_batch,) if isinstance(batch, PackedBatch) else device_batch), sync=last)
+            tokens += n
+            if last:
+                break
+        tokens = int(procs.sum(tokens)[0]) if procs.world > 1 else tokens
+        run.grad_scale.fill_(procs.world / tokens)
         if run.graphs is not None:
-            run.graphs.micro_batch(batch)
+            run.graphs.update()
         else:
-            device_batch = to_device(batch, procs.device)
-            micro_batch(run, *((device_batch,) if isinstance(batch, PackedBatch) else device_batch), sync=last)
-        tokens += n
-        if last:
-            break
-    tokens = int(procs.sum(tokens)[0]) if procs.world > 1 else tokens
-    run.grad_scale.fill_(procs.world / tokens)
-    if run.graphs is not None:
-        run.graphs.update()
-    else:
-        optimizer_update(run)
-    return {"lr": lr, "tokens": tokens, "sums": run.sums}
+            optimizer_update(run)
+        return {"lr": lr, "tokens": tokens, "sums": run.sums}

@@ -3,7 +3,9 @@ with VARLEN, whose docstring gives the algorithm, the indexing and the bytes mov
 
 q (Tq, H, D), k and v (Tk, H_kv, D) read in place at their row and head strides (e.g. the heads of a packed
 (T, 3, H, D) projection); int32 cu_seqlens_q, cu_seqlens_k (B + 1) read by the kernels from device memory
-(never on the host: a call records into a launch plan and replays in a CUDA graph). Sequence b is rows
+(never on the host: a call records into a launch plan and replays in a CUDA graph); their values are checked
+before the call (csrc/ops.h), on the device and reported later in the deferred mode (csrc/value_checks.h), and
+the kernels clamp every sequence into the tensors (attention.py _sequence). Sequence b is rows
 cu_q[b] .. cu_q[b + 1] of q and cu_k[b] .. cu_k[b + 1] of k and v; query head h reads kv head h // (H / H_kv);
 causal bottom-right per sequence. Outputs: out (Tq, H, D) and lse (H, Tq) float32; backward dq (Tq, H, D),
 dk and dv (Tk, H_kv, D), all contiguous. Grids: ceil(max_seqlen / BLOCK) tiles x B H programs (dK/dV:

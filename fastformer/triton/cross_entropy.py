@@ -7,8 +7,9 @@ loss = nll = 0 where t == ignore_index. Bytes per row: V sizeof(T) read once, th
 Backward: dx = (dloss + dnll) e^(x - lse) - e dloss / V, minus (1 - e) dloss + dnll in the target's
 column, zeros in ignored rows: V sizeof(T) read and written once.
 A NaN or +inf logit makes the row's lse NaN (a per-lane flag, as the softmax kernel keeps); a row of only
--inf logits has lse = -inf. Targets out of [0, V) were refused by the caller (csrc/ops.h); the kernel
-still reads no logit for one (its nll is NaN).
+-inf logits has lse = -inf. Targets out of [0, V) are refused by the caller (csrc/ops.h), but possibly only
+after the kernels ran (a deferred check, or none during CUDA graph capture: csrc/value_checks.h), so the
+forward reads no logit for one (its nll is NaN) and the backward gives it no one-hot column.
 """
 from __future__ import annotations
 

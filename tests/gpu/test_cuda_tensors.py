@@ -465,3 +465,114 @@ def test_dropout_in_a_cuda_graph_draws_new_masks_on_every_replay(backend):
     (out0, _, s0, _), (out1, _, s1, _) = replays
     assert not torch.equal(out0 != 0, out1 != 0), "two replays drew the same attention mask"
     assert not torch.equal(s0 != 0, s1 != 0), "two replays drew the same layer_norm_residual mask"
+
+
+# ---- value checks without host synchronization (csrc/value_checks.h, fastformer/ops/deferred.py) ----
+
+@pytest.fixture
+def sync_free():
+    """A context in which any synchronizing CUDA call raises (torch.cuda.set_sync_debug_mode("error"))."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def no_sync():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    ops.check_deferred()
+    yield no_sync
+    ops.check_deferred()
+
+
+def value_checked_step(backend, target, cu_q, cu_k, Tq, Tk, max_q, max_k):
+    """cross_entropy and attention_varlen forward and backward on CUDA tensors (the calls whose checks read
+    values): their outputs."""
+    logits = torch.randn(target.shape[0], 10, device="cuda", requires_grad=True)
+    loss = ops.cross_entropy(logits, target, backend=backend)
+    q = torch.randn(Tq, 4, 64, device="cuda", requires_grad=True)
+    k, v = (torch.randn(Tk, 2, 64, device="cuda", requires_grad=True) for _ in range(2))
+    out = ops.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, backend=backend)
+    (loss.sum() + out.float().sum()).backward()
+    return loss, out
+
+
+def good_tables():
+    return cu_seqlens((5, 0, 7)).cuda(), cu_seqlens((6, 2, 7)).cuda()
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_deferred_value_checks_make_no_sync(backend, sync_free):
+    target = torch.tensor([0, 9, -100, 3], device="cuda")
+    with ops.deferred_checks():
+        value_checked_step(backend, target, *good_tables(), 12, 15, 7, 7)  # warm-up: compiles, plans, the flag
+        cu_q, cu_k = good_tables()  # new tables: checked again, on the device
+        with sync_free():
+            for _ in range(2):  # a table checked once is not checked again
+                value_checked_step(backend, target.clone(), cu_q, cu_k, 12, 15, 7, 7)
+    assert ops.check_deferred() is None
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_a_table_checked_at_the_call_is_read_once(backend, sync_free):
+    # Outside the mode the first call reads the table (a sync); the same tensor, unchanged, is not read again:
+    # the per-layer calls of a forward and their backward.
+    target = torch.tensor([0, 9, -100, 3], device="cuda")
+    cu_q, cu_k = good_tables()
+    value_checked_step(backend, target, cu_q, cu_k, 12, 15, 7, 7)
+    q = torch.randn(12, 4, 64, device="cuda", requires_grad=True)
+    k, v = (torch.randn(15, 2, 64, device="cuda", requires_grad=True) for _ in range(2))
+    with sync_free():
+        out = ops.attention_varlen(q, k, v, cu_q, cu_k, 7, 7, causal=True, backend=backend)
+        out.float().sum().backward()
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_deferred_bad_values_raise_from_check_deferred(backend, sync_free):
+    # A bad target and a bad table go through the ops without an error (the kernels stay in bounds: NaN loss,
+    # clamped rows), and check_deferred() names them; outside the mode the same calls raise at once.
+    bad_target = torch.tensor([0, 10, -100, 3], device="cuda")  # 10 is not a class of V = 10
+    bad_q = torch.tensor([0, 5, 3, 12], dtype=torch.int32, device="cuda")  # decreases
+    _, good_k = good_tables()
+    with ops.deferred_checks():
+        value_checked_step(backend, torch.tensor([0, 9, -100, 3], device="cuda"), *good_tables(), 12, 15, 7, 7)
+        with sync_free():  # after a warm-up (compiles, plans, the flag)
+            loss, _ = value_checked_step(backend, bad_target, bad_q, good_k, 12, 15, 7, 7)
+    assert loss[1].isnan() and not loss[[0, 2, 3]].isnan().any()
+    with pytest.raises(ValueError, match=r"cross_entropy: a target outside \[0, V\) and not ignore_index was passed "
+                                         r"since the last check_deferred\(\) \(checked on cuda:\d, deferred\).*"
+                                         r"attention_varlen: a cu_seqlens_q that decreases"):
+        ops.check_deferred()
+    assert ops.check_deferred() is None
+    with pytest.raises(ValueError, match="outside the classes"):
+        value_checked_step(backend, bad_target, *good_tables(), 12, 15, 7, 7)
+    with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+        value_checked_step(backend, torch.tensor([0, 9, -100, 3], device="cuda"), bad_q.clone(), good_k, 12, 15, 7, 7)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_deferred_checks_are_captured_in_a_cuda_graph(backend, sync_free):
+    # In the mode a captured step carries its checks: every replay checks the static inputs it reads.
+    target = torch.tensor([0, 9, -100, 3], device="cuda")
+    logits = torch.randn(4, 10, device="cuda")
+    with ops.deferred_checks():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                ops.cross_entropy(logits, target, backend=backend)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            loss = ops.cross_entropy(logits, target, backend=backend)
+    assert ops.check_deferred() is None
+    target.copy_(torch.tensor([0, 10, -100, 3]))
+    with sync_free():
+        graph.replay()
+    with pytest.raises(ValueError, match="cross_entropy: a target outside"):
+        ops.check_deferred()
+    target.copy_(torch.tensor([0, 9, -100, 3]))
+    graph.replay()
+    assert ops.check_deferred() is None and not loss.isnan().any()

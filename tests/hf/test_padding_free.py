@@ -146,3 +146,36 @@ def test_other_mask_patterns_still_refused():
     batch = flattened(sentences(), False)
     with pytest.raises(ValueError, match="fastformer"):
         model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+
+
+@pytest.mark.parametrize("way", ["mask", "position_ids", "cu_seq_lens"])
+def test_boundaries_read_once_per_forward(way, monkeypatch):
+    # The packed boundaries cost one host read per forward, not one per layer (a sync per layer on a GPU): the
+    # mask function builds them once, or the first layer from the keyword arguments (the others find its
+    # result again), and the table reaches the device checked on the host, so attention_varlen reads it in no
+    # layer, forward or backward (tests/ops/test_deferred_checks.py shows that check).
+    built = []
+    original = fastformer.hf._on_device
+    monkeypatch.setattr(fastformer.hf, "_on_device", lambda *args: built.append(args[0]) or original(*args))
+    model = llama()
+    model.set_attn_implementation("fastformer")
+    model.train()
+    expected = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    for forward in range(1, 3):
+        batch = flattened(sentences(forward), way == "cu_seq_lens")  # new tensors each forward
+        model(**batch, use_cache=way == "position_ids").loss.backward()
+        layers = model.config.num_hidden_layers
+        assert len(built) == forward, f"{len(built)} tables built in {forward} forwards of {layers} layers"
+        torch.testing.assert_close(built[-1], expected)
+
+
+def test_differing_tables_are_refused():
+    model = llama()
+    model.set_attn_implementation("fastformer")
+    batch = flattened(sentences(), True)
+    batch["cu_seq_lens_k"] = batch["cu_seq_lens_k"].flip(0).cumsum(0).to(torch.int32)
+    with pytest.raises(ValueError, match="these differ"):
+        model(**batch)
+    batch["cu_seq_lens_k"] = batch["cu_seq_lens_k"][:-1]
+    with pytest.raises(ValueError, match="these differ"):
+        model(**batch)

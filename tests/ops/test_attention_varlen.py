@@ -289,9 +289,9 @@ def test_cuda_sim_runs_the_simt_and_the_tensor_core_kernels(dtype, dropout_p, ca
                     "compiler, or FASTFORMER_TEST_BACKENDS)")
 @pytest.mark.parametrize("capability", [60, 80])
 def test_cuda_sim_bad_table_stays_in_bounds(capability):
-    """The kernels clamp each sequence into [0, T] (the host check of the tables is skipped during CUDA graph
-    capture): a table running past the totals, given to the launcher directly, reads and writes only in bounds;
-    clamped, this one describes the same two sequences and an empty third."""
+    """The kernels clamp each sequence into [0, T] (a table's check may be deferred, or skipped during CUDA graph
+    capture: csrc/value_checks.h): a table running past the totals, given to the launcher directly, reads and
+    writes only in bounds; clamped, this one describes the same two sequences and an empty third."""
     from fastformer import cuda_sim
 
     case = Case((5, 6), (4, 7), 2, 1, 16)
@@ -304,6 +304,26 @@ def test_cuda_sim_bad_table_stays_in_bounds(capability):
         good = fwd(q, k, v, cu_q, cu_k, 6, 7, False, 0.0, 0.25, None)
         bad = fwd(q, k, v, bad_q, bad_k, 1 << 20, 1 << 20, False, 0.0, 0.25, None)
     for a, b in zip(bad, good):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.skipif("triton" not in ALL_BACKENDS, reason="triton is not among the tested backends")
+def test_triton_bad_table_stays_in_bounds():
+    """The Triton kernels clamp each sequence into [0, T] too (fastformer/triton/attention.py _sequence): the
+    table of test_cuda_sim_bad_table_stays_in_bounds, forward and backward, given to the kernels directly."""
+    from fastformer.triton.attention_varlen import attention_varlen_bwd, attention_varlen_fwd
+
+    case = Case((5, 6), (4, 7), 2, 1, 16)
+    q, k, v, dout = make_inputs(case, torch.float32)
+    cu_q, cu_k = pack(case.lens_q), pack(case.keys)
+    bad_q = torch.tensor([0, 5, 1 << 30, -7], dtype=torch.int32)
+    bad_k = torch.tensor([0, 4, 1 << 30, -7], dtype=torch.int32)
+    results = []
+    for tq, tk in ((cu_q, cu_k), (bad_q, bad_k)):  # max_seqlen 6, 7: the interpreter's grid stays small
+        out, lse = attention_varlen_fwd(q, k, v, tq, tk, 6, 7, False, 0.0, 0.25, None)
+        results.append((out, lse, *attention_varlen_bwd(dout, q, k, v, out, lse, tq, tk, 6, 7, False, 0.0, 0.25,
+                                                        None)))
+    for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 

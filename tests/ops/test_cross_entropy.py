@@ -227,3 +227,38 @@ def test_empty_batch(backend):
     (loss.sum() + nll.sum()).backward()
     assert logits.grad.shape == (0, 7)
 
+
+
+def unchecked_kernels(backend):
+    """(forward, backward) of a backend's cross_entropy kernels without the checks in front of them: what runs
+    while a GPU call's target check is deferred (csrc/value_checks.h)."""
+    if backend == "torch":
+        from fastformer.ops import reference
+        return reference.cross_entropy_fwd, reference.cross_entropy_bwd
+    if backend == "triton":
+        from fastformer.triton import cross_entropy
+        return cross_entropy.cross_entropy_fwd, cross_entropy.cross_entropy_bwd
+    from fastformer import cuda_sim
+    return cuda_sim.entry("cross_entropy", "fwd"), cuda_sim.entry("cross_entropy", "bwd")
+
+
+@pytest.mark.parametrize("backend", [b for b in ALL_BACKENDS if b != "cpu"])  # cpu: always checked at the call
+def test_an_unchecked_out_of_range_target_reads_no_logit(backend):
+    # Far outside [0, V) (a read there would leave the tensor): the row's nll and loss are NaN and its gradient
+    # has no one-hot column, without a logit read for the target; the other rows are those of good targets.
+    V, e = 97, 0.1
+    logits = randn(4, V, dtype=torch.float32)
+    good, bad = torch.tensor([3, 5, -100, 7]), torch.tensor([3, 1 << 40, -100, -(1 << 40)])
+    fwd, bwd = unchecked_kernels(backend)
+    loss, nll, lse = fwd(logits, bad, e, -100)
+    good_loss, good_nll, good_lse = fwd(logits, good, e, -100)
+    assert loss[[1, 3]].isnan().all() and nll[[1, 3]].isnan().all()
+    torch.testing.assert_close(loss[[0, 2]], good_loss[[0, 2]])
+    torch.testing.assert_close(nll[[0, 2]], good_nll[[0, 2]])
+    torch.testing.assert_close(lse, good_lse)
+    dloss, dnll = torch.rand(4), torch.rand(4)
+    dlogits = bwd(dloss, dnll, logits, bad, lse, e, -100)
+    good_dlogits = bwd(dloss, dnll, logits, good, lse, e, -100)
+    torch.testing.assert_close(dlogits[[0, 2]], good_dlogits[[0, 2]])
+    no_hot = (dloss + dnll)[:, None] * torch.softmax(logits, -1) - (e * dloss / V)[:, None]
+    torch.testing.assert_close(dlogits[[1, 3]], no_hot[[1, 3]], rtol=1e-5, atol=1e-6)

@@ -289,3 +289,46 @@ def test_every_update_counted_as_a_replay(tmp_path, graphs, monkeypatch):
     monkeypatch.setattr(run.graphs, "micro_batch", lambda batch: run.graphs._micro_body(*batch))
     with pytest.raises(AssertionError, match="micro-batch graphs 0"):
         assert_every_update_replayed(run, drawn, SyncDetector())
+
+
+def test_the_step_defers_the_value_checks_on_a_gpu(tmp_path, monkeypatch):
+    """On a GPU train_step runs in the deferred mode of the ops' value checks (cross_entropy's targets,
+    attention_varlen's tables: no host read per call, fastformer/ops/deferred.py); elsewhere they stay at the
+    call (free on the CPU). The batches are checked on the host before they move either way (check_batch)."""
+    from fastformer._ext import C
+    from fastformer.training import step
+
+    run = make_run(tmp_path)
+    seen = []
+    monkeypatch.setattr(step, "check_batch", lambda run, batch: seen.append(C.deferred_checks_enabled()) or 400)
+    monkeypatch.setattr(step, "micro_batch", lambda run, *batch, sync: seen.append(C.deferred_checks_enabled()))
+    monkeypatch.setattr(step, "optimizer_update", lambda run: seen.append(C.deferred_checks_enabled()))
+    train_step(run)
+    assert seen == [False] * 3
+    monkeypatch.setattr(run.procs, "device", torch.device("cuda"))
+    monkeypatch.setattr(step, "to_device", lambda batch, device: batch)
+    seen.clear()
+    train_step(run)
+    assert seen == [True] * 3 and not C.deferred_checks_enabled()
+
+
+def test_the_loop_reads_the_deferred_checks_where_it_reads_the_device(tmp_path, monkeypatch):
+    """fastformer/training/loop.py calls ops.check_deferred() right after each log's read-back of the loss sums
+    (so a bad batch fails loudly within one log interval, at no extra wait), and before a dev evaluation and
+    before a checkpoint (none of weights a bad batch touched)."""
+    from fastformer import ops
+    from fastformer.training import loop
+
+    run = make_run(tmp_path, "--max-steps", "4", "--log-every", "2", "--checkpoint-every", "3", "--eval-every", "3")
+    events = []
+    sum_ = run.procs.sum
+    monkeypatch.setattr(run.procs, "sum", lambda *values: events.append("read") or sum_(*values))
+    monkeypatch.setattr(ops, "check_deferred", lambda: events.append("check"))
+    monkeypatch.setattr(loop, "save_checkpoint", lambda run: events.append("save"))
+    monkeypatch.setattr(loop, "evaluate_dev", lambda run: events.append("evaluate"))
+    monkeypatch.setattr(loop, "train_step", lambda run: events.append("step") or
+                        {"tokens": 1, "lr": 0.0, "sums": torch.ones(2)})
+    loop.train(run)
+    assert events == ["step", "step", "read", "check",  # update 2: logged
+                      "step", "check", "evaluate", "check", "save",  # update 3: dev evaluation, checkpoint
+                      "step", "read", "check"], events  # update 4, the last: logged (finish() saves)
