@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 from fastformer.cli import HelpFormatter  # noqa: E402
 from fastformer.nn import Transformer, TransformerConfig  # noqa: E402
 from fastformer.training.loop import triton_plans_summary  # noqa: E402
-from fastformer.training.step import micro_batch, optimizer_update, to_device  # noqa: E402
+from fastformer.training.step import micro_batch, optimizer_update, to_device, value_checks  # noqa: E402
 from profile_step import add_batch_arguments, batch  # noqa: E402
 from test_training_step import TorchTransformer, torch_loss_sums  # noqa: E402
 
@@ -68,15 +68,17 @@ def fastformer_step(config, backend, graphs: bool, data, dtype, device, tokens):
         run.graphs = CudaGraphs(run)
 
         def step():
-            run.sums.zero_()
-            run.graphs.micro_batch(host)
-            run.graphs.update()
+            with value_checks(run):
+                run.sums.zero_()
+                run.graphs.micro_batch(host)
+                run.graphs.update()
     else:
         def step():
-            run.optimizer.zero_grad(set_to_none=True)
-            run.sums.zero_()
-            micro_batch(run, *to_device(host, device), sync=True)
-            optimizer_update(run)
+            with value_checks(run):  # as train_step: on a GPU the targets' check is deferred, no sync
+                run.optimizer.zero_grad(set_to_none=True)
+                run.sums.zero_()
+                micro_batch(run, *to_device(host, device), sync=True)
+                optimizer_update(run)
     return step
 
 
