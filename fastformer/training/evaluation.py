@@ -35,11 +35,14 @@ def dev_loss(model, src_ids, tgt_ids, max_tokens, pad_id, device) -> float:
 
 
 def evaluate_dev(run: Run) -> None:
-    """Dev loss and greedy dev BLEU on the first --eval-sentences, logged and printed."""
+    """Dev loss and greedy dev BLEU on the first --eval-sentences, logged and printed. The model is left in the
+    mode it was in (translate puts it in eval mode): training continues with its dropout."""
     args, corpus, step = run.args, run.corpus, run.state["step"]
+    was_training = run.model.training
     loss = dev_loss(run.model, *run.ids["dev"], args.max_tokens, run.config.pad_id, run.procs.device)
     n = min(args.eval_sentences, len(corpus.src["dev"]))
     hyps = translate(run.model, run.tokenizer, corpus.src["dev"][:n], beam=1, device=run.procs.device)
+    run.model.train(was_training)
     bleu = score(hyps, corpus.tgt["dev"][:n])["bleu"]
     run.log.write({"kind": "dev", "step": step, "dev_loss": round(loss, 4), "dev_bleu_greedy": bleu,
                    "dev_sentences": n})
