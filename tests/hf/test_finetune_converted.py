@@ -107,6 +107,12 @@ def test_batches_hold_transformers_ids(family, checkpoints, data, tmp_path):
         lang = hf.get_lang_id("de")
         assert bool(tgt_in[:, 1].eq(lang).all()) and bool(tgt_out[:, 0].eq(lang).all())
         assert bool(src[:, 0].eq(hf.get_lang_id("en")).all())
+    # padding-free batches (--batching packed) too: each target sentence starts with the start token
+    args = build_parser().parse_args(init_args(init, data, tmp_path / "packed", family, "--batching", "packed"))
+    packed = setup(args, Processes.start("cpu")).batches.next_tensors()
+    starts = packed.tgt_seqs.cu_seqlens[:-1].long()
+    assert bool(packed.tgt_in[starts].eq(hf_config.decoder_start_token_id).all())
+    assert bool(packed.src[packed.src_seqs.cu_seqlens[1:].long() - 1].eq(hf_config.eos_token_id).all())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
