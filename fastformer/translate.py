@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "token goes before every sentence (default: the tokenizer's src_lang, if it had one)")
     p.add_argument("--target-lang", metavar="CODE",
                    help="a converted NLLB or M2M-100 model's target language: its token is forced first, as "
-                        "transformers' forced_bos_token_id (needed by those models)")
+                        "transformers' forced_bos_token_id (needed by those models; default: the language a model "
+                        "was fine-tuned into with train --init)")
     return p
 
 

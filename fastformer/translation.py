@@ -23,8 +23,11 @@ def translate(model: Transformer, tokenizer: Tokenizer, sentences: list[str], *,
     of at most ``batch_tokens`` source tokens (times the beam) so little compute goes to padding.
     ``stats``, if given, receives sentences, target tokens (eos included) and seconds spent decoding.
     ``source_lang`` and ``target_lang``: language codes of a converted multilingual model (NLLB's
-    ``deu_Latn``, M2M-100's ``de``): the source's language token, and the target's, forced first."""
+    ``deu_Latn``, M2M-100's ``de``): the source's language token, and the target's, forced first (by default
+    the tokenizer's ``target_lang``: the language a model was fine-tuned into, ``train --init``)."""
     forced = None
+    if target_lang is None:
+        target_lang = getattr(tokenizer, "target_lang", None)
     if source_lang is not None or target_lang is not None:
         if not hasattr(tokenizer, "language_id"):
             raise ValueError("--source-lang/--target-lang apply to converted multilingual models (NLLB, M2M-100); "

@@ -61,6 +61,10 @@ class Tokenizer:
     def encode(self, texts: list[str]) -> list[list[int]]:
         return self.sp.encode(texts)
 
+    def encode_target(self, texts: list[str]) -> list[list[int]]:
+        """Target text as training's labels take it: the same ids as ``encode`` (one joint model)."""
+        return self.encode(texts)
+
     def decode(self, ids: list[list[int]]) -> list[str]:
         return self.sp.decode(ids)
 
@@ -81,15 +85,21 @@ class VocabTokenizer:
       vocabulary, Marian's separate_vocabs; by default ``vocab``; unk where it has none),
       after the source-language token (``source_lang``, M2M-100 and NLLB; Marian's multilingual models take
       a ``>>xx<<`` code at the start of the text, as their tokenizer does). No eos: ``collate`` appends it.
+    - ``encode_target``: target text as transformers' tokenizers make the labels of fine-tuning (``text_target``):
+      the target sentencepiece model's pieces, each piece's id in ``vocab`` (the target's vocabulary), after the
+      target-language token (``target_lang``, M2M-100 and NLLB: the decoder learns to follow its start token
+      with it). No eos: ``collate`` appends it.
     - ``decode``: the pieces of the ids (special tokens and language codes dropped), joined by the target
       sentencepiece model.
+    ``target_lang`` (None for a converted model; the language a model was fine-tuned into, ``--init``) is also
+    the language ``fastformer.translation.translate`` forces by default.
     Not done (as transformers does when sacremoses is installed): Moses punctuation normalization of Marian's
     source text.
     """
 
     def __init__(self, source_spm: bytes, target_spm: bytes, vocab: list[str], unk_id: int, specials: list[int],
                  languages: dict[str, int] | None = None, source_lang: str | None = None,
-                 source_vocab: list[str] | None = None):
+                 source_vocab: list[str] | None = None, target_lang: str | None = None):
         spm = _sentencepiece()
         self.source_spm, self.target_spm = source_spm, target_spm
         self.source = spm.SentencePieceProcessor(model_proto=source_spm)
@@ -97,16 +107,25 @@ class VocabTokenizer:
         self.vocab, self.unk_id = list(vocab), unk_id
         self.source_vocab = None if source_vocab is None else list(source_vocab)
         self.index = {piece: i for i, piece in enumerate(self.vocab if source_vocab is None else source_vocab)}
+        self.target_index = self.index if source_vocab is None else {piece: i for i, piece in enumerate(self.vocab)}
         self.languages = dict(languages or {})
         self.specials = set(specials) | set(self.languages.values())
-        self.source_lang = None
+        self.source_lang = self.target_lang = None
         self.set_source_lang(source_lang)
+        self.set_target_lang(target_lang)
 
     def set_source_lang(self, lang: str | None) -> None:
         """The source-language token put before every encoded text (M2M-100, NLLB); None: none."""
         if lang is not None and lang not in self.languages:
             raise ValueError(f"unknown source language {lang!r}; this model knows {self.language_list()}")
         self.source_lang = lang
+
+    def set_target_lang(self, lang: str | None) -> None:
+        """The target-language token put before every encoded target text and forced first in translations
+        (M2M-100, NLLB); None: none."""
+        if lang is not None:
+            self.language_id(lang)  # refuses an unknown code
+        self.target_lang = lang
 
     def language_id(self, lang: str) -> int:
         """The id of a language code (NLLB's ``deu_Latn``, M2M-100's ``de``), for ``--target-lang``."""
@@ -146,19 +165,26 @@ class VocabTokenizer:
             out.append(prefix + code + [self.index.get(p, self.unk_id) for p in pieces])
         return out
 
+    def encode_target(self, texts: list[str]) -> list[list[int]]:
+        prefix = [] if self.target_lang is None else [self.languages[self.target_lang]]
+        unk = self.target_index.get("<unk>", self.unk_id)
+        return [prefix + [self.target_index.get(p, unk) for p in self.target.encode(text, out_type=str)]
+                for text in texts]
+
     def decode(self, ids: list[list[int]]) -> list[str]:
         return [self.target.decode_pieces([self.vocab[i] for i in row if i not in self.specials]) for row in ids]
 
     def to_state(self) -> dict:
         return {"kind": "vocab", "source_spm": _as_tensor(self.source_spm), "target_spm": _as_tensor(self.target_spm),
                 "vocab": self.vocab, "unk_id": self.unk_id, "specials": sorted(self.specials - set(self.languages.values())),
-                "languages": self.languages, "source_lang": self.source_lang, "source_vocab": self.source_vocab}
+                "languages": self.languages, "source_lang": self.source_lang, "source_vocab": self.source_vocab,
+                "target_lang": self.target_lang}
 
     @classmethod
     def from_state(cls, state: dict) -> "VocabTokenizer":
         return cls(_as_bytes(state["source_spm"]), _as_bytes(state["target_spm"]), state["vocab"],
                    state["unk_id"], state["specials"], state["languages"], state["source_lang"],
-                   state.get("source_vocab"))
+                   state.get("source_vocab"), state.get("target_lang"))
 
 
 def _as_tensor(proto: bytes):

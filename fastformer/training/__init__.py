@@ -5,6 +5,8 @@
 - ``setup``: the run from the command line: corpus, tokenizer, model, optimizer, precision, and the
   training state fresh or resumed (``Run``).
 - ``batches``: each rank's stream of batches, epoch after epoch, with a position that a checkpoint holds.
+- ``finetune``: ``--init CHECKPOINT``: a trained or converted model as the start (its config, weights,
+  tokenizer and languages), and the flags whose defaults --init changes (the fine-tuning schedule).
 - ``step``: the paper's recipe for one update (learning-rate schedule, label-smoothed loss, gradient
   accumulation to a token count, Adam).
 - ``resume``: what a checkpoint must hold for every rank to continue bit-identically, written and read.

@@ -12,7 +12,7 @@ from fastformer import _dispatch
 from fastformer import ops
 from fastformer.cli import progress
 from fastformer.runtime import provenance, resident_bytes, trim_freed_memory
-from fastformer.training.evaluation import evaluate_dev, final_test
+from fastformer.training.evaluation import evaluate_dev, final_test, fine_tuning_gain
 from fastformer.training.resume import save_checkpoint
 from fastformer.training.setup import Run
 from fastformer.training.step import train_step
@@ -116,6 +116,7 @@ def finish(run: Run) -> dict:
         run.log.plot(os.path.join(run.run_dir, "loss.png"))
         if not args.no_test:
             result.update(final_test(run))
+        result.update(fine_tuning_gain(run))  # --init: dev and test BLEU before the first update and now
         result["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)  # test included
         plans = triton_plans_summary()
         if plans is not None:

@@ -70,6 +70,10 @@ def restore(run: Run) -> None:
         saved = ckpt.load(found[-1])
     except ckpt.CheckpointError as exc:
         raise SystemExit(f"--resume: {exc}") from exc
+    init = (saved.get("args") or {}).get("init")
+    if bool(init) != bool(run.args.init):  # the tokenizer is the --init checkpoint's, or the run folder's spm.model
+        raise SystemExit(f"--resume: {found[-1]} fine-tunes {init}: resume with --init {init}" if init else
+                         f"--resume: {found[-1]} was trained from scratch: resume without --init")
     if saved["config"] != run.config.to_dict():
         raise SystemExit(f"--resume: {found[-1]} was trained with another config; use another --out")
     if "ranks" not in saved:

@@ -15,8 +15,8 @@ from fastformer.data import Tokenizer, load_bible, load_text_files
 from fastformer.data.corpus import ParallelCorpus
 from fastformer.nn import Transformer, TransformerConfig
 from fastformer.runtime import bound_onednn_cache, keep_freed_memory, native_bf16_cpu
-from fastformer.training import resume
-from fastformer.training.batches import BatchStream
+from fastformer.training import finetune, resume
+from fastformer.training.batches import BatchStream, special_ids
 from fastformer.training.processes import Processes
 from fastformer.training.runlog import RunLog
 
@@ -119,8 +119,9 @@ def model_config(args: argparse.Namespace, vocab_size: int, ids: dict) -> Transf
 
 def setup(args: argparse.Namespace, procs: Processes) -> Run:
     """Everything the loop needs, fresh or (--resume) continued from the latest checkpoint."""
+    finetune.resolve_flags(args)
     corpus, data_info, data_name = load_corpus(args)
-    run_dir = args.out or os.path.join("runs", f"{args.config}-{data_name}")
+    run_dir = args.out or os.path.join("runs", f"{args.config or 'finetune'}-{data_name}")
     if procs.main:
         os.makedirs(run_dir, exist_ok=True)
         ckpt.remove_partial(run_dir)
@@ -128,11 +129,13 @@ def setup(args: argparse.Namespace, procs: Processes) -> Run:
             usage_error(PROG, f"{run_dir} holds checkpoints of an earlier run: add --resume to continue it, or "
                               "give another --out")
     procs.barrier()
-    tokenizer = prepare_tokenizer(args, corpus, run_dir, procs)
-    ids = {split: (tokenizer.encode(corpus.src[split]), tokenizer.encode(corpus.tgt[split])) for split in corpus.src}
-    config = model_config(args, tokenizer.vocab_size, ids)
+    init = finetune.load_init(args, procs.device) if args.init else None  # --init: its model and tokenizer
+    tokenizer = init.tokenizer if init else prepare_tokenizer(args, corpus, run_dir, procs)
+    ids = {split: (tokenizer.encode(corpus.src[split]), tokenizer.encode_target(corpus.tgt[split]))
+           for split in corpus.src}
+    config = init.model.config if init else model_config(args, tokenizer.vocab_size, ids)
     torch.manual_seed(args.seed)
-    model = Transformer(config, backend=args.backend).to(procs.device)
+    model = init.model if init else Transformer(config, backend=args.backend).to(procs.device)
     model.check_token_values = False  # train_step checks each batch on the host before it moves
     amp_dtype = autocast_dtype(args.precision, procs.device)
     if args.cuda_graphs:
@@ -148,7 +151,8 @@ def setup(args: argparse.Namespace, procs: Processes) -> Run:
                                          fused=procs.device.type == "cuda", capturable=bool(args.cuda_graphs)),
               scaler=torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16), amp_dtype=amp_dtype,
               batches=BatchStream(*ids["train"], args.max_tokens, args.seed, procs.shard,
-                                  fixed_shapes=bool(args.cuda_graphs), packed=args.batching == "packed"),
+                                  fixed_shapes=bool(args.cuda_graphs), packed=args.batching == "packed",
+                                  special_ids=special_ids(config)),
               log=RunLog(os.path.join(run_dir, "log.jsonl"), enabled=procs.main),
               sums=torch.zeros(2, dtype=torch.float32, device=procs.device),
               grad_scale=torch.ones((), dtype=torch.float32, device=procs.device))
@@ -164,8 +168,8 @@ def setup(args: argparse.Namespace, procs: Processes) -> Run:
     if args.cuda_graphs:
         from fastformer.training.graphs import CudaGraphs
         run.graphs = CudaGraphs(run)
-    procs.say(f"{args.config} model, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, vocab "
-              f"{config.vocab_size}, device {procs.device}, backend {args.backend or 'default'}, precision "
-              f"{str(amp_dtype or torch.float32).removeprefix('torch.')}, {procs.world} process(es); data "
+    procs.say(f"{args.config or 'fine-tuned'} model, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
+              f"parameters, vocab {config.vocab_size}, device {procs.device}, backend {args.backend or 'default'}, "
+              f"precision {str(amp_dtype or torch.float32).removeprefix('torch.')}, {procs.world} process(es); data "
               f"{data_name}: " + ", ".join(f"{k} {v}" for k, v in corpus.sizes().items()))
     return run

@@ -1,6 +1,7 @@
 """One update of the paper's recipe (Vaswani et al., 2017, section 5): the inverse-square-root learning
-rate with linear warmup, label-smoothed cross-entropy over the target tokens, batches accumulated until
---update-tokens target tokens (over all ranks), the gradient averaged per target token, Adam.
+rate with linear warmup (or a fine-tuning schedule, --schedule), label-smoothed cross-entropy over the target
+tokens, batches accumulated until --update-tokens target tokens (over all ranks), the gradient averaged per
+target token, Adam.
 
 The step never waits for the device: batches are collated, checked and counted on the host before they
 move (pinned memory, non-blocking copies); the loss covers every target position, padding excluded by
@@ -25,10 +26,33 @@ if TYPE_CHECKING:
     from fastformer.training.setup import Run
 
 
+SCHEDULES = ("paper", "inverse-sqrt", "linear")  # --schedule
+
+
 def learning_rate(step: int, d_model: int, warmup: int, factor: float) -> float:
     """The paper's schedule: factor * d^-0.5 * min(step^-0.5, step * warmup^-1.5), step counted from 1."""
     step = max(step, 1)
     return factor * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+
+
+def fine_tuning_rate(step: int, peak: float, warmup: int, total: int | None = None) -> float:
+    """The fine-tuning schedules, step counted from 1: a linear warmup to ``peak`` at update ``warmup``, then
+    inverse-sqrt (``total`` None) peak * sqrt(warmup / step), fairseq's inverse_sqrt, which needs no run length;
+    or linear, down to 0 at update total + 1: update ``total``, the last, gets peak / (total - warmup + 1)
+    (transformers' get_linear_schedule_with_warmup, whose first update has a learning rate of 0, shifted by one)."""
+    step = max(step, 1)
+    if step <= warmup:
+        return peak * step / warmup
+    if total is None:
+        return peak * (warmup / step) ** 0.5
+    return peak * (total - step + 1) / (total - warmup + 1)
+
+
+def scheduled_rate(args, step: int, d_model: int) -> float:
+    """Update ``step``'s learning rate under --schedule (its flags resolved: fastformer.training.finetune)."""
+    if args.schedule == "paper":
+        return learning_rate(step, d_model, args.warmup, args.lr_factor)
+    return fine_tuning_rate(step, args.lr, args.warmup, args.max_steps if args.schedule == "linear" else None)
 
 
 def loss_sums(model, src, tgt_in, tgt_out, pad_id: int, label_smoothing: float,
@@ -132,7 +156,7 @@ def train_step(run: Run) -> dict:
     the mean over every target token of the update."""
     with value_checks(run):
         args, procs, config = run.args, run.procs, run.config
-        lr = learning_rate(run.state["step"] + 1, config.d_model, args.warmup, args.lr_factor)
+        lr = scheduled_rate(args, run.state["step"] + 1, config.d_model)
         set_learning_rate(run.optimizer, lr)
         if run.graphs is None:
             run.optimizer.zero_grad(set_to_none=True)
