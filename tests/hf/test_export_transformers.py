@@ -38,7 +38,7 @@ from fastformer.hf_export import marian_order, permute_residual  # noqa: E402
 from fastformer.nn import Transformer, TransformerConfig  # noqa: E402
 from fastformer.nn.decoding import length_limit  # noqa: E402
 from fastformer.nn.transformer import position_table  # noqa: E402
-from test_converted import TEXT, write_m2m, write_marian  # noqa: E402
+from test_converted import TEXT, spm_file, write_m2m, write_marian  # noqa: E402,F401 (spm_file: the fixture)
 from tolerances import assert_close  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
@@ -65,14 +65,6 @@ def write_nllb(folder, m2m_folder, spm_file):
     with open(folder / "tokenizer_config.json", "w") as f:
         json.dump({"src_lang": "eng_Latn", "tokenizer_class": "NllbTokenizer"}, f)
     return str(folder)
-
-
-@pytest.fixture(scope="module")
-def spm_file(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("spm")
-    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(TEXT * 20), model_prefix=str(folder / "sp"),
-                                             vocab_size=60, model_type="bpe", minloglevel=2)
-    return str(folder / "sp.model")
 
 
 @pytest.fixture(scope="module")
