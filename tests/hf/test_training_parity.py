@@ -8,8 +8,9 @@ tolerance table's float64 row.
 
 fastformer's side is its training path: ``loss_sums`` (fastformer/training/step.py: the model's forward and
 the fused ``ops.cross_entropy``, pad targets ignored) on the batch ``collate`` makes for a converted model
-(tgt_in = the config's start token + y, tgt_out = y + eos), backward of the sum, the gradient scaled by
-1 / target tokens (``optimizer_update``'s ``grad_scale``). transformers' side: ``labels`` = the target
+(tgt_in = the config's start token + y, tgt_out = y + eos), and ``packed_loss_sums`` on the same pairs
+without padding (``collate_packed``, fastformer.train --batching packed); backward of the sum, the gradient
+scaled by 1 / target tokens (``optimizer_update``'s ``grad_scale``). transformers' side: ``labels`` = the target
 tokenizer's ids (y + eos; M2M-100's open with the target-language token), pad -> -100; the model derives
 its decoder inputs (``shift_tokens_right``). Gradients are compared by the converter's own mapping
 (fastformer/hf_convert.py ``state_dict``, run on each tensor's element numbers, so q, k and v land in
@@ -52,9 +53,9 @@ import transformers
 
 import fastformer
 from fastformer import hf_convert
-from fastformer.data.batching import collate
+from fastformer.data.batching import collate, collate_packed
 from fastformer.nn.transformer import position_table
-from fastformer.training.step import loss_sums
+from fastformer.training.step import loss_sums, packed_loss_sums
 from test_converted import TEXT, write_m2m, write_marian
 from tolerances import assert_close
 
@@ -103,21 +104,23 @@ def models(family: str, folder: str, backend: str):
 
 
 def batch(family: str, folder: str, config):
-    """src (B, S), tgt_in, tgt_out (B, T) as fastformer's training collates them for the converted model, and
-    transformers' labels: its tokenizer's ids (y + eos; M2M-100's from the target-language token), pad -> -100."""
+    """src (B, S), tgt_in, tgt_out (B, T) as fastformer's training collates them for the converted model, the
+    same pairs packed (``collate_packed``: --batching packed), and transformers' labels: its tokenizer's ids
+    (y + eos; M2M-100's from the target-language token), pad -> -100."""
     if family.startswith("marian"):
         tokenizer = transformers.MarianTokenizer.from_pretrained(folder)
     else:
         tokenizer = transformers.M2M100Tokenizer.from_pretrained(folder, src_lang="en", tgt_lang="de")
     pairs = tokenizer(TEXT[:4], text_target=TEXT[2:6])
     src, tgt = ([ids[:-1] for ids in pairs[side]] for side in ("input_ids", "labels"))  # without eos: collate's
+    packed = collate_packed(src, tgt, bos_id=config.start_id, eos_id=config.eos_id, pad_id=config.pad_id)
     src, tgt_in, tgt_out = collate(src, tgt, pad_id=config.pad_id, bos_id=config.start_id, eos_id=config.eos_id)
     labels = torch.full(tgt_out.shape, -100)
     for row, ids in enumerate(pairs["labels"]):
         labels[row, :len(ids)] = torch.tensor(ids)
     if family == "m2m":
         assert labels[:, 0].eq(tokenizer.lang_code_to_id["de"]).all()  # a target, trained as any other
-    return src, tgt_in, tgt_out, labels
+    return src, tgt_in, tgt_out, packed, labels
 
 
 def shift_tokens_right(family: str):
@@ -158,13 +161,14 @@ def mapped_gradients(hf, config) -> tuple[dict[str, torch.Tensor], list[str]]:
     return {k: flat[v] for k, v in mapped.items()}, list(params)
 
 
+@pytest.mark.parametrize("batching", ["padded", "packed"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_loss_and_gradients_match_transformers(family, backend, smoothing, folders):
+def test_loss_and_gradients_match_transformers(family, backend, smoothing, batching, folders):
     hf, model = models(family, folders[family], backend)
     config = model.config
-    src, tgt_in, tgt_out, labels = batch(family, folders[family], config)
+    src, tgt_in, tgt_out, packed, labels = batch(family, folders[family], config)
     assert torch.equal(labels, tgt_out.masked_fill(tgt_out.eq(config.pad_id), -100))
     real = labels.ne(-100)
     assert not bool(real.all()) and not bool(src.ne(config.pad_id).all()), "the batch must hold padding"
@@ -186,7 +190,11 @@ def test_loss_and_gradients_match_transformers(family, backend, smoothing, folde
     d_logits = torch.autograd.grad(hf_loss, out.logits, retain_graph=True)[0]
     hf_loss.backward()
 
-    loss, nll = loss_sums(model, src, tgt_in, tgt_out, config.pad_id, smoothing, backend=model.backend)
+    if batching == "packed":  # the same pairs without padding: every target real
+        assert torch.equal(packed.tgt_in, tgt_in[real]) and torch.equal(packed.tgt_out, tgt_out[real])
+        loss, nll = packed_loss_sums(model, packed, config.pad_id, smoothing, backend=model.backend)
+    else:
+        loss, nll = loss_sums(model, src, tgt_in, tgt_out, config.pad_id, smoothing, backend=model.backend)
     loss.backward()
     assert_close((loss / tokens).detach(), hf_loss.detach(), torch.float64, "loss")
     assert_close(nll / tokens, out.loss.detach(), torch.float64, "nll")
