@@ -20,6 +20,7 @@ What runs (docs/benchmarks.md, "What it compares", describes each file)
   test_training_step.py        forward + backward + Adam step of a whole Transformer (tokens/s)
   test_hf_training_step.py     a transformers Marian training step with attn_implementation="fastformer"
   test_hf_decoding.py          an opus-mt-shaped Marian decoded by fastformer (converted), transformers, CTranslate2
+  test_hf_finetune_step.py     fine-tuning a converted opus-mt-shaped Marian beside transformers' own step
   test_generate.py             Transformer.generate, beam 4, with and without the key/value cache (sentences/s)
   test_decoding.py             decoding beside CTranslate2 and a plain-PyTorch decoder
   test_overhead.py             the cost of a call on tiny tensors beside the PyTorch calls it replaces

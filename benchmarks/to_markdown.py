@@ -64,7 +64,7 @@ def seconds(s: float) -> str:
 
 def figure(info: dict) -> str:
     """The derived figure of a benchmark's extra_info."""
-    if "tokens/s" in info and info.get("op") in ("training_step", "hf_marian_training_step"):
+    if "tokens/s" in info and info.get("op") in ("training_step", "hf_marian_training_step", "hf_finetune_step"):
         return f"{info['tokens/s']:,.0f} tokens/s"
     if "sentences/s" in info:
         return f"{_sig(info['sentences/s'])} sentences/s"

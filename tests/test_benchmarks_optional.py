@@ -1,6 +1,6 @@
 """The benchmark suite runs with any subset of its optional packages (issue 45): with transformers and
 ctranslate2 unimportable, as if not installed (a sitecustomize.py on PYTHONPATH puts a finder first on
-sys.meta_path that refuses them), pytest collects benchmarks/ without an error, the two modules that need
+sys.meta_path that refuses them), pytest collects benchmarks/ without an error, the modules that need
 transformers skip with a reason naming the package and its extra, and test_decoding.py runs without its
 CTranslate2 contender and names it under "not compared". One pytest process on the smoke sizes, one
 decoding case selected (a few seconds)."""
@@ -41,7 +41,7 @@ def test_benchmarks_run_without_transformers_and_ctranslate2(tmp_path):
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert "1 passed" in out, out[-4000:]  # (an error in collecting any module fails the run: exit code 2)
-    for module in ("test_hf_decoding.py", "test_hf_training_step.py"):
+    for module in ("test_hf_decoding.py", "test_hf_training_step.py", "test_hf_finetune_step.py"):
         skipped = [line for line in out.splitlines() if line.startswith("SKIPPED") and module in line]
         assert skipped and "transformers is not installed: pip install '.[hf]'" in skipped[0], out[-4000:]
     assert "not compared: ctranslate2 is not installed: pip install '.[ctranslate2]'" in out, out[-4000:]
