@@ -78,6 +78,29 @@ SIZES["paper-quick"] = replace(SIZES["paper"], name="paper-quick", seconds=0.2, 
 
 
 @dataclass(frozen=True)
+class MarianShape:
+    """The sizes of a Marian model with random weights that the transformers benchmarks build (opus-mt-de-en's:
+    d_model 512, 6 + 6 layers, 8 heads, d_ff 2048, 58,101 tokens); each benchmark adds its batch's fields."""
+    name: str
+    d_model: int
+    layers: int
+    heads: int
+    d_ff: int
+    vocab_size: int
+
+    def marian_config(self, transformers, **options):
+        """transformers.MarianConfig of these sizes, opus-mt's form (swish, scaled embeddings, 512 positions, pad
+        the last id and the decoder's start token), with ``options`` added or overriding."""
+        pad = self.vocab_size - 1
+        return transformers.MarianConfig(**{
+            "vocab_size": self.vocab_size, "d_model": self.d_model, "encoder_layers": self.layers,
+            "decoder_layers": self.layers, "encoder_attention_heads": self.heads,
+            "decoder_attention_heads": self.heads, "encoder_ffn_dim": self.d_ff, "decoder_ffn_dim": self.d_ff,
+            "max_position_embeddings": 512, "activation_function": "swish", "scale_embedding": True,
+            "pad_token_id": pad, "decoder_start_token_id": pad, **options})
+
+
+@dataclass(frozen=True)
 class Context:
     """The session's benchmark settings, read once from the command line."""
     sizes: Sizes

@@ -95,7 +95,7 @@ import pytest
 import torch
 
 import fastformer
-from harness import int8_provider, need  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
+from harness import MarianShape, int8_provider, need  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
 
 transformers = need("transformers")  # without it the module skips, the reason naming the extra
 
@@ -107,13 +107,7 @@ EOS, UNK = 0, 1  # opus-mt's ids; <pad> is the last id
 
 
 @dataclasses.dataclass(frozen=True)
-class Shape:
-    name: str
-    d_model: int
-    layers: int
-    heads: int
-    d_ff: int
-    vocab_size: int
+class Shape(MarianShape):
     length: int  # target tokens before the forced eos
 
 
@@ -302,13 +296,8 @@ def build_suite(shape: Shape, folder: Path) -> Suite:
     folder.mkdir(parents=True)
     pieces = _tokenizer_files(folder, shape.vocab_size)
     pad = shape.vocab_size - 1
-    config = transformers.MarianConfig(
-        vocab_size=shape.vocab_size, d_model=shape.d_model, encoder_layers=shape.layers,
-        decoder_layers=shape.layers, encoder_attention_heads=shape.heads, decoder_attention_heads=shape.heads,
-        encoder_ffn_dim=shape.d_ff, decoder_ffn_dim=shape.d_ff, max_position_embeddings=512,
-        activation_function="swish", scale_embedding=True, share_encoder_decoder_embeddings=True,
-        tie_word_embeddings=True, pad_token_id=pad, decoder_start_token_id=pad, eos_token_id=EOS,
-        bos_token_id=EOS, forced_eos_token_id=EOS)
+    config = shape.marian_config(transformers, share_encoder_decoder_embeddings=True, tie_word_embeddings=True,
+                                 eos_token_id=EOS, bos_token_id=EOS, forced_eos_token_id=EOS)
     torch.manual_seed(0)
     model = transformers.MarianMTModel(config).eval()
     _randomize(model, shape)

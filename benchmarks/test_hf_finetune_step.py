@@ -62,7 +62,7 @@ from fastformer import hf_convert
 from fastformer.data.batching import PackedBatch, collate, collate_packed
 from fastformer.training.processes import Processes
 from fastformer.training.step import check_batch, micro_batch, optimizer_update
-from harness import need  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
+from harness import MarianShape, need  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
 
 transformers = need("transformers")  # without it the module skips, the reason naming the extra
 from transformers.trainer_pt_utils import LabelSmoother  # noqa: E402
@@ -75,13 +75,7 @@ EOS = 0  # opus-mt's ids; <pad> (the decoder's start token) is the last id
 
 
 @dataclasses.dataclass(frozen=True)
-class Shape:
-    name: str
-    d_model: int
-    layers: int
-    heads: int
-    d_ff: int
-    vocab_size: int
+class Shape(MarianShape):
     pairs: int
     lengths: tuple[int, int]  # shortest and longest sentence of each side (tokens, without eos)
 
@@ -100,14 +94,9 @@ def shape(ctx) -> Shape:
 @pytest.fixture(scope="module")
 def folder(shape, tmp_path_factory) -> str:
     """The random Marian model's folder (config.json and model.safetensors)."""
-    pad = shape.vocab_size - 1
-    config = transformers.MarianConfig(
-        vocab_size=shape.vocab_size, decoder_vocab_size=shape.vocab_size, d_model=shape.d_model,
-        encoder_layers=shape.layers, decoder_layers=shape.layers, encoder_attention_heads=shape.heads,
-        decoder_attention_heads=shape.heads, encoder_ffn_dim=shape.d_ff, decoder_ffn_dim=shape.d_ff,
-        max_position_embeddings=512, activation_function="swish", scale_embedding=True, dropout=0.1,
-        attention_dropout=0.0, activation_dropout=0.0, pad_token_id=pad, eos_token_id=EOS,
-        decoder_start_token_id=pad, forced_eos_token_id=EOS)
+    config = shape.marian_config(transformers, decoder_vocab_size=shape.vocab_size, dropout=0.1,
+                                 attention_dropout=0.0, activation_dropout=0.0, eos_token_id=EOS,
+                                 forced_eos_token_id=EOS)
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("marian")
     transformers.MarianMTModel(config).save_pretrained(path)
