@@ -5,8 +5,10 @@ compute the loss as the training benchmark does (benchmarks/test_training_step.p
 ``loss_sums`` with the fused ``ops.cross_entropy``, the baseline's ``F.cross_entropy``), back-propagate its
 mean over the target tokens and take an Adam step (``fused=True`` on CUDA, as fastformer.train does).
 After ``--warmup`` steps, ``--steps`` steps per model are profiled; the report gives each model's step time
-and target tokens/s over the profiled steps, and its ops by self time on the device (CUDA) or the CPU,
-as markdown:
+and target tokens/s over the profiled steps, its ops by self time on the device (CUDA) or the CPU, and
+one more step seen by fastformer/training/copies.py: its copies and casts of >= 4,096 elements per GEMM (issue
+52's count) and its time by kernel class (GEMM, fastformer's ops, copies, other), as markdown. Under bf16/fp16
+fastformer's projections multiply compute-dtype copies of their weights, as fastformer.train's do:
 
     python tools/profile_step.py --device cuda                      # paper sizes: base, 390 pairs <= 64
     python tools/profile_step.py --device cpu --config tiny --vocab 64 --pairs 4 --max-len 8   # a smoke run
@@ -25,7 +27,9 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # the baseline model and i
 
 from fastformer.cli import HelpFormatter  # noqa: E402
 from fastformer.nn import Transformer, TransformerConfig  # noqa: E402
-from fastformer.training.step import loss_sums  # noqa: E402
+from fastformer.nn.linear import set_compute_dtype  # noqa: E402
+from fastformer.training.copies import profile_step  # noqa: E402
+from fastformer.training.step import loss_sums, write_compute_copies  # noqa: E402
 from test_training_step import TorchTransformer, torch_loss_sums  # noqa: E402
 
 
@@ -49,6 +53,8 @@ def profile(name: str, model, data, config, args, device) -> str:
     src, tgt_in, tgt_out = data
     baseline = isinstance(model, TorchTransformer)
     dtype = getattr(torch, args.dtype)
+    # fastformer.train's projections multiply compute-dtype copies of their weights under autocast
+    copies = {} if baseline or dtype == torch.float32 else set_compute_dtype(model, dtype)
 
     target_tokens = int(tgt_out.ne(config.pad_id).sum())
 
@@ -62,6 +68,7 @@ def profile(name: str, model, data, config, args, device) -> str:
                                     backend=args.backend)
             (loss / target_tokens).backward()
         optimizer.step()
+        write_compute_copies(copies)
         return target_tokens
 
     def sync():
@@ -81,8 +88,9 @@ def profile(name: str, model, data, config, args, device) -> str:
         seconds = time.perf_counter() - start
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=60)
+    traffic = profile_step(step, device).markdown(f"{name}: copies and casts of one step, time by kernel class")
     return (f"### {name}\n\n{args.steps} profiled steps: {seconds / args.steps * 1e3:.1f} ms a step, "
-            f"{tokens / seconds:,.0f} target tokens/s (under the profiler)\n\n```\n{table}\n```\n")
+            f"{tokens / seconds:,.0f} target tokens/s (under the profiler)\n\n```\n{table}\n```\n\n{traffic}")
 
 
 def add_batch_arguments(parser: argparse.ArgumentParser) -> None:

@@ -41,6 +41,7 @@ struct Attention : public torch::autograd::Function<Attention> {
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["backend"] = backend_value(backend);
     ctx->mark_non_differentiable({lse});
+    ctx->set_materialize_grads(false);  // lse has no gradient: no zero-filled (B, H, Lq) buffer for it
     return {out, lse};
   }
 
@@ -56,6 +57,7 @@ struct Attention : public torch::autograd::Function<Attention> {
     const Backend backend = backend_of(ctx);
     at::AutoDispatchBelowADInplaceOrView guard;  // no graph to record: straight to the kernel
     const Tensor& dout = grads[0];
+    if (!dout.defined()) return variable_list(9);  // out unused: no gradient for any input
     auto [dq, dk, dv] =
         backend ? bwd_py.call(dout, saved[0], saved[1], saved[2], saved[3], saved[4], mask, causal, dropout_p, scale,
                               seed, *backend)

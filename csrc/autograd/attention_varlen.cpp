@@ -58,6 +58,7 @@ struct AttentionVarlen : public torch::autograd::Function<AttentionVarlen> {
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["backend"] = backend_value(backend);
     ctx->mark_non_differentiable({lse});
+    ctx->set_materialize_grads(false);  // lse has no gradient: no zero-filled (H, Tq) buffer for it
     return {out, lse};
   }
 
@@ -74,6 +75,7 @@ struct AttentionVarlen : public torch::autograd::Function<AttentionVarlen> {
     const Backend backend = backend_of(ctx);
     at::AutoDispatchBelowADInplaceOrView guard;  // no graph to record: straight to the kernel
     const Tensor& dout = grads[0];
+    if (!dout.defined()) return variable_list(12);  // out unused: no gradient for any input
     auto [dq, dk, dv] =
         backend ? bwd_py.call(dout, saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], saved[6], max_q, max_k,
                               causal, dropout_p, scale, seed, *backend)

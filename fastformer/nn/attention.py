@@ -45,15 +45,21 @@ class MultiHeadAttention(nn.Module):
     def _heads(self, x: Tensor, n: int) -> tuple[Tensor, ...]:
         """(B, L, n * d) -> n tensors (B, H, L, Dh): views, which the kernels (cpu, cuda, triton) read in place;
         their output comes back in (B, L, H, Dh) memory, so the reshape in forward copies nothing (the torch
-        reference backend copies on both sides)."""
+        reference backend copies on both sides). Split by ``unbind``, whose backward stacks the n gradients
+        into one (B, L, n, H, Dh) tensor (one write); indexing would give each part a zero-filled gradient of
+        the whole projection, add them and copy the sum back into its layout."""
         B, L, _ = x.shape
-        parts = x.view(B, L, n, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        return tuple(parts[i] for i in range(n))
+        if n == 1:
+            return (x.view(B, L, self.n_heads, self.head_dim).transpose(1, 2),)
+        parts = x.view(B, L, n, self.n_heads, self.head_dim)
+        return tuple(p.transpose(1, 2) for p in parts.unbind(2))
 
     def _packed_heads(self, x: Tensor, n: int) -> tuple[Tensor, ...]:
-        """(T, n * d) -> n tensors (T, H, Dh): views (the heads of a packed projection), read in place."""
-        parts = x.view(x.shape[0], n, self.n_heads, self.head_dim)
-        return tuple(parts[:, i] for i in range(n))
+        """(T, n * d) -> n tensors (T, H, Dh): views (the heads of a packed projection), read in place; split as
+        ``_heads`` splits."""
+        if n == 1:
+            return (x.view(x.shape[0], self.n_heads, self.head_dim),)
+        return x.view(x.shape[0], n, self.n_heads, self.head_dim).unbind(1)
 
     def forward(self, x: Tensor, memory: Optional[Tensor] = None, *, key_padding_mask: Optional[Tensor] = None,
                 causal: bool = False, seqs: Optional[Sequences] = None,

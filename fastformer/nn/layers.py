@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -224,6 +225,10 @@ class Decoder(nn.Module):
 
     def forward(self, x: Tensor, memory: Tensor, memory_padding_mask: Optional[Tensor],
                 seqs: Optional[Sequences] = None, memory_seqs: Optional[Sequences] = None) -> Tensor:
+        device = memory.device.type
+        if torch.is_autocast_enabled(device) and memory.is_floating_point():
+            # Cast once for every layer's kv projection (autocast would cast it in each), one cast back in backward.
+            memory = memory.to(torch.get_autocast_dtype(device))
         sublayers = [s for layer in self.layers
                      for s in layer.sublayers(memory, memory_padding_mask, seqs, memory_seqs)]
         return run_sublayers(x, sublayers, self.final_norm, self.config.norm_first,

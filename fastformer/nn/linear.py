@@ -16,6 +16,16 @@ replaced; they are not part of the state dict.
 ``Embedding`` (an ``nn.Embedding``) is the model's token table; ``project(h, bias)`` is the output projection
 tied to it (h E^T + b).
 
+Training in bfloat16 or float16 (issue 52): ``set_compute_dtype(model, dtype)`` gives every projection weight and
+bias (and each embedding table, for ``project``) a copy in that dtype, kept beside the float32 parameter: under
+autocast to that dtype the projections multiply the copies (``compute_linear``), so no forward casts a weight;
+the optimizer (fastformer/training/optim.py) writes each copy in the pass that updates its parameter. A copy
+is tagged with its parameter's version counter when written; a parameter changed in place by anything else
+(``load_state_dict``, ``copy_``, another optimizer) has moved on, and its copy is written again at its next use.
+The weight's gradient reaches the float32 parameter from a product with a float32 output where ATen has one
+(CUDA: ``mm`` with ``out_dtype``); on the CPU ATen multiplies bfloat16 into bfloat16 only, so autograd casts that
+gradient (one cast per weight per micro-batch, as under plain autocast).
+
 A model quantized by ``fastformer.quantize(model, "int8")`` (fastformer/nn/quantize.py) has ``Int8Linear``
 projections in place of ``Linear`` and ``Int8Embedding`` tables in place of ``Embedding``: the same state dict
 names (``weight``, ``bias``) plus ``weight_scale`` and ``weight_colsum``, the int8 weight in the kernel's
@@ -88,6 +98,101 @@ def packed_applies(x: Tensor) -> bool:
             and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling())
 
 
+_COMPUTE = WeakIdKeyDictionary()  # parameter -> [its copy in the compute dtype, the parameter's version then]
+
+
+def set_compute_dtype(model: nn.Module, dtype: Optional[torch.dtype]) -> dict[nn.Parameter, Tensor]:
+    """Gives the float projections of ``model`` (``Linear`` weights and biases, ``Embedding`` tables) copies in
+    ``dtype`` (bfloat16 or float16), used under autocast to that dtype; ``None`` drops them. Returns parameter ->
+    copy, for the optimizer that keeps them current (fastformer.training.optim.Adam)."""
+    copies = {}
+    for module in model.modules():
+        if isinstance(module, (Linear, Embedding)):
+            for param in (module.weight, getattr(module, "bias", None)):
+                if param is None:
+                    continue
+                if dtype is None:
+                    _COMPUTE.pop(param, None)
+                    continue
+                if dtype not in (torch.bfloat16, torch.float16):
+                    raise ValueError(f"set_compute_dtype: dtype must be torch.bfloat16, torch.float16 or None, "
+                                     f"got {dtype}")
+                with torch.no_grad():
+                    copy = param.detach().to(dtype)
+                _COMPUTE[param] = [copy, param._version]
+                copies[param] = copy
+    return copies
+
+
+def compute_copy(param: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    """The copy of ``param`` in ``dtype`` kept by ``set_compute_dtype``, written again first if the parameter has
+    changed in place since it was last written; None without one (or of another dtype)."""
+    entry = _COMPUTE.get(param) if param is not None else None
+    if entry is None or entry[0].dtype != dtype:
+        return None
+    if entry[1] != param._version:
+        with torch.no_grad():
+            entry[0].copy_(param.detach())
+        entry[1] = param._version
+    return entry[0]
+
+
+def mark_compute_copies_current(params) -> None:
+    """Records that the copies of ``params`` were written from their current values (by the optimizer, whose own
+    in-place update may have moved the version counters)."""
+    for param in params:
+        entry = _COMPUTE.get(param)
+        if entry is not None:
+            entry[1] = param._version
+
+
+def _wgrad(dy: Tensor, x: Tensor) -> Tensor:
+    """dy (M, out)^T x (M, in) -> (out, in), in float32 where ATen has a product with a float32 output for these
+    dtypes (CUDA), else in dy's dtype (autograd then casts it to the parameter's float32)."""
+    if dy.device.type == "cuda":
+        return torch.mm(dy.t(), x, out_dtype=torch.float32)
+    return dy.t() @ x
+
+
+class _ComputeLinear(torch.autograd.Function):
+    """y = x Wc^T + bc with Wc, bc the compute-dtype copies of the float32 parameters W, b; the gradients go to W
+    and b (float32). Saves x and Wc (both in the compute dtype)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], weight_c: Tensor,
+                bias_c: Optional[Tensor]) -> Tensor:
+        ctx.save_for_backward(x, weight_c)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight_c, bias_c)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, weight_c = ctx.saved_tensors
+        dx = dy @ weight_c if ctx.needs_input_grad[0] else None
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        dw = _wgrad(dy2, x2) if ctx.needs_input_grad[1] else None
+        db = dy2.sum(0, dtype=torch.float32) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None
+
+
+def compute_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Optional[Tensor]:
+    """x W^T + b on the compute-dtype copies of W and b, when autocast runs in their dtype (not under
+    torch.compile, which traces plain autocast); None where it does not apply. x is cast to that dtype first
+    if it is not in it."""
+    device = x.device.type
+    if torch.compiler.is_compiling() or not torch.is_autocast_enabled(device):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    weight_c = compute_copy(weight, dtype)
+    if weight_c is None:
+        return None
+    bias_c = compute_copy(bias, dtype)
+    if bias is not None and bias_c is None:  # a bias kept elsewhere (Marian's output bias): cast, (out,) only
+        bias_c = bias.detach().to(dtype)
+    with torch.autocast(device, enabled=False):
+        return _ComputeLinear.apply(x.to(dtype), weight, bias, weight_c, bias_c)
+
+
 def linear(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor] = None,
            int8: Optional[Int8Weight] = None) -> Tensor:
     """x (..., in) W^T + b: ``F.linear``, or the packed kernel where ``packed_applies(x)``; with ``int8`` (a
@@ -114,7 +219,8 @@ class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same state dict) whose inference runs ``linear`` above."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
+        y = compute_linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias) if y is None else y
 
 
 class Embedding(nn.Embedding):
@@ -125,7 +231,8 @@ class Embedding(nn.Embedding):
 
     def project(self, h: Tensor, bias: Optional[Tensor] = None) -> Tensor:
         """h (..., dim) -> (..., num_embeddings)."""
-        return linear(h, self.weight, bias)
+        y = compute_linear(h, self.weight, bias)
+        return linear(h, self.weight, bias) if y is None else y
 
 
 class Int8Module(nn.Module):

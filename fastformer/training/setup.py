@@ -14,6 +14,7 @@ from fastformer.cli import usage_error
 from fastformer.data import Tokenizer, load_bible, load_text_files
 from fastformer.data.corpus import ParallelCorpus
 from fastformer.nn import Transformer, TransformerConfig
+from fastformer.nn.linear import set_compute_dtype
 from fastformer.runtime import bound_onednn_cache, keep_freed_memory, native_bf16_cpu
 from fastformer.training import finetune, resume
 from fastformer.training.batches import BatchStream, special_ids
@@ -44,6 +45,9 @@ class Run:
     sums: torch.Tensor          # (loss, nll) summed over the current update's micro-batches, on the device
     grad_scale: torch.Tensor    # world / target tokens of the current update, on the device
     graphs: object = None       # fastformer.training.graphs.CudaGraphs with --cuda-graphs
+    # parameter -> its copy in the autocast dtype (fastformer/nn/linear.py set_compute_dtype), written after each
+    # optimizer step; empty in float32 and under --compile (which traces plain autocast)
+    compute_copies: dict = field(default_factory=dict)
     state: dict = field(default_factory=lambda: {"step": 0, "tokens": 0, "train_seconds": 0.0})
     last_dev_step: int = -1
     malloc_trims: int = 0  # updates after which --max-rss-gib handed free heap pages back (this process)
@@ -161,6 +165,8 @@ def setup(args: argparse.Namespace, procs: Processes) -> Run:
     else:
         run.log.start(resumed_step=None)
     procs.barrier()
+    if amp_dtype is not None and not args.compile:  # from the weights as trained so far (after a resume)
+        run.compute_copies = set_compute_dtype(model, amp_dtype)
     if args.compile:  # in place: parameter names (and so checkpoints) stay those of the eager model
         model.encoder.compile(dynamic=True)
         model.decoder.compile(dynamic=True)

@@ -21,6 +21,7 @@ import torch
 
 from fastformer import ops
 from fastformer.data.batching import PackedBatch
+from fastformer.nn.linear import mark_compute_copies_current
 
 if TYPE_CHECKING:
     from fastformer.training.setup import Run
@@ -128,6 +129,17 @@ def optimizer_update(run: Run) -> None:
         torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.args.clip_norm)
     run.scaler.step(run.optimizer)
     run.scaler.update()
+    write_compute_copies(run.compute_copies)
+
+
+def write_compute_copies(copies: dict) -> None:
+    """The projections' compute-dtype copies (parameter -> copy: fastformer/nn/linear.py set_compute_dtype)
+    written from the updated parameters: one multi-tensor copy, captured with the update under --cuda-graphs."""
+    if copies:
+        params = list(copies)
+        with torch.no_grad():
+            torch._foreach_copy_(list(copies.values()), params)
+        mark_compute_copies_current(params)
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
