@@ -13,4 +13,6 @@
 - ``evaluation``: dev loss and dev BLEU during training, the final test with beam search.
 - ``runlog``: ``log.jsonl`` and ``loss.png``.
 - ``loop``: the training loop and the end of a run.
+- ``copies``: what a step copies or casts of what it had already computed, counted (issue 52; tools/profile_step.py
+  and tests/train/test_step_copies.py use it).
 """
