@@ -73,17 +73,39 @@ class CopyCounter(TorchDispatchMode):
         return sum(self.copies.values())
 
 
-def kernel_class(name: str) -> str:
-    """The class of a profiler event (an ATen op on the CPU, a kernel on a GPU): "gemm", "fastformer",
-    "copy" or "other"."""
+def _triton_kernel_names() -> frozenset[str]:
+    """The names of fastformer's Triton kernels (fastformer/triton/*.py), as a GPU profile lists them; empty
+    without Triton."""
+    import importlib
+    import pkgutil
+
+    names = set()
+    try:
+        import fastformer.triton as package
+        for info in pkgutil.iter_modules(package.__path__):
+            module = importlib.import_module(f"fastformer.triton.{info.name}")
+            for obj in vars(module).values():
+                fn = obj  # a triton.jit function, or an autotuner around one: the Python function inside
+                while hasattr(fn, "fn"):
+                    fn = fn.fn
+                if fn is not obj and type(obj).__module__.startswith("triton"):
+                    names.add(fn.__name__)
+    except ImportError:
+        pass
+    return frozenset(names)
+
+
+def kernel_class(name: str, triton_kernels: frozenset[str] = frozenset()) -> str:
+    """The class of a profiler event (an ATen op on the CPU, a kernel on a GPU): "gemm", "fastformer" (the
+    fastformer:: ops, the CUDA kernels of namespace fastformer, the Triton kernels ``triton_kernels``), "copy"
+    or "other"."""
     low = name.lower()
-    if name.startswith("fastformer::") or "fastformer" in low or low.startswith("_fastformer"):
+    if name.startswith("fastformer::") or "fastformer" in low or name in triton_kernels:
         return "fastformer"
     if any(k in low for k in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "gemm", "xmma", "cutlass",
                               "nvjet", "sm90_", "sm80_", "cublas")):
         return "gemm"
-    if any(k in low for k in ("aten::copy_", "aten::_to_copy", "aten::clone", "copy_kernel", "direct_copy",
-                              "aten::to", "aten::contiguous")):
+    if any(k in low for k in ("aten::copy_", "aten::_to_copy", "aten::clone", "copy_kernel", "direct_copy")):
         return "copy"
     return "other"
 
@@ -131,13 +153,14 @@ def profile_step(step: Callable[[], object], device: torch.device, min_elements:
             torch.cuda.synchronize(device)
     copies = 0
     seconds: Counter = Counter()
+    triton_kernels = _triton_kernel_names() if device.type == "cuda" else frozenset()
     for event in prof.events():
         if event.name == "aten::copy_" and event.input_shapes and event.input_shapes[0]:
             if math.prod(event.input_shapes[0]) >= min_elements:
                 copies += 1
         if device.type == "cuda":
             if event.device_type == torch.autograd.DeviceType.CUDA:
-                seconds[kernel_class(event.name)] += event.self_device_time_total / 1e6
+                seconds[kernel_class(event.name, triton_kernels)] += event.self_device_time_total / 1e6
         elif event.device_type == torch.autograd.DeviceType.CPU and event.name.startswith(("aten::", "fastformer::")):
             seconds[kernel_class(event.name)] += event.self_cpu_time_total / 1e6
     return StepTraffic(counter.gemms, copies, counter, dict(seconds))

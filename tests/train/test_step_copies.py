@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastformer.train import build_parser
-from fastformer.training.copies import profile_step
+from fastformer.training.copies import kernel_class, profile_step
 from fastformer.training.processes import Processes
 from fastformer.training.setup import setup
 from fastformer.training.step import train_step
@@ -39,3 +39,17 @@ def test_copies_per_gemm(tmp_path, precision):
     report = traffic.markdown(f"{precision} update")
     assert traffic.gemms >= 100, report  # two micro-batches of 3 + 3 layers: ~100 GEMMs each
     assert traffic.copies_per_gemm <= BOUNDS[precision], report
+
+
+def test_kernel_classes():
+    """The GPU check's time by kernel class names CUDA kernels as a GPU profile lists them."""
+    triton = frozenset({"_attn_fwd_kernel"})
+    assert kernel_class("_attn_fwd_kernel", triton) == "fastformer"
+    assert kernel_class("void fastformer::cuda::softmax_fwd_warp_kernel<float>(...)") == "fastformer"
+    assert kernel_class("fastformer::attention_fwd") == "fastformer"
+    assert kernel_class("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
+    assert kernel_class("aten::addmm") == "gemm"
+    assert kernel_class("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(...)") == "copy"
+    assert kernel_class("aten::copy_") == "copy"
+    assert kernel_class("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>") == "other"
+    assert kernel_class("_attn_fwd_kernel") == "other"  # not one of ours unless named
