@@ -59,13 +59,14 @@ def test_loss_falls_and_run_folder_is_complete(tmp_path, precision):
     assert state["step"] == 40 and state["data"]["kind"] == "files"
 
 
-def test_resume_matches_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])  # bf16: the projections' compute-dtype copies rebuilt
+def test_resume_matches_an_uninterrupted_run(tmp_path, precision):
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
-    main(tiny_run_args(straight, "--max-steps", "12", "--keep", "10"))
+    main(tiny_run_args(straight, "--max-steps", "12", "--keep", "10", "--precision", precision))
     interrupted.mkdir()
     shutil.copy(straight / "spm.model", interrupted / "spm.model")
-    main(tiny_run_args(interrupted, "--max-steps", "5"))
-    main(tiny_run_args(interrupted, "--max-steps", "12", "--resume"))
+    main(tiny_run_args(interrupted, "--max-steps", "5", "--precision", precision))
+    main(tiny_run_args(interrupted, "--max-steps", "12", "--resume", "--precision", precision))
     a = ckpt.load(str(straight / "checkpoint_12.pt"))
     b = ckpt.load(str(interrupted / "checkpoint_12.pt"))
     timing = ("train_seconds",)  # wall time differs; everything else must be identical
