@@ -17,6 +17,7 @@
 #include <vector>
 
 #define FASTFORMER_GEMM_CHECKS
+#include "attention_grads.h"
 #include "cpu/kernel_table.h"
 #include "cpu_levels.h"
 #include "gemm/gemm.h"
@@ -341,6 +342,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         "checks ops.cross_entropy's arguments");
   m.def("check_attention_bwd", &fastformer::check_attention_bwd, "checks attention_bwd's arguments");
+  m.def("attention_packed_kind", &fastformer::attention_packed_kind, py::arg("q"), py::arg("k"), py::arg("v"),
+        "attention_bwd's packed_grads for these inputs (csrc/attention_grads.h): 3 where q, k, v are the parts of one "
+        "packed projection, 2 where k, v are, else 0");
   // The deferred value checks (csrc/value_checks.h); fastformer/ops/deferred.py is their public face.
   m.def("set_deferred_checks", &fastformer::set_deferred_checks, py::arg("on"), py::arg("device") = py::none(),
         "turns the deferred mode of the GPU value checks on or off (process-wide); on, with a device, allocates "

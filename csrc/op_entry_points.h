@@ -13,8 +13,8 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const
 std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                  const Tensor& v, const Tensor& out, const Tensor& lse,
                                                  const c10::optional<Tensor>& key_padding_mask, bool causal,
-                                                 double dropout_p, double scale,
-                                                 const c10::optional<Tensor>& seed);
+                                                 double dropout_p, double scale, const c10::optional<Tensor>& seed,
+                                                 int64_t packed_grads);  // csrc/attention_grads.h
 
 // attention_varlen: packed sequences, q (Tq, H, D), k/v (Tk, H_kv, D), sequence b at rows cu_seqlens_q[b] ..
 // cu_seqlens_q[b + 1] of q (int32, B + 1) and cu_seqlens_k[b] .. of k and v. Returns out (Tq, H, D) and lse

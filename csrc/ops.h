@@ -34,7 +34,7 @@
     "Tensor? seed",                                                                                            \
     "(Tensor, Tensor)",                                                                                        \
     "Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? key_padding_mask, "            \
-    "bool causal, float dropout_p, float? scale, Tensor? seed",                                                \
+    "bool causal, float dropout_p, float? scale, Tensor? seed, int packed_grads",                              \
     "(Tensor, Tensor, Tensor)")                                                                                \
   X(attention_varlen,                                                                                          \
     "Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "              \
@@ -303,13 +303,19 @@ inline void check_stats(const Tensor& t, const char* name, at::IntArrayRef shape
                     " of shape ", t.sizes(), " on ", t.device());
 }
 
+// packed_grads (csrc/attention_grads.h): 0, or 2 (dk, dv the parts of one gradient: k and v of one shape), or 3
+// (dq, dk, dv: q, k and v of one shape).
 inline void check_attention_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                 const Tensor& out, const Tensor& lse, const OptTensor& key_padding_mask,
-                                double dropout_p) {
+                                double dropout_p, int64_t packed_grads) {
   check_attention(q, k, v, key_padding_mask, dropout_p);
   check_same(dout, "dout", q, "q", "attention");
   check_same(out, "out", q, "q", "attention");
   check_stats(lse, "lse", q.sizes().slice(0, 3), q, "attention");
+  TORCH_CHECK_VALUE(packed_grads == 0 || (packed_grads == 2 && k.sizes() == v.sizes()) ||
+                        (packed_grads == 3 && q.sizes() == k.sizes() && k.sizes() == v.sizes()),
+                    "fastformer attention: packed_grads must be 0, 2 (k and v of one shape) or 3 (q, k and v of one "
+                    "shape), got ", packed_grads, " for q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
 }
 
 inline void check_attention_varlen_bwd(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -434,12 +440,13 @@ template <auto Impl>
 std::tuple<Tensor, Tensor, Tensor> attention_bwd_op(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                     const Tensor& v, const Tensor& out, const Tensor& lse,
                                                     const OptTensor& key_padding_mask, bool causal, double dropout_p,
-                                                    std::optional<double> scale, const OptTensor& seed) {
-  check_attention_bwd(dout, q, k, v, out, lse, key_padding_mask, dropout_p);
+                                                    std::optional<double> scale, const OptTensor& seed,
+                                                    int64_t packed_grads) {
+  check_attention_bwd(dout, q, k, v, out, lse, key_padding_mask, dropout_p, packed_grads);
   check_seed(seed, dropout_p, q, "attention");
   return Impl(attention_layout(dout), attention_layout(q), attention_layout(k), attention_layout(v),
               attention_layout(out), lse.contiguous(), contiguous(key_padding_mask), causal, dropout_p,
-              attention_scale(scale, q), seed);
+              attention_scale(scale, q), seed, packed_grads);
 }
 
 template <auto Impl>

@@ -121,12 +121,19 @@ def projection_views(B, H, Lq, Lk, D, pad, dtype, device="cpu"):
 
 def assert_layout_kept(attention, q, k, v, out, grads, dout):
     """``attention``'s out and grads on the views q, k, v (with upstream ``dout``) are (B, L, H, D) memory, as
-    are those of the same call on contiguous copies, and bit-identical to them."""
+    are those of the same call on contiguous copies, and bit-identical to them; except that the gradients of
+    the parts of one packed projection are the parts of one packed gradient (csrc/attention_grads.h: the layout
+    the fake kernels state, fastformer/ops/attention.py grads_like)."""
+    from fastformer._ext import C
+    from fastformer.ops.attention import grads_like
+
     contiguous = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
     ref = attention(*contiguous)
     ref_grads = torch.autograd.grad(ref, contiguous, dout.contiguous())
-    for t in (out, *grads, ref, *ref_grads):  # (B, L, H, D) memory: no copy on the way back to a projection
+    for t in (out, ref, *ref_grads):  # (B, L, H, D) memory: no copy on the way back to a projection
         assert t.transpose(1, 2).is_contiguous(), t.stride()
+    for g, expected in zip(grads, grads_like(q, k, v, C.attention_packed_kind(q, k, v))[0]):
+        assert g.stride() == expected.stride(), (g.stride(), expected.stride())
     assert torch.equal(out, ref)
     for g, rg in zip(grads, ref_grads):
         assert torch.equal(g, rg)

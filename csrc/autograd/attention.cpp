@@ -3,6 +3,8 @@
 // from lse and regenerates the dropout mask from the seed. lse is not differentiable.
 #include "common.h"
 
+#include "attention_grads.h"
+
 // A namespace of the op's own: the sources of _C may be compiled as one unit (setup.py, FASTFORMER_UNITY_BUILD).
 namespace fastformer::autograd::attention {
 namespace {
@@ -14,10 +16,11 @@ using FwdPySig = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const 
                                             double, std::optional<double>, const OptTensor&, c10::string_view);
 using BwdSig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                                   const Tensor&, const Tensor&, const OptTensor&, bool, double,
-                                                  std::optional<double>, const OptTensor&);
+                                                  std::optional<double>, const OptTensor&, int64_t);
 using BwdPySig = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                                     const Tensor&, const Tensor&, const OptTensor&, bool, double,
-                                                    std::optional<double>, const OptTensor&, c10::string_view);
+                                                    std::optional<double>, const OptTensor&, int64_t,
+                                                    c10::string_view);
 
 // The kernel op below autograd: attention_fwd, or attention_fwd_py for a backend written in Python.
 std::tuple<Tensor, Tensor> call_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const OptTensor& key_padding_mask,
@@ -40,6 +43,9 @@ struct Attention : public torch::autograd::Function<Attention> {
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["backend"] = backend_value(backend);
+    // The gradients' layout, from the inputs as they are here: the parts of one packed projection get the parts
+    // of one packed gradient (csrc/attention_grads.h), which the model's split takes back without a copy.
+    ctx->saved_data["packed_grads"] = fastformer::attention_packed_kind(q, k, v);
     ctx->mark_non_differentiable({lse});
     ctx->set_materialize_grads(false);  // lse has no gradient: no zero-filled (B, H, Lq) buffer for it
     return {out, lse};
@@ -55,14 +61,18 @@ struct Attention : public torch::autograd::Function<Attention> {
     const double dropout_p = ctx->saved_data["dropout_p"].toDouble();
     const auto scale = ctx->saved_data["scale"].toOptional<double>();
     const Backend backend = backend_of(ctx);
+    const int64_t packed = ctx->saved_data["packed_grads"].toInt();
     at::AutoDispatchBelowADInplaceOrView guard;  // no graph to record: straight to the kernel
     const Tensor& dout = grads[0];
     if (!dout.defined()) return variable_list(9);  // out unused: no gradient for any input
     auto [dq, dk, dv] =
         backend ? bwd_py.call(dout, saved[0], saved[1], saved[2], saved[3], saved[4], mask, causal, dropout_p, scale,
-                              seed, *backend)
-                : bwd.call(dout, saved[0], saved[1], saved[2], saved[3], saved[4], mask, causal, dropout_p, scale, seed);
-    return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+                              seed, packed, *backend)
+                : bwd.call(dout, saved[0], saved[1], saved[2], saved[3], saved[4], mask, causal, dropout_p, scale, seed,
+                           packed);
+    // the parts of a packed gradient taken back out: views of it (csrc/attention_grads.h)
+    const auto parts = fastformer::attention_grad_parts(dq, dk, dv, packed);
+    return {parts[0], parts[1], parts[2], Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 

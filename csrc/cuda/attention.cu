@@ -8,10 +8,12 @@
 // q, k, v, out and dout are read in place at their batch, head and row strides (last dim contiguous:
 // csrc/ops.h attention_layout copies only a tensor whose last dim is not), e.g. views (B, H, L, D) of
 // (B, L, H, D) projections; out, dq (B, H, L, D) and dk, dv (B, H_kv, L, D) are written as views of contiguous
-// (B, L, H, D) tensors (rows_like), whatever the inputs' layout. lse and the delta workspace are contiguous
+// (B, L, H, D) tensors (rows_like), whatever the inputs' layout; the gradients of a packed projection's parts
+// are the parts of one packed gradient (csrc/attention_grads.h). lse and the delta workspace are contiguous
 // (B, H, Lq).
 #include <limits>
 
+#include "attention_grads.h"
 #include "attention_launch.h"
 
 namespace fastformer::cuda {
@@ -27,10 +29,10 @@ attention_launch::AttnDims dense_dims(const Tensor& q, const Tensor& k, const Te
 }
 
 // Out, dq, dk, dv shaped like x (B, H, L, D): a view of a contiguous (B, L, H, D) tensor (the CPU kernel's
-// rows_like), so the (B, L, H, D) projections of a model take them without a copy.
-Tensor rows_like(const Tensor& x) {
-  return at::empty({x.size(0), x.size(2), x.size(1), x.size(3)}, x.options()).transpose(1, 2);
-}
+// rule), so the (B, L, H, D) projections of a model take them without a copy; the gradients of the parts of one
+// packed projection are the parts of one packed gradient (csrc/attention_grads.h).
+using fastformer::attention_grads_like;
+using fastformer::attention_rows_like;
 
 }  // namespace
 
@@ -38,7 +40,7 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const
                                          const c10::optional<Tensor>& key_padding_mask, bool causal,
                                          double dropout_p, double scale, const c10::optional<Tensor>& seed) {
   const attention_launch::AttnDims s = dense_dims(q, k, v);
-  Tensor out = rows_like(q);
+  Tensor out = attention_rows_like(q);
   Tensor lse = at::empty({s.B, s.H, s.Lq}, q.options().dtype(at::kFloat));
   if (q.numel() == 0 || s.Lk == 0) {  // nothing to attend to: zeros, lse = -inf
     return {out.zero_(), lse.fill_(-std::numeric_limits<float>::infinity())};
@@ -52,13 +54,17 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(const Tensor& dout, const Tenso
                                                  const Tensor& v, const Tensor& out, const Tensor& lse,
                                                  const c10::optional<Tensor>& key_padding_mask, bool causal,
                                                  double dropout_p, double scale,
-                                                 const c10::optional<Tensor>& seed) {
+                                                 const c10::optional<Tensor>& seed, int64_t packed_grads) {
   const attention_launch::AttnDims s = dense_dims(q, k, v);
-  Tensor dq = rows_like(q), dk = rows_like(k), dv = rows_like(v);
-  if (q.numel() == 0 || k.numel() == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
+  fastformer::AttentionGrads grads = attention_grads_like(q, k, v, packed_grads);
+  Tensor &dq = grads.dq, &dk = grads.dk, &dv = grads.dv;
+  if (q.numel() == 0 || k.numel() == 0) {
+    dq.zero_(), dk.zero_(), dv.zero_();
+    return grads.outputs;
+  }
   attention_launch::bwd(s, dout, q, k, v, out, lse, key_padding_mask, c10::nullopt, c10::nullopt, dq, dk, dv, causal,
                         dropout_p, scale, seed);
-  return {dq, dk, dv};
+  return grads.outputs;  // the packed gradient whole, in place of its parts (csrc/attention_grads.h)
 }
 
 }  // namespace fastformer::cuda

@@ -4,11 +4,38 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch import Tensor, nn
 
 from fastformer import ops
 from fastformer.data.batching import Sequences
 from fastformer.nn.linear import Linear
+
+
+class SplitHeads(torch.autograd.Function):
+    """x (B, L, n H Dh), a packed projection -> its n parts (B, H, L, Dh), views. Backward: the parts' gradients as
+    one (B, L, n H Dh) gradient: where they are the parts of one packed tensor (the kernel backends write them
+    so: csrc/attention_grads.h), that tensor itself; else stacked (one copy). Indexing the parts instead would
+    give each a zero-filled gradient of the whole projection, then add them and copy the sum into its layout."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, n: int, heads: int):
+        B, L, width = x.shape
+        ctx.packed_shape = (B, L, n, heads, width // (n * heads))
+        parts = x.view(ctx.packed_shape)
+        return tuple(parts.select(2, i).transpose(1, 2) for i in range(n))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        B, L, n, H, D = ctx.packed_shape
+        first, strides = grads[0], (L * n * H * D, D, n * H * D, 1)  # (grads are materialized: unused parts zeros)
+        if all(g.untyped_storage()._cdata == first.untyped_storage()._cdata
+               and g.storage_offset() == first.storage_offset() + i * H * D
+               and all(size == 1 or stride == want for size, stride, want in zip(g.shape, g.stride(), strides))
+               for i, g in enumerate(grads)):
+            # the n parts tile one (B, L, n, H, D) block of their memory: that block is the gradient
+            return first.as_strided((B, L, n * H * D), (L * n * H * D, n * H * D, 1)), None, None
+        return torch.stack([g.transpose(1, 2) for g in grads], dim=2).view(B, L, n * H * D), None, None
 
 
 class MultiHeadAttention(nn.Module):
@@ -45,14 +72,13 @@ class MultiHeadAttention(nn.Module):
     def _heads(self, x: Tensor, n: int) -> tuple[Tensor, ...]:
         """(B, L, n * d) -> n tensors (B, H, L, Dh): views, which the kernels (cpu, cuda, triton) read in place;
         their output comes back in (B, L, H, Dh) memory, so the reshape in forward copies nothing (the torch
-        reference backend copies on both sides). Split by ``unbind``, whose backward stacks the n gradients
-        into one (B, L, n, H, Dh) tensor (one write); indexing would give each part a zero-filled gradient of
-        the whole projection, add them and copy the sum back into its layout."""
+        reference backend copies on both sides). Split by ``SplitHeads``, whose backward hands the n gradients
+        back as one (B, L, n * d) tensor: the kernels' own packed gradient, without a copy (they write the
+        gradients of a packed projection's parts as the parts of one tensor: csrc/attention_grads.h)."""
         B, L, _ = x.shape
         if n == 1:
             return (x.view(B, L, self.n_heads, self.head_dim).transpose(1, 2),)
-        parts = x.view(B, L, n, self.n_heads, self.head_dim)
-        return tuple(p.transpose(1, 2) for p in parts.unbind(2))
+        return SplitHeads.apply(x, n, self.n_heads)
 
     def _packed_heads(self, x: Tensor, n: int) -> tuple[Tensor, ...]:
         """(T, n * d) -> n tensors (T, H, Dh): views (the heads of a packed projection), read in place; split as

@@ -29,6 +29,38 @@ def rows_like(x: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3]).transpose(1, 2)
 
 
+def grads_like(q: Tensor, k: Tensor, v: Tensor, packed_grads: int) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """attention_bwd's gradients as the kernel backends write them (csrc/attention_grads.h, one rule): the views
+    the kernels write (dq, dk, dv, each ``rows_like`` its input, or, by ``packed_grads``, decided by attention's
+    autograd from the inputs (3 where q, k, v are the adjacent parts of one packed (B, L, 3, H, D) projection, 2
+    where k, v are), the parts of one packed gradient), and the op's outputs: a packed gradient whole, in place
+    of its parts, whose outputs are empty (an op's outputs may not share memory)."""
+    def packed(x, n):
+        return x.new_empty(x.shape[0], x.shape[2], n, x.shape[1], x.shape[3])
+
+    def parts(p):
+        return tuple(p.select(2, i).transpose(1, 2) for i in range(p.shape[2]))
+
+    if packed_grads == 3:
+        dqkv = packed(q, 3)
+        return parts(dqkv), (dqkv, q.new_empty(0), q.new_empty(0))
+    if packed_grads == 2:
+        dq, dkv = rows_like(q), packed(k, 2)
+        return (dq, *parts(dkv)), (dq, dkv, q.new_empty(0))
+    grads = rows_like(q), rows_like(k), rows_like(v)
+    return grads, grads
+
+
+def packed_outputs(dq: Tensor, dk: Tensor, dv: Tensor, packed_grads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """attention_bwd's outputs from gradients in any layout (the torch reference's contiguous ones): a packed
+    gradient stacked, as ``grads_like`` lays the outputs out."""
+    if packed_grads == 3:
+        return torch.stack([g.transpose(1, 2) for g in (dq, dk, dv)], dim=2), dq.new_empty(0), dq.new_empty(0)
+    if packed_grads == 2:
+        return dq, torch.stack([g.transpose(1, 2) for g in (dk, dv)], dim=2), dq.new_empty(0)
+    return dq, dk, dv
+
+
 def _layout(backend: str):
     """How a ``_py`` twin on ``backend`` passes the (B, H, L, D) tensors and lays out its outputs: the kernels
     read views in place (csrc/ops.h attention_layout copies only a tensor whose last dim is strided or whose
@@ -45,9 +77,12 @@ def _fake_fwd(q, k, v, key_padding_mask, causal, dropout_p, scale, seed, like=ro
     return like(q), q.new_empty(q.shape[:3], dtype=lse_dtype)
 
 
-def _fake_bwd(dout, q, k, v, out, lse, key_padding_mask, causal, dropout_p, scale, seed, like=rows_like):
+def _fake_bwd(dout, q, k, v, out, lse, key_padding_mask, causal, dropout_p, scale, seed, packed_grads,
+              like=rows_like):
     C.check_seed(seed, dropout_p, q, "attention")
-    return like(q), like(k), like(v)
+    if like is rows_like:
+        return grads_like(q, k, v, packed_grads)[1]
+    return packed_outputs(like(q), like(k), like(v), packed_grads)
 
 
 def _py_fwd(q, k, v, key_padding_mask, causal, dropout_p, scale, seed, backend):
@@ -59,15 +94,15 @@ def _py_fwd(q, k, v, key_padding_mask, causal, dropout_p, scale, seed, backend):
     return impl(rows(q), rows(k), rows(v), mask, causal, dropout_p, scale, seed)
 
 
-def _py_bwd(dout, q, k, v, out, lse, key_padding_mask, causal, dropout_p, scale, seed, backend):
-    C.check_attention_bwd(dout, q, k, v, out, lse, key_padding_mask, dropout_p)
+def _py_bwd(dout, q, k, v, out, lse, key_padding_mask, causal, dropout_p, scale, seed, packed_grads, backend):
+    C.check_attention_bwd(dout, q, k, v, out, lse, key_padding_mask, dropout_p, packed_grads)
     scale = C.check_attention(q, k, v, key_padding_mask, dropout_p, scale)
     C.check_seed(seed, dropout_p, q, "attention")
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     impl = _dispatch.implementation("attention", "bwd", backend)
     rows, _ = _layout(backend)
     return impl(rows(dout), rows(q), rows(k), rows(v), rows(out), lse.contiguous(), mask, causal, dropout_p, scale,
-                seed)
+                seed, packed_grads)
 
 
 _registry.register("attention", fake_fwd=_fake_fwd, fake_bwd=_fake_bwd, py_fwd=_py_fwd, py_bwd=_py_bwd,

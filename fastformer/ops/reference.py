@@ -198,11 +198,15 @@ def attention_fwd(q, k, v, key_padding_mask, causal, dropout_p, scale, seed):
     return out.to(q.dtype), lse
 
 
-def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal, dropout_p, scale, seed):
+def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal, dropout_p, scale, seed, packed_grads):
+    """The gradients, contiguous, as attention_bwd's outputs (a packed gradient stacked: ``packed_grads``,
+    csrc/attention_grads.h)."""
+    from fastformer.ops.attention import packed_outputs
+
     acc = _acc_dtype(q.dtype)
     drop = lambda shape: _dropout_factor(seed, shape, dropout_p, acc, q.device)  # noqa: E731
     dq, dk, dv = _backward(*(t.to(acc) for t in (dout, q, k, v, out)), key_padding_mask, causal, scale, drop)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return packed_outputs(dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), packed_grads)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ v, out and dout are read in place at their batch, head and row strides (kernel a
 contiguous), e.g. views (B, H, L, D) of (B, L, H, D) projections, or the heads of a packed (T, 3, H, D) one;
 a packed tensor is one batch whose sequences start at row offsets (batch stride 0, the program's first row
 from the table). Dense out, dq, dk, dv are written as (B, H, L, D) views of contiguous (B, L, H, D) tensors
-(rows_like), packed ones contiguous (T, H, D), whatever the inputs' layout; lse and delta are contiguous.
+(rows_like; a packed projection's parts get the parts of one packed gradient: grads_like, csrc/attention_grads.h),
+packed ones contiguous (T, H, D), whatever the inputs' layout; lse and delta are contiguous.
 
 Which rows a program works on: program column b H + h (the dK/dV kernel: b H_kv + kv head) is batch or
 sequence b, query head h, kv head h // group. Packed: its rows come from the tables, each clamped into
@@ -56,6 +57,7 @@ import triton
 import triton.language as tl
 
 from fastformer._ext import C
+from fastformer.ops.attention import grads_like, rows_like  # the kernels' output layout, one rule
 from fastformer.triton._common import (
     MAX_HEAD_DIM,
     attention_autotune,
@@ -384,13 +386,6 @@ def _flags(q, Lk, kpm, cu_q, causal, dropout_p):
                 GROUPS_OF_4=Lk % 4 == 0)  # dropout rows of Lk (packed: Tk) keys: one Philox evaluation per 4
 
 
-def rows_like(x):
-    """out, dq, dk, dv shaped like x (B, H, L, D): a view of a contiguous (B, L, H, D) tensor, the layout every
-    kernel backend writes (csrc/cpu/attention.cpp rows_like, fastformer/ops/attention.py's fake kernels)."""
-    B, H, L, D = x.shape
-    return x.new_empty(B, L, H, D).transpose(1, 2)
-
-
 def _strides(t):
     """The (batch, head, row) element strides the kernels take (last dim contiguous): of a dense (B, H, L, D)
     tensor, or of a packed (T, H, D) one, a single batch whose sequences start at row offsets (batch stride 0)."""
@@ -449,16 +444,18 @@ def attention_fwd(q, k, v, key_padding_mask, causal: bool, dropout_p: float, sca
     return out, lse
 
 
-def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal: bool, dropout_p: float, scale: float, seed):
+def attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal: bool, dropout_p: float, scale: float, seed,
+                  packed_grads: int):
     check("attention", dout, q, k, v, out)
     dout, q, k, v, out = (C.attention_layout(t) for t in (dout, q, k, v, out))
     lse = lse.contiguous()
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
-    dq, dk, dv = rows_like(q), rows_like(k), rows_like(v)
+    (dq, dk, dv), outputs = grads_like(q, k, v, packed_grads)  # a packed projection's: one packed gradient
     if q.numel() == 0 or k.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        dq.zero_(), dk.zero_(), dv.zero_()
+        return outputs
     kpm = key_padding_mask.contiguous() if key_padding_mask is not None else None
     backward(dout, q, k, v, out, lse, kpm, None, None, dq, dk, dv, B, Lq, Lk, Lq, Lk, length_bucket(max(Lq, Lk)),
              causal, dropout_p, scale, seed)
-    return dq, dk, dv
+    return outputs

@@ -406,3 +406,39 @@ def test_kernels_read_and_write_transformers_layout(backend, dtype, case, monkey
     assert_close(out, expected, dtype, "out")
     for name, g, eg in zip(("dq", "dk", "dv"), grads, expected_grads):
         assert_close(g, eg, dtype, name)
+
+
+@pytest.mark.parametrize("backend,dtype,case", layout_params())
+def test_a_packed_projections_parts_get_one_packed_gradient(backend, dtype, case):
+    """q, k, v as fastformer.nn's self-attention hands them over, the three parts of one (B, L, 3, H, D)
+    projection (SplitHeads), and k, v of cross-attention's (B, Lk, 2, H, D) one: every kernel backend writes
+    their gradients as the parts of one packed gradient (csrc/attention_grads.h), which SplitHeads hands back to
+    the projection as it is (no stack), bit-identical to the gradients of contiguous copies and within tolerance
+    of the float64 reference."""
+    from fastformer.nn.attention import SplitHeads
+
+    B, H, Lq, _, D, kind, _ = case
+    causal, mask = kind in ("causal", "both"), padding_mask(B, Lq) if kind in ("padding", "both") else None
+    for n in (3, 2):
+        x = randn(B, Lq, n * H * D, dtype=dtype).requires_grad_()
+        parts = SplitHeads.apply(x, n, H)
+        q, k, v = parts if n == 3 else (randn(B, H, Lq, D, dtype=dtype).requires_grad_(), *parts)
+        out = ops.attention(q, k, v, key_padding_mask=mask, causal=causal, backend=backend)
+        dout = randn(B, Lq, H, D, dtype=dtype).transpose(1, 2)
+        *grads, dx = torch.autograd.grad(out, (q, k, v, x), dout)
+        packed = grads[3 - n:]
+        # the parts of one (B, L, n, H, D) block of memory, which is dx itself: no stack, no copy
+        assert all(g.untyped_storage()._cdata == dx.untyped_storage()._cdata for g in packed)
+        assert [g.data_ptr() - dx.data_ptr() for g in packed] == [i * H * D * dx.element_size() for i in range(n)]
+        assert dx.is_contiguous() and dx.untyped_storage().nbytes() == dx.numel() * dx.element_size()
+        assert_layout_kept(lambda *qkv: ops.attention(*qkv, key_padding_mask=mask, causal=causal, backend=backend),
+                           q, k, v, out, grads, dout)
+
+
+def test_packed_grads_must_fit_the_shapes():
+    q, k = randn(2, 2, 5, 8, dtype=torch.float32), randn(2, 2, 7, 8, dtype=torch.float32)
+    out, lse = torch.ops.fastformer.attention_fwd(q, k, k, None, False, 0.0, None, None)
+    for packed, match in ((3, "3 \\(q, k and v of one shape\\)"), (5, "must be 0, 2")):
+        with pytest.raises(ValueError, match=match):
+            torch.ops.fastformer.attention_bwd(out, q, k, k, out, lse, None, False, 0.0, None, None, packed)
+    assert C.attention_packed_kind(q, k, k) == 0  # k and v the same tensor: not two parts

@@ -431,8 +431,8 @@ def backward_calls():
         _, s, mean, rstd = fwd("layer_norm_residual")(x, x, w, b, 1e-5, 0.0, None)
         loss, nll, ce_lse = fwd("cross_entropy")(logits, target, 0.0, -100)
         return {
-            "attention-dout": lambda: bwd("attention")(short(out), q, k, v, out, lse, None, False, 0.0, None, None),
-            "attention-lse": lambda: bwd("attention")(out, q, k, v, out, short(lse), None, False, 0.0, None, None),
+            "attention-dout": lambda: bwd("attention")(short(out), q, k, v, out, lse, None, False, 0.0, None, None, 0),
+            "attention-lse": lambda: bwd("attention")(out, q, k, v, out, short(lse), None, False, 0.0, None, None, 0),
             "attention_varlen-dout": lambda: bwd("attention_varlen")(short(v_out), *packed, v_out, v_lse, *tables),
             "attention_varlen-lse": lambda: bwd("attention_varlen")(v_out, *packed, v_out, v_lse[:, :-1], *tables),
             "softmax-dy": lambda: bwd("softmax")(short(y), y, 1.0),
@@ -489,7 +489,7 @@ def seed_calls(backend, seed):
     q, k, v = randn(B, H, LQ, D, dtype=F32), randn(B, H, LK, D, dtype=F32), randn(B, H, LK, D, dtype=F32)
     x, w, b = randn(ROWS, N, dtype=F32), randn(N, dtype=F32), randn(N, dtype=F32)
     good = torch.tensor(7)
-    attn = dict(q=q, k=k, v=v, causal=True, dropout_p=0.25)
+    attn = dict(q=q, k=k, v=v, causal=True, dropout_p=0.25, packed_grads=0)
     out, lse = registered("attention", "fwd", backend, **attn, seed=good)
     packed = dict(varlen_args(), dropout_p=0.25)
     v_out, v_lse = registered("attention_varlen", "fwd", backend, **packed, seed=good)

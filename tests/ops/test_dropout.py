@@ -515,9 +515,9 @@ def test_seed_is_read_at_each_call(backend):
     bwd, _ = kernel_op("attention", "bwd", backend)
     out, lse = fwd(q, k, v, None, True, 0.5, None, seed, *tail)
     seed.fill_(3)
-    rewritten = bwd(dout, q, k, v, out, lse, None, True, 0.5, None, seed, *tail)
-    fresh = bwd(dout, q, k, v, out, lse, None, True, 0.5, None, seed_tensor(3), *tail)
-    kept = bwd(dout, q, k, v, out, lse, None, True, 0.5, None, seed_tensor(2), *tail)
+    rewritten = bwd(dout, q, k, v, out, lse, None, True, 0.5, None, seed, 0, *tail)
+    fresh = bwd(dout, q, k, v, out, lse, None, True, 0.5, None, seed_tensor(3), 0, *tail)
+    kept = bwd(dout, q, k, v, out, lse, None, True, 0.5, None, seed_tensor(2), 0, *tail)
     for r, f, o in zip(rewritten, fresh, kept):
         assert torch.equal(r, f)
     assert not all(torch.equal(r, o) for r, o in zip(rewritten, kept))

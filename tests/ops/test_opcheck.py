@@ -42,7 +42,27 @@ def test_attention_ops(backend, masked, dropout_p):
     with torch.no_grad():
         out, lse = fwd(*fwd_args)
     dout = randn(B, H, LQ, D, dtype=F32)
-    bwd_args = (dout, q.detach(), k.detach(), v.detach(), out, lse, mask, masked, dropout_p, scale, seed()) + tail
+    bwd_args = (dout, q.detach(), k.detach(), v.detach(), out, lse, mask, masked, dropout_p, scale, seed(), 0) + tail
+    torch.library.opcheck(bwd, bwd_args)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("packed_grads", [3, 2])
+def test_attention_bwd_packed_grads(backend, packed_grads):
+    """The backward op's packed_grads (csrc/attention_grads.h): the gradients written as the parts of one packed
+    tensor, the fake kernel's strides the real ones'."""
+    qkv = randn(B, LQ, 3, H, D, dtype=F32)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    fwd, tail = kernel_op("attention", "fwd", backend)
+    bwd, _ = kernel_op("attention", "bwd", backend)
+    with torch.no_grad():
+        out, lse = fwd(q, k, v, None, True, 0.25, None, seed(), *tail)
+    bwd_args = (randn(B, H, LQ, D, dtype=F32), q, k, v, out, lse, None, True, 0.25, None, seed(), packed_grads) + tail
+    grads = bwd(*bwd_args)
+    # the packed gradient whole, in place of its parts' outputs, which are empty
+    whole = grads[3 - packed_grads]
+    assert whole.shape == (B, LQ, packed_grads, H, D) and whole.is_contiguous()
+    assert [g.numel() for g in grads[4 - packed_grads:]] == [0] * (packed_grads - 1)
     torch.library.opcheck(bwd, bwd_args)
 
 
@@ -61,7 +81,7 @@ def test_attention_ops_grouped_query(backend):
     with torch.no_grad():
         out, lse = fwd(*fwd_args)
     bwd_args = (randn(B, 4, LQ, D, dtype=F32), q.detach(), k.detach(), v.detach(), out, lse, mask, True, 0.25, None,
-                seed()) + tail
+                seed(), 0) + tail
     _, dk, dv = bwd(*bwd_args)
     assert dk.shape == k.shape and dv.shape == v.shape
     torch.library.opcheck(bwd, bwd_args)
