@@ -203,3 +203,9 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kBaThreads) bias_activation_dbias_kernel(const B
 
 }  // namespace cuda
 }  // namespace fastformer
+
+// instantiations: bias_activation_fwd_kernel<float, float> bias_activation_fwd_kernel<__half, float> bias_activation_fwd_kernel<__nv_bfloat16, float>
+// instantiations: bias_activation_fwd_kernel<__half, __half> bias_activation_fwd_kernel<__nv_bfloat16, __nv_bfloat16>
+// instantiations: bias_activation_bwd_kernel<float, float> bias_activation_bwd_kernel<__half, float> bias_activation_bwd_kernel<__nv_bfloat16, float>
+// instantiations: bias_activation_bwd_kernel<__half, __half> bias_activation_bwd_kernel<__nv_bfloat16, __nv_bfloat16>
+// instantiations: bias_activation_dbias_kernel<float> bias_activation_dbias_kernel<__half> bias_activation_dbias_kernel<__nv_bfloat16>

@@ -23,7 +23,6 @@ import triton.language as tl
 from fastformer.triton import INTERPRET
 from fastformer.triton._common import check, dropout_keep_rows, load_seed, seed_pointer
 
-RELU, GELU, SILU = 0, 1, 2  # csrc/activation.h
 BLOCK_R = 8 if INTERPRET else 16  # rows per tile
 MAX_BLOCK_N = 128 if INTERPRET else 1024  # columns per tile, at most (a power of two >= 4: Philox groups of 4)
 MIN_CHUNK_ROWS, MAX_CHUNKS = 32, 256  # backward: rows per chunk at least, chunks at most
@@ -32,6 +31,7 @@ REDUCE_BLOCK_P, REDUCE_BLOCK_N = 64, 32  # stage two: partial rows per step, col
 
 @triton.jit
 def _act(h, ACT: tl.constexpr):
+    """act(h) for the activation code ACT of csrc/activation.h: 0 relu, 1 gelu (exact), 2 silu."""
     if ACT == 0:
         return tl.where((h > 0) | (h != h), h, 0.0)  # NaN stays NaN, as torch.relu
     elif ACT == 1:
@@ -67,7 +67,7 @@ def _bias_act_fwd_kernel(
     N,  # row length
     p,  # dropout probability
     seed_ptr,  # () int64 dropout seed, read once per program (unused if not HAS_DROPOUT)
-    ACT: tl.constexpr,  # RELU, GELU, SILU
+    ACT: tl.constexpr,  # the activation's code (csrc/activation.h): 0 relu, 1 gelu, 2 silu
     HAS_DROPOUT: tl.constexpr,
     GROUPS_OF_4: tl.constexpr,  # N % 4 == 0: one Philox evaluation per 4 elements
     BLOCK_R: tl.constexpr,

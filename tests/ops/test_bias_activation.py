@@ -62,6 +62,14 @@ def bias_act_fn(backend, activation, p=0.0):
     return lambda x, bias: ops.bias_activation(x, bias, activation=activation, dropout_p=p, backend=backend)
 
 
+def test_activation_names_are_the_models():
+    # The op's names, in code order (csrc/activation.h), are config.activation's: the model passes its own.
+    from fastformer.nn.config import ACTIVATIONS as MODEL_ACTIVATIONS
+    from fastformer.ops.bias_activation import ACTIVATIONS as OP_ACTIVATIONS
+
+    assert OP_ACTIVATIONS == MODEL_ACTIVATIONS == ACTIVATIONS
+
+
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_torch_reference_matches_naive_formula(activation):
     # The reference's hand-written backward against autograd through torch's own functions.
