@@ -32,7 +32,8 @@ Implementations, side by side in one group per (op, shape, pass)
   tensors ``cpu`` and ``torch``; on CUDA tensors ``cuda``, ``triton`` and ``torch``. ``cuda_sim`` (test
   equipment) and ``triton`` on CPU tensors (its interpreter) never run here. Beside them the baselines
   each test module names in ``BASELINES``: the plain PyTorch composition the op replaces ("eager"
-  attention, "masked_fill+softmax", "add+dropout+layer_norm", "log_softmax+gather"), ``F.cross_entropy``,
+  attention, "masked_fill+softmax", "add+dropout+layer_norm", "log_softmax+gather", "add+relu+dropout"),
+  ``F.cross_entropy``,
   ``F.scaled_dot_product_attention``
   ("sdpa"), ``torch.nn.Transformer`` ("nn.Transformer"); for generate, the same backend without the cache.
 

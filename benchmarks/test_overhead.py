@@ -16,6 +16,7 @@ Cases, float32, fastformer's default backend (backend=None), beside the PyTorch 
   attention_varlen  q, k, v (4, 1, 8): 2 packed sequences  SDPA on the padded batch of the same sequences
                   of 3 and 1 tokens, int32 cu_seqlens    (2, 1, 3, 8) with the bool key mask (2, 1, 1, 3),
                   (3,), made once                        made once (the padded tensors are its inputs)
+  bias_activation  x (4, 16), bias (16,)                 F.relu(x + bias)
 Passes: "no-grad fwd" (the call under torch.no_grad()) and "fwd+bwd" (the call, then .sum().backward();
 the activations require grad; gradients accumulate in .grad, on both sides alike). Weight and bias
 require grad in both passes, as a model's parameters do. Devices: cpu, and cuda where a GPU is visible
@@ -57,7 +58,8 @@ from fastformer.nn import Transformer, TransformerConfig
 from harness import TIMED  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-CASES = ("attention", "attention+mask", "softmax+mask", "layer_norm_residual", "cross_entropy", "attention_varlen")
+CASES = ("attention", "attention+mask", "softmax+mask", "layer_norm_residual", "cross_entropy", "attention_varlen",
+         "bias_activation")
 TARGETS = {"no-grad fwd": 1.5, "fwd+bwd": 1.3}  # the most fastformer / pytorch per call may be
 MAX_TURNS = 20_000
 GEN_SRC_LEN, GEN_TGT_LEN = 12, 12
@@ -154,6 +156,10 @@ def make_case(name: str, device: str, grad: bool) -> Case:
                     "sdpa on the padded batch, bool attn_mask",
                     "q,k,v (4, 1, 8): sequences of 3 and 1 (padded (2, 1, 3, 8))",
                     [q, k, v] if grad else [], pytorch_inputs=padded if grad else [], unpad=unpad, pad=pad)
+    if name == "bias_activation":
+        x, bias = randn(4, 16), randn(16, requires_grad=True)
+        return Case(lambda: ops.bias_activation(x, bias), lambda: F.relu(x + bias), "add+relu",
+                    "x (4, 16), bias (16,)", [x, bias] if grad else [bias])
     raise ValueError(name)
 
 

@@ -121,6 +121,19 @@ inline bool from_py(PyObject* o, int64_t& out) {
   return true;
 }
 
+// A str argument (bias_activation's activation): a view of the Python string's UTF-8 buffer, alive for the call.
+inline bool from_py(PyObject* o, c10::string_view& out) {
+  if (!PyUnicode_CheckExact(o)) return false;
+  Py_ssize_t size = 0;
+  const char* data = PyUnicode_AsUTF8AndSize(o, &size);
+  if (data == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  out = c10::string_view(data, static_cast<size_t>(size));
+  return true;
+}
+
 inline PyObject* to_py(at::Tensor t) { return THPVariable_Wrap(std::move(t)); }
 template <typename... T>
 PyObject* to_py(std::tuple<T...> values) {
@@ -224,7 +237,8 @@ py::dict eager_forwards() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fastformer fused kernels: attention, softmax, layer_norm_residual, cross_entropy (C++ CPU and CUDA)";
+  m.doc() = "fastformer fused kernels: attention, softmax, layer_norm_residual, cross_entropy, bias_activation (C++ CPU "
+            "and CUDA)";
   m.attr("TORCH_VERSION") = FASTFORMER_TORCH_VERSION;
   m.attr("OPS") = py::tuple(py::cast(op_names()));
   m.attr("EAGER_FWD") = eager_forwards();  // op -> the forward op's eager entry (see Eager above)
@@ -341,6 +355,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           fastformer::check_cross_entropy(given(logits), given(target), label_smoothing, ignore_index);
         },
         "checks ops.cross_entropy's arguments");
+  m.def("check_bias_activation",
+        [given](const OptTensor& x, const OptTensor& bias, const std::string& activation, double dropout_p) {
+          return fastformer::check_bias_activation(given(x), given(bias), activation, dropout_p);
+        },
+        "checks ops.bias_activation's arguments; returns the activation's code (an index into ACTIVATIONS)");
+  m.def("check_bias_activation_bwd",
+        [given](const OptTensor& dy, const OptTensor& saved, const OptTensor& bias, const std::string& activation,
+                double dropout_p) {
+          return fastformer::check_bias_activation_bwd(given(dy), given(saved), given(bias), activation, dropout_p);
+        },
+        "checks bias_activation_bwd's arguments; returns the activation's code");
+  m.attr("ACTIVATIONS") = py::make_tuple(fastformer::kActivationNames[0], fastformer::kActivationNames[1],
+                                         fastformer::kActivationNames[2]);
   m.def("check_attention_bwd", &fastformer::check_attention_bwd, "checks attention_bwd's arguments");
   m.def("attention_packed_kind", &fastformer::attention_packed_kind, py::arg("q"), py::arg("k"), py::arg("v"),
         "attention_bwd's packed_grads for these inputs (csrc/attention_grads.h): 3 where q, k, v are the parts of one "

@@ -57,3 +57,14 @@ std::tuple<Tensor, Tensor, Tensor> cross_entropy_fwd(const Tensor& logits, const
                                                      double label_smoothing, int64_t ignore_index);
 Tensor cross_entropy_bwd(const Tensor& dloss, const Tensor& dnll, const Tensor& logits, const Tensor& target,
                          const Tensor& lse, double label_smoothing, int64_t ignore_index);
+
+// bias_activation over the last dim of x (..., N): y = dropout(act(x + bias)) in x's dtype, computed in the
+// accumulation dtype (float32; float64 for float64 x); bias (N,) of any floating dtype; activation a code of
+// csrc/activation.h; dropout element index = the flat row-major index of the element in x. Backward from saved
+// = y (relu: dz = dy (y > 0) / (1 - p), no seed needed) or x (gelu, silu: h = x + bias and the mask again):
+// dx in saved's dtype, dbias = sum over rows of dz in bias's dtype, in a fixed order.
+Tensor bias_activation_fwd(const Tensor& x, const Tensor& bias, int64_t activation, double dropout_p,
+                           const c10::optional<Tensor>& seed);
+std::tuple<Tensor, Tensor> bias_activation_bwd(const Tensor& dy, const Tensor& saved, const Tensor& bias,
+                                               int64_t activation, double dropout_p,
+                                               const c10::optional<Tensor>& seed);

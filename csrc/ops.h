@@ -18,12 +18,15 @@
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <c10/util/Exception.h>
+#include <c10/util/string_view.h>
 
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <string>
 #include <tuple>
 
+#include "activation.h"
 #include "value_checks.h"
 
 // X(op, forward arguments, forward returns, backward arguments, backward returns): the one list of ops.
@@ -55,7 +58,9 @@
     "(Tensor, Tensor, Tensor)",                                                                                \
     "Tensor dloss, Tensor dnll, Tensor logits, Tensor target, Tensor lse, float label_smoothing, "             \
     "int ignore_index",                                                                                        \
-    "Tensor")
+    "Tensor")                                                                                                  \
+  X(bias_activation, "Tensor x, Tensor bias, str activation, float dropout_p, Tensor? seed", "Tensor",         \
+    "Tensor dy, Tensor saved, Tensor bias, str activation, float dropout_p, Tensor? seed", "(Tensor, Tensor)")
 
 namespace fastformer {
 
@@ -280,6 +285,45 @@ inline void check_cross_entropy(const Tensor& logits, const Tensor& target, doub
   if (target.numel() > 0) check_target_values(target, logits.size(-1), ignore_index);
 }
 
+// bias_activation's activation names, indexed by their code (csrc/activation.h).
+constexpr const char* kActivationNames[] = {"relu", "gelu", "silu"};
+
+// The code of an activation name (csrc/activation.h), or ValueError naming `activation`.
+inline int64_t activation_code(c10::string_view name) {
+  for (int64_t code = 0; code < 3; ++code) {
+    if (name == c10::string_view(kActivationNames[code])) return code;
+  }
+  TORCH_CHECK_VALUE(false, "fastformer bias_activation: activation must be one of 'relu', 'gelu', 'silu', got '",
+                    std::string(name.data(), name.size()), "'");
+  return -1;
+}
+
+// bias (N,) of any floating dtype on t's device, N = t.size(-1).
+inline void check_bias_of(const Tensor& bias, const Tensor& t, const char* t_name) {
+  constexpr const char* op = "bias_activation";
+  check_given(bias, op, "bias");
+  check_floating(bias, op, "bias");
+  TORCH_CHECK_VALUE(bias.device() == t.device(), "fastformer bias_activation: bias is on ", bias.device(), " but ",
+                    t_name, " is on ", t.device());
+  TORCH_CHECK_VALUE(bias.dim() == 1 && bias.size(0) == t.size(-1), "fastformer bias_activation: bias must have shape (",
+                    t.size(-1), ",) (", t_name, "'s last dim), got ", bias.sizes());
+}
+
+// x (..., N) floating; bias (N,) of any floating dtype (typically the float32 master bias beside a float16 or
+// bfloat16 x); activation one of kActivationNames. Returns the activation's code.
+inline int64_t check_bias_activation(const Tensor& x, const Tensor& bias, c10::string_view activation,
+                                     double dropout_p) {
+  constexpr const char* op = "bias_activation";
+  check_given(x, op, "x");
+  TORCH_CHECK_VALUE(x.dim() >= 1, "fastformer bias_activation: x must be (..., N) with at least one dimension, got ",
+                    "a 0-dim tensor");
+  check_floating(x, op, "x");
+  check_bias_of(bias, x, "x");
+  const int64_t code = activation_code(activation);
+  check_dropout(dropout_p, op);
+  return code;
+}
+
 // ---- backward arguments ----
 // Autograd hands the backward ops what the forward made; these checks guard a direct caller of the
 // registered backward ops (torch.ops.fastformer.<op>_bwd), so that no kernel of any backend reads out of
@@ -357,6 +401,21 @@ inline void check_layer_norm_residual_bwd(const Tensor& dy, const OptTensor& ds,
   check_stats(mean, "mean", s.sizes().slice(0, s.dim() - 1), s, op);
   check_stats(rstd, "rstd", s.sizes().slice(0, s.dim() - 1), s, op);
   check_dropout(dropout_p, op);
+}
+
+// saved: the forward's output y for relu, its input x for gelu and silu (csrc/autograd/bias_activation.cpp);
+// dy of saved's dtype, device and shape; bias (N,). Returns the activation's code.
+inline int64_t check_bias_activation_bwd(const Tensor& dy, const Tensor& saved, const Tensor& bias,
+                                         c10::string_view activation, double dropout_p) {
+  constexpr const char* op = "bias_activation";
+  check_given(saved, op, "saved");
+  TORCH_CHECK_VALUE(saved.dim() >= 1, "fastformer bias_activation: saved must be (..., N) with at least one dimension");
+  check_floating(saved, op, "saved");
+  check_same(dy, "dy", saved, "saved", op);
+  check_bias_of(bias, saved, "saved");
+  const int64_t code = activation_code(activation);
+  check_dropout(dropout_p, op);
+  return code;
 }
 
 inline void check_cross_entropy_bwd(const Tensor& dloss, const Tensor& dnll, const Tensor& logits,
@@ -525,6 +584,24 @@ Tensor cross_entropy_bwd_op(const Tensor& dloss, const Tensor& dnll, const Tenso
   check_cross_entropy_bwd(dloss, dnll, logits, target, lse);
   return Impl(dloss.contiguous(), dnll.contiguous(), logits.contiguous(), target.contiguous(), lse.contiguous(),
               label_smoothing, ignore_index);
+}
+
+// bias_activation: the entry points take the activation's code (csrc/activation.h).
+template <auto Impl>
+Tensor bias_activation_fwd_op(const Tensor& x, const Tensor& bias, c10::string_view activation, double dropout_p,
+                              const OptTensor& seed) {
+  const int64_t code = check_bias_activation(x, bias, activation, dropout_p);
+  check_seed(seed, dropout_p, x, "bias_activation");
+  return Impl(x.contiguous(), bias.contiguous(), code, dropout_p, seed);
+}
+
+template <auto Impl>
+std::tuple<Tensor, Tensor> bias_activation_bwd_op(const Tensor& dy, const Tensor& saved, const Tensor& bias,
+                                                  c10::string_view activation, double dropout_p,
+                                                  const OptTensor& seed) {
+  const int64_t code = check_bias_activation_bwd(dy, saved, bias, activation, dropout_p);
+  check_seed(seed, dropout_p, saved, "bias_activation");
+  return Impl(dy.contiguous(), saved.contiguous(), bias.contiguous(), code, dropout_p, seed);
 }
 
 }  // namespace fastformer

@@ -7,6 +7,7 @@
     ops.softmax(x, mask=..., scale=...)
     ops.layer_norm_residual(x, residual, weight, bias, eps=..., dropout_p=..., prenorm=...)
     ops.cross_entropy(logits, target, label_smoothing=..., ignore_index=..., return_nll=...)
+    ops.bias_activation(x, bias, activation="relu", dropout_p=...)  # dropout(act(x + bias)): relu, gelu, silu
     ops.OPS                        # the op list (csrc/ops.h); every op also takes backend=
     with ops.deferred_checks(): ...  # GPU value checks (targets, cu_seqlens) on the device, no host sync;
     ops.check_deferred()           # ... reported here: ValueError naming the op, argument and rule

@@ -60,7 +60,7 @@ def on_cpu(tensors):
 # D 64), attention_varlen the same over its sequences (H D sum of Lq_b Lk_b, or B H Lq Lk D for lengths
 # drawn up to Lq, Lk), the row ops' elements. One per op of csrc/ops.h's list (tests/test_op_lists.py checks).
 SLOW_WORK = {"attention": 2 * 2 * 33 * 33 * 64, "softmax": 16 * 4099, "layer_norm_residual": 16 * 4099,
-             "cross_entropy": 16 * 4099, "attention_varlen": 2 * 2 * 33 * 33 * 64}
+             "cross_entropy": 16 * 4099, "attention_varlen": 2 * 2 * 33 * 33 * 64, "bias_activation": 16 * 128}
 
 # (op, backend, dtype name) -> largest error / bound over the matrix.
 RESULTS: dict[tuple[str, str, str], float] = defaultdict(float)

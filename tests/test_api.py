@@ -37,7 +37,8 @@ def run(label, extra):
         s = ops.softmax(x, scale=2.0, **extra)
         y = ops.layer_norm_residual(x, r, w, b, **extra)
         c = ops.cross_entropy(x, t, label_smoothing=0.1, **extra)
-        (a.sum() + p.sum() + (s * s).sum() + (y * y).sum() + c.sum()).backward()
+        h = ops.bias_activation(x, b, activation="gelu", **extra)
+        (a.sum() + p.sum() + (s * s).sum() + (y * y).sum() + c.sum() + (h * h).sum()).backward()
     for op, backend in rec.calls:
         print(label, op, backend)
 

@@ -60,6 +60,33 @@ def test_compiled_ops_take_permuted_inputs(backend):
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_compiled_feed_forward_matches_eager(backend, dropout_p):
+    """The feed-forward as issue 52 wires it: fc1 as a product without bias (bfloat16, a transposed view), then
+    bias + gelu + dropout in one op with the float32 master bias, then fc2. Same torch seed, same mask, compiled or
+    not (inductor's fallback_random: the compiled seed draw is eager's)."""
+    torch._dynamo.reset()
+    R, E, F = 14, 16, 40
+    x = randn(R, E, dtype=torch.bfloat16)
+    w1, b1 = randn(F, E, dtype=torch.bfloat16, scale=0.3), randn(F, dtype=torch.float32)
+    w2 = randn(E, F, dtype=torch.bfloat16, scale=0.3)
+    upstream = [randn(R, E, dtype=torch.bfloat16)]
+
+    def fn(x, w1, b1, w2):
+        h = ops.bias_activation((w1 @ x.t()).t(), b1, activation="gelu", dropout_p=dropout_p, backend=backend)
+        return h @ w2.t()
+
+    inputs = [x, w1, b1, w2]
+    torch.manual_seed(3)
+    eager_outs, eager_grads = forward_backward(fn, inputs, upstream)
+    with torch._inductor.config.patch(fallback_random=True):
+        torch.manual_seed(3)
+        compiled_outs, compiled_grads = forward_backward(torch.compile(fn, fullgraph=True), inputs, upstream)
+    for c, e in zip(compiled_outs + compiled_grads, eager_outs + eager_grads):
+        torch.testing.assert_close(c, e)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_compiled_cross_entropy_matches_eager(backend, dtype):
     """The output layer and its loss as a training step makes them: logits = hidden @ W^T (B, T, V), a

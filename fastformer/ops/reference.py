@@ -380,3 +380,49 @@ def cross_entropy_bwd(dloss, dnll, logits, target, lse, label_smoothing, ignore_
     onehot = ((1 - label_smoothing) * dloss + dnll).masked_fill(outside, 0.0)[..., None]
     dx.scatter_add_(-1, index[..., None], -onehot)
     return dx.masked_fill_(ignored[..., None], 0.0).to(logits.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# bias_activation
+
+
+def _act(code: int, h: torch.Tensor) -> torch.Tensor:
+    """The activation of ``code`` (csrc/activation.h: 0 relu, 1 gelu exact, 2 silu) of h."""
+    if code == 0:
+        return torch.relu(h)
+    if code == 1:
+        return 0.5 * h * (1.0 + torch.erf(h * math.sqrt(0.5)))
+    return h * torch.sigmoid(h)
+
+
+def _act_grad(code: int, h: torch.Tensor) -> torch.Tensor:
+    """act'(h) of gelu (Phi(h) + h phi(h)) and silu (s (1 + h (1 - s)), s = sigmoid(h))."""
+    if code == 1:
+        return 0.5 * (1.0 + torch.erf(h * math.sqrt(0.5))) + h * torch.exp(-0.5 * h * h) / math.sqrt(2 * math.pi)
+    s = torch.sigmoid(h)
+    return s * (1.0 + h * (1.0 - s))
+
+
+def bias_activation_fwd(x, bias, activation, dropout_p, seed):
+    """y = dropout(act(x + bias)) in x's dtype, computed in float32 (float64 for float64 x); activation is the
+    code of csrc/activation.h; the dropout element index is the flat row-major index in x."""
+    acc = _acc_dtype(x.dtype)
+    y = _act(activation, x.to(acc) + bias.to(acc))
+    drop = _dropout_factor(seed, x.shape, dropout_p, acc, x.device)
+    return (y if drop is None else y * drop).to(x.dtype)
+
+
+def bias_activation_bwd(dy, saved, bias, activation, dropout_p, seed):
+    """dx in saved's dtype, dbias (summed over the rows) in bias's. saved is the forward's y for relu (dz = dy /
+    (1 - p) where y > 0), its x for gelu and silu (h = x + bias, the mask regenerated from the seed)."""
+    acc = _acc_dtype(saved.dtype)
+    s = saved.to(acc)
+    if activation == 0:
+        dz = torch.where(s > 0, dy.to(acc) / (1.0 - dropout_p), 0.0)
+    else:
+        dz = dy.to(acc) * _act_grad(activation, s + bias.to(acc))
+        drop = _dropout_factor(seed, saved.shape, dropout_p, acc, saved.device)
+        dz = dz if drop is None else dz * drop
+    rows = tuple(range(saved.dim() - 1))  # empty for a 1-D input, where sum(()) would reduce every dim
+    dbias = dz.sum(rows) if rows else dz.clone()  # a separate tensor: outputs must not alias
+    return dz.to(saved.dtype), dbias.to(bias.dtype)

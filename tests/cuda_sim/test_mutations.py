@@ -155,9 +155,28 @@ def cross_entropy_case():
     return run
 
 
+def bias_activation_case():
+    # Rows of 97 (element by element) and 64 (pairs); gelu from the saved x, relu from the saved y; several
+    # chunks of rows in the dbias reduction. csrc/cuda/bias_activation.cuh has no barrier: this case joins
+    # those of common.cuh's.
+    inputs = [(randn(40, n, dtype=torch.float32, scale=2.0), randn(n, dtype=torch.float32)) for n in (97, 64)]
+
+    def run(backend, dtype):
+        out = []
+        for x, bias in inputs:
+            for activation in ("gelu", "relu"):
+                b = bias.double() if dtype == torch.float64 else bias  # the reference's gradients in float64
+                out += _grads(lambda x, b: ops.bias_activation(x, b, activation=activation, backend=backend),
+                              [x.to(dtype), b])
+        return out
+
+    return run
+
+
 # One parity case per op of csrc/ops.h's list (tests/test_op_lists.py fails while an op has none).
 CASES = {"softmax": softmax_case, "layer_norm_residual": layer_norm_residual_case, "attention": attention_case,
-         "attention_varlen": attention_varlen_case, "cross_entropy": cross_entropy_case}
+         "attention_varlen": attention_varlen_case, "cross_entropy": cross_entropy_case,
+         "bias_activation": bias_activation_case}
 
 
 @pytest.mark.parametrize("file, line, users, dtype", barrier_sites())

@@ -265,6 +265,35 @@ def test_layer_norm_residual(backend, dtype, case):
         assert_close(g, r, dtype, name)
 
 
+# (rows, N, activation, dropout_p)
+BIAS_ACT_CASES = [(1, 1, "relu", 0.0), (7, 97, "gelu", 0.0), (113, 113, "silu", 0.1), (4096, 1024, "relu", 0.1),
+                  (4096, 4096, "gelu", 0.1), (300, 2048, "silu", 0.0)]
+
+
+@pytest.mark.parametrize("backend,dtype,case", params(BIAS_ACT_CASES))
+def test_bias_activation(backend, dtype, case):
+    # x in the compute dtype, bias the float32 master bias; with dropout the CPU kernel (float32) given the
+    # seed the op drew on the GPU is the reference, without it the float64 torch reference.
+    rows, n, activation, p = case
+    x, b, dy = randn(rows, n, dtype=dtype, scale=2.0), randn(n, dtype=torch.float32), randn(rows, n, dtype=dtype)
+
+    def fn(backend):
+        return lambda x, b: ops.bias_activation(x, b, activation=activation, dropout_p=p, backend=backend)
+
+    torch.manual_seed(5)
+    (y,), grads = forward_backward(fn(backend), cuda([x, b]), cuda([dy]))
+    if p > 0:
+        seed = device_seed(5)
+        run = lambda x, b: torch.ops.fastformer.bias_activation_fwd(x, b, activation, p, seed)  # noqa: E731
+        (ref,), rgrads = forward_backward(run, [x.float(), b], [dy.float()])
+        ref, rgrads = ref.double(), [g.double() for g in rgrads]
+    else:
+        (ref,), rgrads = forward_backward(fn("torch"), upcast([x, b]), upcast([dy]))
+    assert_close(y.cpu(), ref, dtype, "y")
+    for name, g, r, d in zip(("dx", "dbias"), cpu(grads), rgrads, (dtype, torch.float32)):
+        assert_close(g, r, d, name)
+
+
 @pytest.mark.parametrize("backend,dtype,case", [p for p in params(LNR_CASES) if p.values[1] != torch.float32])
 def test_layer_norm_residual_half_branch(backend, dtype, case):
     # Autocast's case: a float16/bfloat16 branch beside a float32 residual, weight and bias. y, s and the

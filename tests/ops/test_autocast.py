@@ -81,9 +81,21 @@ def cross_entropy_call(backend):
     return run
 
 
+def bias_activation_call(backend):
+    x = randn(7, 97, dtype=DTYPE).requires_grad_()
+    bias = randn(97, dtype=torch.float32).requires_grad_()  # the float32 master bias beside bfloat16 x
+    dy = randn(7, 97, dtype=DTYPE)
+
+    def run():
+        y = ops.bias_activation(x, bias, activation="gelu", backend=backend)
+        return (y, *torch.autograd.grad(y, (x, bias), dy))
+
+    return run
+
+
 # One call per op of csrc/ops.h's list (tests/test_op_lists.py fails while an op has none).
 CALLS = {"attention": attention_call, "attention_varlen": attention_varlen_call, "softmax": softmax_call, "layer_norm_residual": layer_norm_residual_call,
-         "cross_entropy": cross_entropy_call}
+         "cross_entropy": cross_entropy_call, "bias_activation": bias_activation_call}
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)

@@ -81,8 +81,12 @@ def varlen_args():
     )
 
 
+def ba_args():
+    return dict(x=randn(ROWS, 3, N, dtype=F32), bias=randn(N, dtype=F32), activation="gelu", dropout_p=0.1)
+
+
 VALID_ARGS = {"attention": attention_args, "attention_varlen": varlen_args, "softmax": softmax_args,
-              "layer_norm_residual": lnr_args, "cross_entropy": ce_args}
+              "layer_norm_residual": lnr_args, "cross_entropy": ce_args, "bias_activation": ba_args}
 
 
 def attention(**changes):
@@ -103,6 +107,10 @@ def lnr(**changes):
 
 def ce(**changes):
     return with_changes(ce_args, ops.cross_entropy, changes)
+
+
+def ba(**changes):
+    return with_changes(ba_args, ops.bias_activation, changes)
 
 
 VALUE = (ValueError,)
@@ -200,7 +208,48 @@ BAD = {
     "ce-smoothing_above_one": (ce(label_smoothing=1.5), VALUE),
     "ce-smoothing_nan": (ce(label_smoothing=float("nan")), VALUE),
     "ce-smoothing_inf": (ce(label_smoothing=float("inf")), VALUE),
+    # bias_activation: x (..., N); bias (N,) of any floating dtype; activation relu, gelu or silu
+    "ba-x_rank0": (ba(x=torch.tensor(1.0), bias=randn(1, dtype=F32)), VALUE),
+    "ba-bias_width": (ba(bias=randn(N + 1, dtype=F32)), VALUE),
+    "ba-bias_rank2": (ba(bias=randn(1, N, dtype=F32)), VALUE),
+    "ba-bias_rank0": (ba(bias=torch.tensor(1.0)), VALUE),
+    "ba-bias_meta": (ba(bias=meta("bias")), VALUE),
+    "ba-bias_int": (ba(bias=lambda a: a["bias"].long()), VALUE),
+    "ba-activation_unknown": (ba(activation="tanh"), VALUE),
+    "ba-activation_case": (ba(activation="ReLU"), VALUE),
+    "ba-activation_empty": (ba(activation=""), VALUE),
+    "ba-dropout_negative": (ba(dropout_p=-0.1), VALUE),
+    "ba-dropout_one": (ba(dropout_p=1.0), VALUE),
+    "ba-dropout_nan": (ba(dropout_p=float("nan")), VALUE),
+    "ba-dropout_str": (ba(dropout_p="0.1"), VALUE),
+    "ba-int": (ba(x=lambda a: a["x"].long(), bias=lambda a: a["bias"].long()), ANY),
 }
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("name,value", [("activation", "tanh"), ("activation", "ReLU"), ("dropout_p", 1.0),
+                                        ("bias", randn(N + 1, dtype=F32))], ids=["tanh", "ReLU", "p1", "bias"])
+def test_bias_activation_errors_name_the_argument(backend, name, value):
+    with pytest.raises(ValueError, match=rf"fastformer bias_activation: {name} must "):
+        ba(**{name: value})(backend)
+
+
+@pytest.mark.parametrize("backend,dtype", backend_dtypes(ALL_BACKENDS))
+def test_bias_activation_noncontiguous(backend, dtype):
+    x = randn(N, ROWS, dtype=dtype).t()  # (rows, N), last dim strided
+    bias = randn(N, 3, dtype=F32)[:, 1]  # stride 3
+    dy = randn(ROWS, 2 * N, dtype=dtype)[:, N:]
+
+    def fn(backend):
+        return lambda x, b: ops.bias_activation(x, b, activation="silu", backend=backend)
+
+    x = x.detach()
+    outs, grads = forward_backward(fn(backend), [x, bias], [dy])
+    c_outs, c_grads = forward_backward(fn(backend), [x.contiguous(), bias.contiguous()], [dy.contiguous()])
+    refs, ref_grads = forward_backward(fn("torch"), upcast([x, bias]), upcast([dy]))
+    for o, c, r, d in zip(outs + grads, c_outs + c_grads, refs + ref_grads, (dtype, dtype, F32)):
+        assert_close(o, r, d, "non-contiguous vs reference")
+        torch.testing.assert_close(o, c, msg=lambda m: f"non-contiguous vs contiguous: {m}")
 
 
 @pytest.mark.parametrize("name", list(BAD))
@@ -373,6 +422,7 @@ def test_double_backward_raises(backend):
         "softmax": ops.softmax(x, backend=backend),
         "layer_norm_residual": ops.layer_norm_residual(x, x, weight, bias, backend=backend),
         "cross_entropy": ops.cross_entropy(x, torch.tensor([0, 7, 3]), label_smoothing=0.1, backend=backend),
+        "bias_activation": ops.bias_activation(x, bias, activation="gelu", backend=backend),
     }
     assert set(outputs) == set(ops.OPS), "every op of csrc/ops.h's list needs its call here"
     for op, out in outputs.items():
@@ -396,6 +446,8 @@ WRONG_TYPES = {
                                   ("dropout_p", None)]),
     "cross_entropy": (ce, [("logits", None), ("target", None), ("target", [0, 1]), ("logits", 1.0),
                            ("label_smoothing", None), ("ignore_index", 1.5), ("ignore_index", None)]),
+    "bias_activation": (ba, [("x", None), ("bias", None), ("x", [[1.0]]), ("bias", 0.5), ("activation", None),
+                             ("activation", 1), ("dropout_p", None)]),
 }
 WRONG_TYPE_CASES = [(op, name, value) for op, (_, cases) in WRONG_TYPES.items() for name, value in cases]
 
@@ -430,6 +482,7 @@ def backward_calls():
         y = fwd("softmax")(x, None, 1.0)
         _, s, mean, rstd = fwd("layer_norm_residual")(x, x, w, b, 1e-5, 0.0, None)
         loss, nll, ce_lse = fwd("cross_entropy")(logits, target, 0.0, -100)
+        ba_y = fwd("bias_activation")(x, b, "gelu", 0.0, None)
         return {
             "attention-dout": lambda: bwd("attention")(short(out), q, k, v, out, lse, None, False, 0.0, None, None, 0),
             "attention-lse": lambda: bwd("attention")(out, q, k, v, out, short(lse), None, False, 0.0, None, None, 0),
@@ -446,6 +499,9 @@ def backward_calls():
                                                                              None, torch.bfloat16),
             "cross_entropy-lse": lambda: bwd("cross_entropy")(loss, nll, logits, target, short(ce_lse), 0.0, -100),
             "cross_entropy-dloss": lambda: bwd("cross_entropy")(loss.double(), nll, logits, target, ce_lse, 0.0, -100),
+            "bias_activation-dy": lambda: bwd("bias_activation")(short(ba_y), x, b, "gelu", 0.0, None),
+            "bias_activation-bias": lambda: bwd("bias_activation")(ba_y, x, short(b), "gelu", 0.0, None),
+            "bias_activation-activation": lambda: bwd("bias_activation")(ba_y, x, b, "tanh", 0.0, None),
         }
 
     return calls
@@ -453,7 +509,7 @@ def backward_calls():
 
 BACKWARD_CASES = ["attention-dout", "attention-lse", "attention_varlen-dout", "attention_varlen-lse", "softmax-dy", "layer_norm_residual-ds", "layer_norm_residual-rstd",
                   "layer_norm_residual-dx_dtype", "layer_norm_residual-weight", "cross_entropy-lse",
-                  "cross_entropy-dloss"]
+                  "cross_entropy-dloss", "bias_activation-dy", "bias_activation-bias", "bias_activation-activation"]
 
 
 @pytest.mark.parametrize("case", BACKWARD_CASES)
@@ -495,6 +551,7 @@ def seed_calls(backend, seed):
     v_out, v_lse = registered("attention_varlen", "fwd", backend, **packed, seed=good)
     norm = dict(x=x, residual=x, weight=w, bias=b, eps=1e-5, dropout_p=0.25)
     _, s, mean, rstd = registered("layer_norm_residual", "fwd", backend, **norm, seed=good)
+    act = dict(bias=b, activation="silu", dropout_p=0.25)
     return {
         "attention-fwd": lambda: registered("attention", "fwd", backend, **attn, seed=seed),
         "attention-bwd": lambda: registered("attention", "bwd", backend, **attn, dout=out, out=out, lse=lse, seed=seed),
@@ -504,11 +561,14 @@ def seed_calls(backend, seed):
         "layer_norm_residual-fwd": lambda: registered("layer_norm_residual", "fwd", backend, **norm, seed=seed),
         "layer_norm_residual-bwd": lambda: registered("layer_norm_residual", "bwd", backend, dy=s, s=s, weight=w,
                                                       mean=mean, rstd=rstd, dropout_p=0.25, seed=seed),
+        "bias_activation-fwd": lambda: registered("bias_activation", "fwd", backend, x=x, **act, seed=seed),
+        "bias_activation-bwd": lambda: registered("bias_activation", "bwd", backend, dy=x, saved=x, **act, seed=seed),
     }
 
 
 @pytest.mark.parametrize("call", ["attention-fwd", "attention-bwd", "attention_varlen-fwd", "attention_varlen-bwd",
-                                  "layer_norm_residual-fwd", "layer_norm_residual-bwd"])
+                                  "layer_norm_residual-fwd", "layer_norm_residual-bwd", "bias_activation-fwd",
+                                  "bias_activation-bwd"])
 @pytest.mark.parametrize("seed", list(BAD_SEEDS))
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_bad_seed_raises(backend, seed, call):

@@ -1,4 +1,4 @@
-"""Dropout in attention, attention_varlen and layer_norm_residual.
+"""Dropout in attention, attention_varlen, layer_norm_residual and bias_activation.
 
 Contract (docs/api.md, and the op docs): with dropout_p > 0 each call draws its seed, a 0-dim int64 tensor,
 from torch's generator of the inputs' device (the default CPU generator for CPU tensors), the same way on
@@ -301,9 +301,53 @@ def run_lnr(backend, p):
     return lambda: ops.layer_norm_residual(x, residual, weight, bias, dropout_p=p, prenorm=True, backend=backend)[1]
 
 
+def run_bias_activation(backend, p):
+    torch.manual_seed(1)
+    x, bias = randn(5, 33, dtype=torch.float32), randn(33, dtype=torch.float32)
+    return lambda: ops.bias_activation(x, bias, activation="silu", dropout_p=p, backend=backend)
+
+
+MAKERS = [run_attention, run_attention_varlen, run_lnr, run_bias_activation]
+MAKER_IDS = ["attention", "attention_varlen", "layer_norm_residual", "bias_activation"]
+
+
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-@pytest.mark.parametrize("make", [run_attention, run_attention_varlen, run_lnr],
-                         ids=["attention", "attention_varlen", "layer_norm_residual"])
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_bias_activation_dropout_statistics_and_rule(backend, p, activation):
+    # x + bias > 0 everywhere: every element is 0 (dropped) or act(x + b) / (1 - p) (kept); about 1 - p are
+    # kept; the mask is the shared rule's at the element's flat row-major index (reference.dropout_keep), rows
+    # of 97 starting anywhere in a Philox group of 4; backward's mask is the forward's.
+    from fastformer.ops import reference
+
+    x = (torch.rand(24, 97) + 0.5).requires_grad_()
+    bias = torch.full((97,), 0.25, requires_grad=True)
+    seed = seed_tensor(2**33 + 5)
+    fwd, tail = kernel_op("bias_activation", "fwd", backend)
+    y = fwd(x, bias, activation, p, seed, *tail)
+    kept = y != 0
+    plain = ops.bias_activation(x.detach(), bias.detach(), activation=activation, backend="torch")
+    torch.testing.assert_close(y.detach(), torch.where(kept, plain / (1 - p), 0.0), atol=1e-6, rtol=1e-5)
+    assert_kept_fraction(kept, p)
+    assert torch.equal(kept, reference.dropout_keep(seed, x.numel(), p).view(24, 97)), "not the shared rule's mask"
+    (dx,) = torch.autograd.grad(y, (x,), torch.ones_like(y))
+    assert torch.equal(dx != 0, kept), "backward's mask is not the forward's"
+
+
+def test_bias_activation_one_seed_one_mask_on_every_backend():
+    # The op name as test_op_lists.py looks for it: "bias_activation".
+    x, bias = torch.rand(9, 68) + 0.5, torch.zeros(68)
+    for dtype in (F32, F16):
+        masks = {}
+        for backend in ALL_BACKENDS:
+            fwd, tail = kernel_op("bias_activation", "fwd", backend)
+            masks[backend] = fwd(x.to(dtype), bias, "gelu", 0.4, seed_tensor(2**40 + 7), *tail) != 0
+        for backend in ALL_BACKENDS:
+            assert torch.equal(masks[backend], masks["torch"]), f"{backend} ({dtype}): bias_activation mask differs"
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("make", MAKERS, ids=MAKER_IDS)
 def test_zero_dropout_is_deterministic_and_equal_to_no_dropout(backend, make):
     without = make(backend, 0.0)()
     torch.manual_seed(5)
@@ -315,8 +359,7 @@ def test_zero_dropout_is_deterministic_and_equal_to_no_dropout(backend, make):
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-@pytest.mark.parametrize("make", [run_attention, run_attention_varlen, run_lnr],
-                         ids=["attention", "attention_varlen", "layer_norm_residual"])
+@pytest.mark.parametrize("make", MAKERS, ids=MAKER_IDS)
 def test_dropout_mask_follows_torch_seed(backend, make):
     call = make(backend, 0.5)
     torch.manual_seed(7)
@@ -331,8 +374,7 @@ def test_dropout_mask_follows_torch_seed(backend, make):
     assert not torch.equal(a, d), "a different torch seed must give a different mask"
 
 
-@pytest.mark.parametrize("make", [run_attention, run_attention_varlen, run_lnr],
-                         ids=["attention", "attention_varlen", "layer_norm_residual"])
+@pytest.mark.parametrize("make", MAKERS, ids=MAKER_IDS)
 def test_backends_draw_the_seed_the_same_way(make):
     # Every backend consumes torch's default generator identically, so the random stream after a call
     # (and so every later mask in a model) does not depend on the backend.

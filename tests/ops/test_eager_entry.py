@@ -31,7 +31,9 @@ def calls():
         "softmax": lambda t: ops.softmax(t, mask=torch.tensor([False, True, False, False, False]), scale=2),
         "layer_norm_residual": lambda t: ops.layer_norm_residual(t, x, w, b),
         "cross_entropy": lambda t: ops.cross_entropy(t, target, label_smoothing=0.1),
-    }, {"attention": q, "attention_varlen": q[0].transpose(0, 1), "softmax": x, "layer_norm_residual": x, "cross_entropy": logits}
+        "bias_activation": lambda t: ops.bias_activation(t, b, activation="silu"),
+    }, {"attention": q, "attention_varlen": q[0].transpose(0, 1), "softmax": x, "layer_norm_residual": x, "cross_entropy": logits,
+        "bias_activation": x}
 
 
 def test_every_op_has_an_eager_entry():

@@ -229,6 +229,22 @@ def test_layer_norm_residual_nonfinite_rows(backend, dtype, value):
 
 
 @pytest.mark.parametrize("backend,dtype", backend_dtypes(ALL_BACKENDS))
+@pytest.mark.parametrize("activation", ["relu", "gelu", "silu"])
+def test_bias_activation_nonfinite_elements(backend, dtype, activation):
+    # NaN stays NaN through every activation (relu too, as torch.relu), +inf stays +inf; -inf gives 0 for relu
+    # and NaN for gelu and silu (-inf times 0, as F.gelu and F.silu give); every other element is untouched.
+    x = randn(5, 97, dtype=dtype)
+    bias = randn(97, dtype=torch.float32)
+    x[1, 13], x[2, 40], x[3, 96] = NAN, INF, -INF
+    y = ops.bias_activation(x, bias, activation=activation, backend=backend)
+    ref = ops.bias_activation(*upcast([x, bias]), activation=activation, backend="torch")
+    assert y[1, 13].isnan() and y[2, 40] == INF
+    assert (y[3, 96] == 0 if activation == "relu" else y[3, 96].isnan())
+    finite = torch.isfinite(x)
+    assert_close(y[finite], ref[finite], dtype, "y")
+
+
+@pytest.mark.parametrize("backend,dtype", backend_dtypes(ALL_BACKENDS))
 def test_scale_that_overflows_the_arithmetic_is_refused(backend, dtype):
     x = randn(3, 7, dtype=dtype)
     q = randn(1, 1, 3, 8, dtype=dtype)

@@ -125,6 +125,24 @@ def test_layer_norm_residual_ops(backend, with_ds, dropout_p, x_dtype):
     torch.library.opcheck(bwd, bwd_args)
 
 
+@pytest.mark.parametrize("activation", ["relu", "gelu", "silu"])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+@pytest.mark.parametrize("x_dtype", [F32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_bias_activation_ops(backend, x_dtype, dropout_p, activation):
+    x = randn(2, ROWS, N, dtype=x_dtype)
+    bias = randn(N, dtype=F32)  # the float32 master bias, beside a bfloat16 x too
+    fwd, tail = kernel_op("bias_activation", "fwd", backend)
+    bwd, _ = kernel_op("bias_activation", "bwd", backend)
+    torch.library.opcheck(fwd, (leaf(x), leaf(bias), activation, dropout_p, seed()) + tail)
+
+    with torch.no_grad():
+        y = fwd(x, bias, activation, dropout_p, seed(), *tail)
+    saved = y if activation == "relu" else x.detach()
+    dy = randn(2, ROWS, N, dtype=x_dtype)
+    torch.library.opcheck(bwd, (dy, saved, bias.detach(), activation, dropout_p, seed()) + tail)
+
+
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("backend", ALL_BACKENDS)

@@ -114,10 +114,28 @@ def cross_entropy_call(dtype):
     return run
 
 
+def bias_activation_call(activation):
+    def call(dtype):
+        x = randn(1031, 97, dtype=dtype).requires_grad_()  # more rows than the backward's fixed chunk count
+        bias = randn(97, dtype=torch.float32).requires_grad_()  # the float32 master bias
+        dy = randn(1031, 97, dtype=dtype)
+
+        def run():
+            torch.manual_seed(7)
+            y = ops.bias_activation(x, bias, activation=activation, dropout_p=0.1, backend="cpu")
+            return (y, *torch.autograd.grad(y, (x, bias), dy))
+
+        return run
+
+    return call
+
+
 # One call per op of csrc/ops.h's list (tests/test_op_lists.py fails while an op has none).
 CALLS = {"attention": attention_call, "attention_nomask": attention_nomask_call,
          "attention_varlen": attention_varlen_call, "softmax": softmax_call,
-         "layer_norm_residual": layer_norm_residual_call, "cross_entropy": cross_entropy_call}
+         "layer_norm_residual": layer_norm_residual_call, "cross_entropy": cross_entropy_call,
+         "bias_activation-relu": bias_activation_call("relu"), "bias_activation-gelu": bias_activation_call("gelu"),
+         "bias_activation-silu": bias_activation_call("silu")}
 
 
 @pytest.fixture
@@ -154,6 +172,32 @@ def shifted(x, offset, transposed=False):
     view = buffer.view(B, L, H, D).transpose(1, 2) if transposed else buffer.view(B, H, L, D)
     view.copy_(x)
     return view
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_bias_activation_does_not_depend_on_memory_offsets(dtype, activation, restore_threads):
+    # 113 rows of 97 (no whole vector at any level), views 1, 2, 3 and 8 elements off, at 1, 2 and 3 threads.
+    x, dy, bias = randn(113, 97, dtype=dtype), randn(113, 97, dtype=dtype), randn(97, dtype=torch.float32)
+
+    def at_offset(t, offset):
+        view = torch.empty(t.numel() + offset, dtype=t.dtype)[offset:].view(t.shape)
+        return view.copy_(t)
+
+    def run(offset):
+        xs, bs = at_offset(x, offset).requires_grad_(), at_offset(bias, offset).requires_grad_()
+        torch.manual_seed(7)
+        y = ops.bias_activation(xs, bs, activation=activation, dropout_p=0.1, backend="cpu")
+        return (y, *torch.autograd.grad(y, (xs, bs), at_offset(dy, offset)))
+
+    torch.set_num_threads(1)
+    expected = run(0)
+    for threads in THREADS:
+        torch.set_num_threads(threads)
+        for offset in OFFSETS:
+            for i, (a, b) in enumerate(zip(expected, run(offset))):
+                assert torch.equal(a, b), (f"bias_activation {activation} {dtype_name(dtype)}: output {i} at offset "
+                                           f"{offset} with {threads} threads differs")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
