@@ -99,6 +99,26 @@ def layer_norm_residual_call(dtype):
     return run
 
 
+def layer_norm_residual_fused_call(dtype):
+    # The fused epilogue: a float32 x_bias (its gradient dx_bias, a third reduction over the rows) and the
+    # output also in a compute dtype (bfloat16, or float16 beside a bfloat16 stream), whose gradient adds.
+    compute = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    x = randn(1031, 97, dtype=dtype).requires_grad_()
+    residual = randn(1031, 97, dtype=dtype).requires_grad_()
+    weight = randn(97, dtype=dtype, shift=1.0).requires_grad_()
+    bias = randn(97, dtype=dtype).requires_grad_()
+    x_bias = randn(97, dtype=torch.float32).requires_grad_()
+    dy, dy_c = randn(1031, 97, dtype=dtype), randn(1031, 97, dtype=compute)
+
+    def run():
+        torch.manual_seed(7)
+        y, y_c = ops.layer_norm_residual(x, residual, weight, bias, dropout_p=0.1, x_bias=x_bias,
+                                         compute_dtype=compute, backend="cpu")
+        return (y, y_c, *torch.autograd.grad((y, y_c), (x, residual, weight, bias, x_bias), (dy, dy_c)))
+
+    return run
+
+
 def cross_entropy_call(dtype):
     logits = randn(113, 7, 1001, dtype=dtype).requires_grad_()
     target = torch.randint(0, 1001, (113, 7))
@@ -117,7 +137,8 @@ def cross_entropy_call(dtype):
 # One call per op of csrc/ops.h's list (tests/test_op_lists.py fails while an op has none).
 CALLS = {"attention": attention_call, "attention_nomask": attention_nomask_call,
          "attention_varlen": attention_varlen_call, "softmax": softmax_call,
-         "layer_norm_residual": layer_norm_residual_call, "cross_entropy": cross_entropy_call}
+         "layer_norm_residual": layer_norm_residual_call, "layer_norm_residual+fused": layer_norm_residual_fused_call,
+         "cross_entropy": cross_entropy_call}
 
 
 @pytest.fixture
