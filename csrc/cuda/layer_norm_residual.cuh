@@ -35,9 +35,9 @@
 //     Packs only where every row of the call has T's element size (x, y_c, dy_c; x_bias beside float T).
 //     Backward: block b (kLnrWarpRows warps) owns chunk b; warp w takes its rows w, w + 8, ...: one load
 //     of s, dy (and ds), the two row sums by shuffles, one store of dx and dresidual (4 N sizeof(T) per
-//     row, + N for ds); each lane accumulates dy xhat and dy for its columns in registers over its rows,
-//     and the block's warps add theirs in warp order through shared memory (lnr_block_column_sum) into
-//     one partial row: P N 8 bytes written once.
+//     row, + N for ds); each lane accumulates dy xhat and dy for its columns in registers over its rows
+//     (dx, with x_bias, in its warp's row of shared memory), and the block's warps add theirs in warp
+//     order through shared memory (lnr_block_column_sum) into one partial row: P N 8 (12) bytes written once.
 //   block per row (N > kLnrWarpMaxN): kLnrThreads threads stride over the row in pairs (half2/float2, when
 //     N is even and the rows 2-element aligned) or elements. Forward: sweep 1 writes s and keeps a Welford
 //     (count, mean, M2) per thread, merged over the block in a fixed order (Chan et al.); sweep 2 rereads
@@ -229,15 +229,11 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_fwd_warp_kernel
   }
 }
 
-// out[col] = sum over the block's warps w = 0, 1, ... (in that order) of warp w's value at col, for
-// col < n; v: a lane's kPerLane values in the warp-row layout. stage: the caller's __shared__
-// float[kLnrWarpRows][32 kPerLane]. All threads of the block must call it (two __syncthreads).
+// out[col] = sum over the block's warps w = 0, 1, ... (in that order) of stage[w][col], for col < n, once
+// every warp has written its row of stage: the caller's __shared__ float[kLnrWarpRows][32 kPerLane]. All
+// threads of the block must call it (two __syncthreads).
 template <int kPerLane>
-FF_DEVICE void lnr_block_column_sum(const float (&v)[kPerLane], float (*stage)[kWarpSize * kPerLane], int n,
-                                    int width, float* out) {
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) stage[warp][warp_row_col(i, lane, width)] = v[i];
+FF_DEVICE void lnr_stage_column_sum(float (*stage)[kWarpSize * kPerLane], int n, float* out) {
   __syncthreads();
   for (int col = threadIdx.x; col < n; col += kLnrThreads) {
     float t = stage[0][col];
@@ -246,6 +242,16 @@ FF_DEVICE void lnr_block_column_sum(const float (&v)[kPerLane], float (*stage)[k
     out[col] = t;
   }
   __syncthreads();  // every reader is done: the stage may be refilled
+}
+
+// lnr_stage_column_sum of v: a lane's kPerLane values in the warp-row layout, staged first.
+template <int kPerLane>
+FF_DEVICE void lnr_block_column_sum(const float (&v)[kPerLane], float (*stage)[kWarpSize * kPerLane], int n,
+                                    int width, float* out) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) stage[warp][warp_row_col(i, lane, width)] = v[i];
+  lnr_stage_column_sum<kPerLane>(stage, n, out);
 }
 
 // Backward stage 1: block b owns chunk b, the rows [b chunk_rows, min(R, (b + 1) chunk_rows)); warp w
@@ -259,11 +265,17 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_warp_kernel
   const int64_t first = static_cast<int64_t>(blockIdx.x) * p.chunk_rows;
   const int64_t last = first + p.chunk_rows < p.rows ? first + p.chunk_rows : p.rows;
   const float inv_n = 1.0f / static_cast<float>(n);
-  // This lane's columns of sum dy xhat, sum dy and sum dx over its rows (dxb: columns >= N hold garbage,
-  // never stored).
-  float dw[kPerLane], db[kPerLane], dxb[kPerLane];
+  float dw[kPerLane], db[kPerLane];  // this lane's columns of sum dy xhat, sum dy over its rows
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) dw[i] = db[i] = dxb[i] = 0.0f;
+  for (int i = 0; i < kPerLane; ++i) dw[i] = db[i] = 0.0f;
+  // With x_bias, sum dx over the warp's rows accumulates in the warp's row of the stage, each lane in its own
+  // columns (no other thread touches them until lnr_stage_column_sum): no registers held over the rows.
+  // Columns >= N collect values never stored.
+  float* dxb = stage[threadIdx.x / kWarpSize];
+  if (p.partial_dxb != nullptr) {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) dxb[warp_row_col(i, lane, width)] = 0.0f;
+  }
   for (int64_t row = first + threadIdx.x / kWarpSize; row < last; row += kLnrWarpRows) {
     const int64_t base = row * n;
     float x[kPerLane], g[kPerLane], w[kPerLane];  // x: s, then xhat, then ds_total
@@ -302,13 +314,15 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_warp_kernel
       for (int i = 0; i < kPerLane; ++i) x[i] *= g[i];
     }
     warp_row_store(p.dx + base, n, lane, width, x);
+    if (p.partial_dxb != nullptr) {
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) dxb[i] += x[i];
+      for (int i = 0; i < kPerLane; ++i) dxb[warp_row_col(i, lane, width)] += x[i];
+    }
   }
   const int64_t part = static_cast<int64_t>(blockIdx.x) * n;
+  if (p.partial_dxb != nullptr) lnr_stage_column_sum<kPerLane>(stage, n, p.partial_dxb + part);  // uniform
   lnr_block_column_sum(dw, stage, n, width, p.partial_dw + part);
   lnr_block_column_sum(db, stage, n, width, p.partial_db + part);
-  if (p.partial_dxb != nullptr) lnr_block_column_sum(dxb, stage, n, width, p.partial_dxb + part);  // uniform
 }
 
 // ---------------------------------------------------------------------------------------------------
