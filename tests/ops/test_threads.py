@@ -205,3 +205,40 @@ def test_attention_does_not_depend_on_memory_offsets(dtype, layout, restore_thre
                     f"attention {dtype_name(dtype)} {layout}: output {i} with inputs {offset} elements off and "
                     f"{threads} threads differs from aligned, 1 thread, by up to "
                     f"{(a.double() - b.double()).abs().max().item():.3g}")
+
+
+def shifted_rows(x, offset):
+    """x's values (any shape) in a contiguous view ``offset`` elements into a larger buffer."""
+    buffer = torch.empty(x.numel() + offset, dtype=x.dtype)[offset:]
+    view = buffer.view(x.shape)
+    view.copy_(x)
+    return view
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_layer_norm_residual_fused_does_not_depend_on_memory_offsets(dtype, restore_threads):
+    # The fused epilogue (x_bias, compute_dtype, dropout) on rows of 97 (no whole vector) with every input and
+    # upstream gradient misaligned by the offset: y, y_c and every gradient, dx_bias included, bit for bit.
+    compute = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    x, residual = randn(203, 97, dtype=dtype), randn(203, 97, dtype=dtype)
+    weight, bias = randn(97, dtype=dtype, shift=1.0), randn(97, dtype=dtype)
+    x_bias = randn(97, dtype=torch.float32)
+    dy, dy_c = randn(203, 97, dtype=dtype), randn(203, 97, dtype=compute)
+
+    def run(offset):
+        inputs = [shifted_rows(t, offset).requires_grad_() for t in (x, residual, weight, bias, x_bias)]
+        torch.manual_seed(7)
+        y, y_c = ops.layer_norm_residual(*inputs[:4], dropout_p=0.1, x_bias=inputs[4], compute_dtype=compute,
+                                         backend="cpu")
+        grads = (shifted_rows(dy, offset), shifted_rows(dy_c, offset))
+        return (y, y_c, *torch.autograd.grad((y, y_c), inputs, grads))
+
+    torch.set_num_threads(1)
+    expected = run(0)
+    for threads in THREADS:
+        torch.set_num_threads(threads)
+        for offset in OFFSETS:
+            for i, (a, b) in enumerate(zip(expected, run(offset))):
+                assert torch.isfinite(a).all()
+                assert torch.equal(a, b), (f"layer_norm_residual {dtype_name(dtype)}: output {i} with inputs {offset} "
+                                           f"elements off and {threads} threads differs from aligned, 1 thread")
