@@ -5,6 +5,7 @@
 // kernel from Python (fastformer/ops/<op>.py).
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/python.h>  // pybind11, tensor casters (torch/extension.h adds the C++ frontend: 16 s to compile)
 #include <torch/library.h>
@@ -131,6 +132,16 @@ inline bool from_py(PyObject* o, c10::string_view& out) {
     return false;
   }
   out = c10::string_view(data, static_cast<size_t>(size));
+  return true;
+}
+
+inline bool from_py(PyObject* o, std::optional<at::ScalarType>& out) {
+  if (o == Py_None) {
+    out = std::nullopt;
+    return true;
+  }
+  if (!THPDtype_Check(o)) return false;
+  out = reinterpret_cast<THPDtype*>(o)->scalar_type;
   return true;
 }
 
@@ -346,8 +357,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "checks ops.softmax's arguments");
   m.def("check_layer_norm_residual",
         [given](const OptTensor& x, const OptTensor& residual, const OptTensor& weight, const OptTensor& bias,
-                double eps, double dropout_p) {
-          fastformer::check_layer_norm_residual(given(x), given(residual), given(weight), given(bias), eps, dropout_p);
+                double eps, double dropout_p, const OptTensor& x_bias, std::optional<at::ScalarType> compute_dtype) {
+          fastformer::check_layer_norm_residual(given(x), given(residual), given(weight), given(bias), eps, dropout_p,
+                                                x_bias, compute_dtype);
         },
         "checks ops.layer_norm_residual's arguments");
   m.def("check_cross_entropy",

@@ -34,20 +34,20 @@ std::tuple<Tensor, Tensor, Tensor> attention_varlen_bwd(const Tensor& dout, cons
 Tensor softmax_fwd(const Tensor& x, const c10::optional<Tensor>& mask, double scale);
 Tensor softmax_bwd(const Tensor& dy, const Tensor& y, double scale);
 
-// layer_norm_residual over the last dim of (..., N): returns y, s = residual + dropout(x), mean, rstd, with y
-// and s in residual's dtype (x may be float16 or bfloat16 beside a float32 residual: csrc/ops.h
-// lnr_branch_dtype_ok). Backward writes dx in dx_dtype (x's), dresidual in s's dtype, dweight and dbias in
-// weight's, each by the kernels themselves.
-std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd(const Tensor& x, const Tensor& residual,
-                                                                   const Tensor& weight, const Tensor& bias,
-                                                                   double eps, double dropout_p,
-                                                                   const c10::optional<Tensor>& seed);
-std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(const Tensor& dy, const c10::optional<Tensor>& ds,
-                                                                   const Tensor& s, const Tensor& weight,
-                                                                   const Tensor& mean, const Tensor& rstd,
-                                                                   double dropout_p,
-                                                                   const c10::optional<Tensor>& seed,
-                                                                   at::ScalarType dx_dtype);
+// layer_norm_residual over the last dim of (..., N): returns y, s = residual + dropout(x + x_bias), mean, rstd
+// and y_c, with y and s in residual's dtype (x may be float16 or bfloat16 beside a float32 residual: csrc/ops.h
+// lnr_branch_dtype_ok; x_bias (N,) is any floating dtype, or absent) and y_c = y rounded to compute_dtype,
+// written by the same pass (empty (0,) when compute_dtype is residual's dtype: no extra output). Backward
+// takes the gradients of y (dy) and y_c (dy_c, optional; they add) and writes dx in dx_dtype (x's),
+// dresidual in s's dtype, dweight and dbias in weight's, and dx_bias = sum over rows of dx in x_bias's dtype
+// (empty (0,) without x_bias), each by the kernels themselves.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd(
+    const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& bias, double eps, double dropout_p,
+    const c10::optional<Tensor>& seed, const c10::optional<Tensor>& x_bias, at::ScalarType compute_dtype);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd(
+    const Tensor& dy, const c10::optional<Tensor>& ds, const Tensor& s, const Tensor& weight, const Tensor& mean,
+    const Tensor& rstd, double dropout_p, const c10::optional<Tensor>& seed, at::ScalarType dx_dtype,
+    const c10::optional<Tensor>& dy_c, const c10::optional<Tensor>& x_bias);
 
 // cross_entropy over the last dim of logits (..., V) for int64 target (...): returns per-row loss (label-
 // smoothed), nll and the row logsumexp lse, shaped like target, in the accumulation dtype; a row whose

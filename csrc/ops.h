@@ -49,11 +49,12 @@
     "(Tensor, Tensor, Tensor)")                                                                                \
   X(softmax, "Tensor x, Tensor? mask, float scale", "Tensor", "Tensor dy, Tensor y, float scale", "Tensor")    \
   X(layer_norm_residual,                                                                                       \
-    "Tensor x, Tensor residual, Tensor weight, Tensor bias, float eps, float dropout_p, Tensor? seed",         \
-    "(Tensor, Tensor, Tensor, Tensor)",                                                                        \
+    "Tensor x, Tensor residual, Tensor weight, Tensor bias, float eps, float dropout_p, Tensor? seed, "       \
+    "Tensor? x_bias, ScalarType? compute_dtype",                                                               \
+    "(Tensor, Tensor, Tensor, Tensor, Tensor)",                                                                \
     "Tensor dy, Tensor? ds, Tensor s, Tensor weight, Tensor mean, Tensor rstd, float dropout_p, "              \
-    "Tensor? seed, ScalarType? dx_dtype",                                                                      \
-    "(Tensor, Tensor, Tensor, Tensor)")                                                                       \
+    "Tensor? seed, ScalarType? dx_dtype, Tensor? dy_c, Tensor? x_bias",                                        \
+    "(Tensor, Tensor, Tensor, Tensor, Tensor)")                                                               \
   X(cross_entropy, "Tensor logits, Tensor target, float label_smoothing, int ignore_index",                    \
     "(Tensor, Tensor, Tensor)",                                                                                \
     "Tensor dloss, Tensor dnll, Tensor logits, Tensor target, Tensor lse, float label_smoothing, "             \
@@ -228,10 +229,33 @@ inline bool lnr_branch_dtype_ok(at::ScalarType branch, at::ScalarType stream) {
   return branch == stream || (stream == at::kFloat && (branch == at::kHalf || branch == at::kBFloat16));
 }
 
+// x_bias (N,): the branch's bias, added to x before dropout; any floating dtype (a float32 master bias beside
+// a bfloat16 branch), on x's device.
+inline void check_lnr_x_bias(const OptTensor& x_bias, int64_t N, const Tensor& ref) {
+  if (!x_bias.has_value()) return;
+  constexpr const char* op = "layer_norm_residual";
+  check_given(*x_bias, op, "x_bias");
+  check_floating(*x_bias, op, "x_bias");
+  TORCH_CHECK_VALUE(x_bias->device() == ref.device(), "fastformer layer_norm_residual: x_bias is on ",
+                    x_bias->device(), " but the inputs are on ", ref.device());
+  TORCH_CHECK_VALUE(x_bias->dim() == 1 && x_bias->size(0) == N, "fastformer layer_norm_residual: x_bias must have "
+                    "shape (", N, ",), got ", x_bias->sizes());
+}
+
+// compute_dtype: the dtype of the extra normalized output y_c (the next GEMM's input): float16, bfloat16, or
+// the stream's own dtype (None and the stream's dtype: no extra output).
+inline void check_lnr_compute_dtype(std::optional<at::ScalarType> compute_dtype, at::ScalarType stream) {
+  TORCH_CHECK_VALUE(!compute_dtype.has_value() || *compute_dtype == at::kHalf || *compute_dtype == at::kBFloat16 ||
+                        *compute_dtype == stream,
+                    "fastformer layer_norm_residual: compute_dtype must be torch.float16, torch.bfloat16 or the "
+                    "residual's dtype ", stream, ", got ", compute_dtype.value_or(stream));
+}
+
 // x, residual (..., N); weight, bias (N,) in residual's dtype; x in residual's dtype or, beside a float32
-// residual, float16 or bfloat16 (lnr_branch_dtype_ok).
+// residual, float16 or bfloat16 (lnr_branch_dtype_ok); x_bias and compute_dtype as above.
 inline void check_layer_norm_residual(const Tensor& x, const Tensor& residual, const Tensor& weight,
-                                      const Tensor& bias, double eps, double dropout_p) {
+                                      const Tensor& bias, double eps, double dropout_p, const OptTensor& x_bias,
+                                      std::optional<at::ScalarType> compute_dtype) {
   constexpr const char* op = "layer_norm_residual";
   check_given(x, op, "x");
   check_given(residual, op, "residual");
@@ -259,6 +283,8 @@ inline void check_layer_norm_residual(const Tensor& x, const Tensor& residual, c
   TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0, "fastformer layer_norm_residual: eps must be a finite number >= 0, got ",
                     eps);
   check_dropout(dropout_p, op);
+  check_lnr_x_bias(x_bias, N, x);
+  check_lnr_compute_dtype(compute_dtype, residual.scalar_type());
 }
 
 
@@ -380,9 +406,12 @@ inline void check_softmax_bwd(const Tensor& dy, const Tensor& y) {
 }
 
 // dx_dtype: x's dtype, the dtype dx is written in (None: s's dtype); lnr_branch_dtype_ok beside s's.
+// dy_c: the gradient of the compute-dtype output y_c (float16 or bfloat16, s's shape), added to dy's;
+// x_bias: the forward's (dx_bias is returned in its dtype).
 inline void check_layer_norm_residual_bwd(const Tensor& dy, const OptTensor& ds, const Tensor& s, const Tensor& weight,
                                           const Tensor& mean, const Tensor& rstd, double dropout_p,
-                                          std::optional<at::ScalarType> dx_dtype) {
+                                          std::optional<at::ScalarType> dx_dtype, const OptTensor& dy_c,
+                                          const OptTensor& x_bias) {
   constexpr const char* op = "layer_norm_residual";
   check_given(s, op, "s");
   TORCH_CHECK_VALUE(s.dim() >= 1 && s.size(-1) > 0, "fastformer layer_norm_residual: s must be (..., N) with N > 0, got ",
@@ -401,6 +430,17 @@ inline void check_layer_norm_residual_bwd(const Tensor& dy, const OptTensor& ds,
   check_stats(mean, "mean", s.sizes().slice(0, s.dim() - 1), s, op);
   check_stats(rstd, "rstd", s.sizes().slice(0, s.dim() - 1), s, op);
   check_dropout(dropout_p, op);
+  if (dy_c.has_value()) {
+    check_given(*dy_c, op, "dy_c");
+    TORCH_CHECK_VALUE((dy_c->scalar_type() == at::kHalf || dy_c->scalar_type() == at::kBFloat16) &&
+                          dy_c->scalar_type() != s.scalar_type(),
+                      "fastformer layer_norm_residual: dy_c (the gradient of the compute-dtype output) must be "
+                      "float16 or bfloat16 beside a ", s.scalar_type(), " s, got ", dy_c->scalar_type());
+    TORCH_CHECK_VALUE(dy_c->device() == s.device() && dy_c->sizes() == s.sizes(), "fastformer layer_norm_residual: "
+                      "dy_c must have s's shape ", s.sizes(), " on ", s.device(), ", got ", dy_c->sizes(), " on ",
+                      dy_c->device());
+  }
+  check_lnr_x_bias(x_bias, s.size(-1), s);
 }
 
 // saved: the forward's output y for relu, its input x for gelu and silu (csrc/autograd/bias_activation.cpp);
@@ -549,26 +589,28 @@ Tensor softmax_bwd_op(const Tensor& dy, const Tensor& y, double scale) {
   return Impl(dy.contiguous(), y.contiguous(), scale);
 }
 
+// layer_norm_residual: compute_dtype reaches the entry points resolved, None as the residual's dtype (the
+// entry points then write no y_c and return it empty).
 template <auto Impl>
-std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd_op(const Tensor& x, const Tensor& residual,
-                                                                      const Tensor& weight, const Tensor& bias,
-                                                                      double eps, double dropout_p,
-                                                                      const OptTensor& seed) {
-  check_layer_norm_residual(x, residual, weight, bias, eps, dropout_p);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layer_norm_residual_fwd_op(
+    const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& bias, double eps, double dropout_p,
+    const OptTensor& seed, const OptTensor& x_bias, std::optional<at::ScalarType> compute_dtype) {
+  check_layer_norm_residual(x, residual, weight, bias, eps, dropout_p, x_bias, compute_dtype);
   check_seed(seed, dropout_p, x, "layer_norm_residual");
-  return Impl(x.contiguous(), residual.contiguous(), weight.contiguous(), bias.contiguous(), eps, dropout_p, seed);
+  return Impl(x.contiguous(), residual.contiguous(), weight.contiguous(), bias.contiguous(), eps, dropout_p, seed,
+              contiguous(x_bias), compute_dtype.value_or(residual.scalar_type()));
 }
 
 template <auto Impl>
-std::tuple<Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd_op(const Tensor& dy, const OptTensor& ds,
-                                                                      const Tensor& s, const Tensor& weight,
-                                                                      const Tensor& mean, const Tensor& rstd,
-                                                                      double dropout_p, const OptTensor& seed,
-                                                                      std::optional<at::ScalarType> dx_dtype) {
-  check_layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p, dx_dtype);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> layer_norm_residual_bwd_op(
+    const Tensor& dy, const OptTensor& ds, const Tensor& s, const Tensor& weight, const Tensor& mean,
+    const Tensor& rstd, double dropout_p, const OptTensor& seed, std::optional<at::ScalarType> dx_dtype,
+    const OptTensor& dy_c, const OptTensor& x_bias) {
+  check_layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p, dx_dtype, dy_c, x_bias);
   check_seed(seed, dropout_p, s, "layer_norm_residual");
   return Impl(dy.contiguous(), contiguous(ds), s.contiguous(), weight.contiguous(), mean.contiguous(),
-              rstd.contiguous(), dropout_p, seed, dx_dtype.value_or(s.scalar_type()));
+              rstd.contiguous(), dropout_p, seed, dx_dtype.value_or(s.scalar_type()), contiguous(dy_c),
+              contiguous(x_bias));
 }
 
 template <auto Impl>

@@ -5,7 +5,7 @@
     ops.attention(q, k, v, key_padding_mask=..., causal=..., dropout_p=..., backend=None)
     ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=..., dropout_p=...)
     ops.softmax(x, mask=..., scale=...)
-    ops.layer_norm_residual(x, residual, weight, bias, eps=..., dropout_p=..., prenorm=...)
+    ops.layer_norm_residual(x, residual, weight, bias, eps=..., dropout_p=..., prenorm=..., x_bias=..., compute_dtype=...)
     ops.cross_entropy(logits, target, label_smoothing=..., ignore_index=..., return_nll=...)
     ops.bias_activation(x, bias, activation="relu", dropout_p=...)  # dropout(act(x + bias)): relu, gelu, silu
     ops.OPS                        # the op list (csrc/ops.h); every op also takes backend=

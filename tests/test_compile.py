@@ -87,6 +87,33 @@ def test_compiled_feed_forward_matches_eager(backend, dropout_p):
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("prenorm", [False, True])
+def test_compiled_fused_epilogue_matches_eager(backend, prenorm):
+    """A sublayer's output projection without its bias, the bias added inside layer_norm_residual (x_bias,
+    float32) and the normalized output written in bfloat16 for the next projection (compute_dtype): the fake
+    kernel's y_c and dx_bias must be the real ones."""
+    torch._dynamo.reset()
+    R, E = 14, 24
+    h, residual = randn(R, E, dtype=torch.bfloat16), randn(R, E, dtype=torch.float32)
+    w_out, w_next = randn(E, E, dtype=torch.bfloat16), randn(E, E, dtype=torch.bfloat16)
+    weight, bias = randn(E, dtype=torch.float32, shift=1.0), randn(E, dtype=torch.float32)
+    x_bias = randn(E, dtype=torch.float32)
+    upstream = [randn(R, E, dtype=torch.bfloat16), randn(R, E, dtype=torch.float32)]
+
+    def fn(h, residual, w_out, w_next, weight, bias, x_bias):
+        out = ops.layer_norm_residual(h @ w_out.t(), residual, weight, bias, prenorm=prenorm, x_bias=x_bias,
+                                      compute_dtype=torch.bfloat16, backend=backend)
+        y_c, stream = (out[0], out[1]) if prenorm else (out[1], out[0])
+        return y_c @ w_next.t(), stream
+
+    inputs = [h, residual, w_out, w_next, weight, bias, x_bias]
+    eager_outs, eager_grads = forward_backward(fn, inputs, upstream)
+    compiled_outs, compiled_grads = forward_backward(torch.compile(fn, fullgraph=True), inputs, upstream)
+    for c, e in zip(compiled_outs + compiled_grads, eager_outs + eager_grads):
+        torch.testing.assert_close(c, e)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_compiled_cross_entropy_matches_eager(backend, dtype):
     """The output layer and its loss as a training step makes them: logits = hidden @ W^T (B, T, V), a

@@ -1,22 +1,27 @@
-// y = LayerNorm(residual + dropout(x)) over the last dim on the GPU, forward and backward (kernels;
+// y = LayerNorm(residual + dropout(x + x_bias)) over the last dim on the GPU, forward and backward (kernels;
 // launchers in layer_norm_residual.cu). x, residual, s, y are R contiguous rows of N; fp32 math. residual,
 // weight, bias, y and s (and dresidual, dweight, dbias) have the stream's type T; x and dx have TX, T or,
 // beside a float32 stream, __half / __nv_bfloat16: autocast's branch is read as it is (2 bytes an element)
 // and upcast in registers, and its gradient written in its own type, so no cast runs around the op.
+// Optional, chosen at run time (no more instantiations): x_bias (N,) float32, the branch's bias (the
+// launcher hands a float32 copy of another dtype's: N elements); y_c, the compute-dtype copy of y (__half
+// or __nv_bfloat16 by c_type: the next GEMM's input), and in backward its gradient dy_c.
 //
 // Forward, per row:
-//   s = residual + x * r   (r = dropout_factor(seed, row * N + col, p, 1/(1-p)) of csrc/philox.h), rounded
-//                          to T and stored; the statistics are those of the rounded s, so backward's xhat,
-//                          rebuilt from the saved s, matches the forward's exactly;
-//   mean, rstd = 1 / sqrt(var + eps) (biased variance);  y = (s - mean) rstd w + b.
-// Backward, per row, with xhat = (s - mean) rstd and g = dy w:
+//   s = residual + (x + x_bias) r   (r = dropout_factor(seed, row * N + col, p, 1/(1-p)) of csrc/philox.h),
+//                          rounded to T and stored; the statistics are those of the rounded s, so
+//                          backward's xhat, rebuilt from the saved s, matches the forward's exactly;
+//   mean, rstd = 1 / sqrt(var + eps) (biased variance);  y = (s - mean) rstd w + b;
+//   y_c = y rounded to T, then to the compute type (y.to(C)), stored from the same registers.
+// Backward, per row, with xhat = (s - mean) rstd and g = (dy + dy_c) w:
 //   ds_total = rstd (g - mean(g) - xhat mean(g xhat)) + ds   (ds: gradient of the s output, optional)
 //   dresidual = ds_total, dx = ds_total r (rounded to TX)
-//   dweight = sum_rows dy xhat, dbias = sum_rows dy: deterministic, without atomics, in two stages. (1) The
-//   rows are cut into P contiguous chunks, one per block of a grid whose size depends on R and N only (not
-//   on the device); each block writes the sums over its chunk as row b of partial_dw / partial_db (P, N)
-//   float32. (2) layer_norm_residual_bwd_reduce_kernel sums the P partials of each column in a fixed order
-//   and writes dweight, dbias in T. Every run gives the same bits.
+//   dweight = sum_rows (dy + dy_c) xhat, dbias = sum_rows (dy + dy_c), dx_bias = sum_rows dx (the float dx):
+//   deterministic, without atomics, in two stages. (1) The rows are cut into P contiguous chunks, one per
+//   block of a grid whose size depends on R and N only (not on the device); each block writes the sums over
+//   its chunk as row b of partial_dw / partial_db (/ partial_dxb) (P, N) float32.
+//   (2) layer_norm_residual_bwd_reduce_kernel sums the P partials of each column in a fixed order and writes
+//   dweight, dbias in T, dx_bias in float32. Every run gives the same bits.
 //
 // Two layouts:
 //   warp per row (N <= kLnrWarpMaxN, the paper's 512 and 1024): the warp-row register layout of common.cuh
@@ -24,14 +29,15 @@
 //     in runs of 16-byte packs, half2/float2 pairs or single elements; a TX branch beside a float32
 //     stream moves in pairs or elements, so that a lane's runs cover the same columns in both types).
 //     Forward: one load of x and residual, the row's sum and then sum (s - mean)^2 from the registers
-//     (two-pass variance, no cancellation), one store of s and y; Philox once per 4 elements (a run of a
-//     pack or 4 elements). DRAM per row 4 N sizeof(T) (3 N sizeof(T) + N sizeof(TX) with a TX branch;
-//     + 8 bytes of mean, rstd; w, b cached), with no second sweep.
+//     (two-pass variance, no cancellation), one store of s and y (and y_c); Philox once per 4 elements (a
+//     run of a pack or 4 elements). DRAM per row 4 N sizeof(T) (3 N sizeof(T) + N sizeof(TX) with a TX
+//     branch; + N sizeof(C) with y_c; + 8 bytes of mean, rstd; w, b, x_bias cached), with no second sweep.
+//     Packs only where every row of the call has T's element size (x, y_c, dy_c; x_bias beside float T).
 //     Backward: block b (kLnrWarpRows warps) owns chunk b; warp w takes its rows w, w + 8, ...: one load
 //     of s, dy (and ds), the two row sums by shuffles, one store of dx and dresidual (4 N sizeof(T) per
-//     row, + N for ds); each lane accumulates dy xhat and dy for its columns in registers over its rows,
-//     and the block's warps add theirs in warp order through shared memory (lnr_block_column_sum) into
-//     one partial row: P N 8 bytes written once.
+//     row, + N for ds); each lane accumulates dy xhat and dy for its columns in registers over its rows
+//     (dx, with x_bias, in its warp's row of shared memory), and the block's warps add theirs in warp
+//     order through shared memory (lnr_block_column_sum) into one partial row: P N 8 (12) bytes written once.
 //   block per row (N > kLnrWarpMaxN): kLnrThreads threads stride over the row in pairs (half2/float2, when
 //     N is even and the rows 2-element aligned) or elements. Forward: sweep 1 writes s and keeps a Welford
 //     (count, mean, M2) per thread, merged over the block in a fixed order (Chan et al.); sweep 2 rereads
@@ -53,14 +59,65 @@ constexpr int kLnrReduceStripes = 8;                // stage 2: a block sums 32 
 
 // T: the residual stream's storage type (residual, weight, bias, y, s); TX: the branch x's (and dx's), T or,
 // beside a float32 stream, __half / __nv_bfloat16 (autocast's branch, upcast as it is read).
+// The compute type of y_c and dy_c, a launch argument (no instantiation per type).
+enum LnrComputeType : int { kLnrComputeNone = 0, kLnrComputeHalf = 1, kLnrComputeBFloat16 = 2 };
+
+// Stores a lane's kPerLane values into row `row` of y_c (base: the row's first element) in the compute type.
+template <int kPerLane>
+FF_DEVICE void lnr_warp_store_c(void* y_c, int c_type, int64_t base, int n, int lane, int width,
+                                const float (&v)[kPerLane]) {
+  if (c_type == kLnrComputeHalf) {
+    warp_row_store(static_cast<__half*>(y_c) + base, n, lane, width, v);
+  } else {
+    warp_row_store(static_cast<__nv_bfloat16*>(y_c) + base, n, lane, width, v);
+  }
+}
+
+template <int kPerLane>
+FF_DEVICE void lnr_warp_load_c(const void* dy_c, int c_type, int64_t base, int n, int lane, int width,
+                               float (&v)[kPerLane]) {
+  if (c_type == kLnrComputeHalf) {
+    warp_row_load(static_cast<const __half*>(dy_c) + base, n, lane, width, v);
+  } else {
+    warp_row_load(static_cast<const __nv_bfloat16*>(dy_c) + base, n, lane, width, v);
+  }
+}
+
+// Element i of y_c / dy_c (pairs: i even, 2-element aligned).
+FF_DEVICE void lnr_store_c(void* y_c, int c_type, int64_t i, float v) {
+  if (c_type == kLnrComputeHalf) {
+    static_cast<__half*>(y_c)[i] = from_float<__half>(v);
+  } else {
+    static_cast<__nv_bfloat16*>(y_c)[i] = from_float<__nv_bfloat16>(v);
+  }
+}
+FF_DEVICE void lnr_store2_c(void* y_c, int c_type, int64_t i, float2 v) {
+  if (c_type == kLnrComputeHalf) {
+    store2(static_cast<__half*>(y_c) + i, v);
+  } else {
+    store2(static_cast<__nv_bfloat16*>(y_c) + i, v);
+  }
+}
+FF_DEVICE float lnr_load_c(const void* dy_c, int c_type, int64_t i) {
+  return c_type == kLnrComputeHalf ? to_float(static_cast<const __half*>(dy_c)[i])
+                                   : to_float(static_cast<const __nv_bfloat16*>(dy_c)[i]);
+}
+FF_DEVICE float2 lnr_load2_c(const void* dy_c, int c_type, int64_t i) {
+  return c_type == kLnrComputeHalf ? load2(static_cast<const __half*>(dy_c) + i)
+                                   : load2(static_cast<const __nv_bfloat16*>(dy_c) + i);
+}
+
 template <typename T, typename TX = T>
 struct LnrFwdParams {
   const TX* x;        // (R, N) branch input, dropped out
   const T* residual;  // (R, N)
   const T* weight;    // (N,)
   const T* bias;      // (N,)
+  const float* x_bias;  // (N,) the branch's bias, added before dropout, or nullptr
   T* y;               // (R, N) output
-  T* s;               // (R, N) output: residual + dropout(x)
+  T* s;               // (R, N) output: residual + dropout(x + x_bias)
+  void* y_c;          // (R, N) output: y in the compute type c_type, or nullptr
+  int c_type;         // LnrComputeType of y_c
   float* mean;        // (R,) output
   float* rstd;        // (R,) output: 1 / sqrt(var + eps)
   int64_t rows;       // R
@@ -76,6 +133,8 @@ struct LnrFwdParams {
 template <typename T, typename TX = T>
 struct LnrBwdParams {
   const T* dy;          // (R, N) gradient of y
+  const void* dy_c;     // (R, N) gradient of y_c in the compute type c_type, or nullptr
+  int c_type;           // LnrComputeType of dy_c
   const T* ds;          // (R, N) gradient of the s output, or nullptr
   const T* s;           // (R, N) saved residual + dropout(x)
   const T* weight;      // (N,)
@@ -85,6 +144,7 @@ struct LnrBwdParams {
   T* dresidual;         // (R, N) output
   float* partial_dw;    // (P, N) stage-1 output: row b = sum over chunk b of dy xhat
   float* partial_db;    // (P, N) stage-1 output: row b = sum over chunk b of dy
+  float* partial_dxb;   // (P, N) stage-1 output: row b = sum over chunk b of dx, or nullptr (no x_bias)
   int64_t rows;         // R
   int cols;             // N
   int64_t chunk_rows;   // rows per chunk (the last chunk may be shorter); P = gridDim.x chunks
@@ -99,8 +159,10 @@ template <typename T>
 struct LnrReduceParams {
   const float* partial_dw;  // (P, N)
   const float* partial_db;  // (P, N)
+  const float* partial_dxb;  // (P, N) or nullptr
   T* dweight;               // (N,) output
   T* dbias;                 // (N,) output
+  float* dx_bias;           // (N,) output (with partial_dxb)
   int partials;             // P
   int cols;                 // N
 };
@@ -119,6 +181,11 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_fwd_warp_kernel
   const int width = warp_row_width<T, kPerLane>(p.packs && sizeof(TX) == sizeof(T), p.vec2);  // TX: no packs
   float v[kPerLane], u[kPerLane];
   warp_row_load(p.x + base, n, lane, width, v);
+  if (p.x_bias != nullptr) {
+    warp_row_load(p.x_bias, n, lane, width, u);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) v[i] += u[i];
+  }
   if (p.dropout_p > 0.0f) {
     float r[kPerLane];
     warp_row_dropout(p.seed, base, lane, width, p.dropout_p, p.inv_keep, r);
@@ -155,17 +222,18 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_fwd_warp_kernel
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) v[i] += u[i];
   warp_row_store(p.y + base, n, lane, width, v);
+  if (p.y_c != nullptr) {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) v[i] = to_float(from_float<T>(v[i]));  // y as stored: y_c = y.to(C)
+    lnr_warp_store_c(p.y_c, p.c_type, base, n, lane, width, v);
+  }
 }
 
-// out[col] = sum over the block's warps w = 0, 1, ... (in that order) of warp w's value at col, for
-// col < n; v: a lane's kPerLane values in the warp-row layout. stage: the caller's __shared__
-// float[kLnrWarpRows][32 kPerLane]. All threads of the block must call it (two __syncthreads).
+// out[col] = sum over the block's warps w = 0, 1, ... (in that order) of stage[w][col], for col < n, once
+// every warp has written its row of stage: the caller's __shared__ float[kLnrWarpRows][32 kPerLane]. All
+// threads of the block must call it (two __syncthreads).
 template <int kPerLane>
-FF_DEVICE void lnr_block_column_sum(const float (&v)[kPerLane], float (*stage)[kWarpSize * kPerLane], int n,
-                                    int width, float* out) {
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) stage[warp][warp_row_col(i, lane, width)] = v[i];
+FF_DEVICE void lnr_stage_column_sum(float (*stage)[kWarpSize * kPerLane], int n, float* out) {
   __syncthreads();
   for (int col = threadIdx.x; col < n; col += kLnrThreads) {
     float t = stage[0][col];
@@ -174,6 +242,16 @@ FF_DEVICE void lnr_block_column_sum(const float (&v)[kPerLane], float (*stage)[k
     out[col] = t;
   }
   __syncthreads();  // every reader is done: the stage may be refilled
+}
+
+// lnr_stage_column_sum of v: a lane's kPerLane values in the warp-row layout, staged first.
+template <int kPerLane>
+FF_DEVICE void lnr_block_column_sum(const float (&v)[kPerLane], float (*stage)[kWarpSize * kPerLane], int n,
+                                    int width, float* out) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) stage[warp][warp_row_col(i, lane, width)] = v[i];
+  lnr_stage_column_sum<kPerLane>(stage, n, out);
 }
 
 // Backward stage 1: block b owns chunk b, the rows [b chunk_rows, min(R, (b + 1) chunk_rows)); warp w
@@ -190,11 +268,24 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_warp_kernel
   float dw[kPerLane], db[kPerLane];  // this lane's columns of sum dy xhat, sum dy over its rows
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) dw[i] = db[i] = 0.0f;
+  // With x_bias, sum dx over the warp's rows accumulates in the warp's row of the stage, each lane in its own
+  // columns (no other thread touches them until lnr_stage_column_sum): no registers held over the rows.
+  // Columns >= N collect values never stored.
+  float* dxb = stage[threadIdx.x / kWarpSize];
+  if (p.partial_dxb != nullptr) {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) dxb[warp_row_col(i, lane, width)] = 0.0f;
+  }
   for (int64_t row = first + threadIdx.x / kWarpSize; row < last; row += kLnrWarpRows) {
     const int64_t base = row * n;
     float x[kPerLane], g[kPerLane], w[kPerLane];  // x: s, then xhat, then ds_total
     warp_row_load(p.s + base, n, lane, width, x);
     warp_row_load(p.dy + base, n, lane, width, g);
+    if (p.dy_c != nullptr) {  // the gradient reaching y: dy + dy_c
+      lnr_warp_load_c(p.dy_c, p.c_type, base, n, lane, width, w);
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) g[i] += w[i];
+    }
     warp_row_load(p.weight, n, lane, width, w);
     const float mu = p.mean[row], rs = p.rstd[row];
     // The row sums of g = dy w and g xhat; the partials (columns past the end hold dy = 0: they add 0).
@@ -223,8 +314,13 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_warp_kernel
       for (int i = 0; i < kPerLane; ++i) x[i] *= g[i];
     }
     warp_row_store(p.dx + base, n, lane, width, x);
+    if (p.partial_dxb != nullptr) {
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) dxb[warp_row_col(i, lane, width)] += x[i];
+    }
   }
   const int64_t part = static_cast<int64_t>(blockIdx.x) * n;
+  if (p.partial_dxb != nullptr) lnr_stage_column_sum<kPerLane>(stage, n, p.partial_dxb + part);  // uniform
   lnr_block_column_sum(dw, stage, n, width, p.partial_dw + part);
   lnr_block_column_sum(db, stage, n, width, p.partial_db + part);
 }
@@ -289,6 +385,11 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_fwd_block_kerne
   if (p.vec2) {
     for (int col = 2 * t; col < n; col += 2 * kLnrThreads) {
       float2 xv = load2(x + col);
+      if (p.x_bias != nullptr) {
+        const float2 bv = load2(p.x_bias + col);
+        xv.x += bv.x;
+        xv.y += bv.y;
+      }
       const float2 rv = load2(res + col);
       if (drop) {
         const float2 r =
@@ -304,6 +405,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_fwd_block_kerne
   } else {
     for (int col = t; col < n; col += kLnrThreads) {
       float xv = to_float(x[col]);
+      if (p.x_bias != nullptr) xv += p.x_bias[col];
       if (drop) {
         xv *= dropout_factor(load_seed(p.seed), static_cast<uint64_t>(base + col), p.dropout_p, p.inv_keep);
       }
@@ -323,17 +425,41 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_fwd_block_kerne
   if (p.vec2) {
     for (int col = 2 * t; col < n; col += 2 * kLnrThreads) {
       const float2 sv = load2(s + col), wv = load2(p.weight + col), bv = load2(p.bias + col);
-      store2(y + col, float2{(sv.x - mean) * rstd * wv.x + bv.x, (sv.y - mean) * rstd * wv.y + bv.y});
+      const float2 yv{(sv.x - mean) * rstd * wv.x + bv.x, (sv.y - mean) * rstd * wv.y + bv.y};
+      store2(y + col, yv);
+      if (p.y_c != nullptr) {  // y as stored, then the compute type: y.to(C)
+        lnr_store2_c(p.y_c, p.c_type, base + col,
+                     float2{to_float(from_float<T>(yv.x)), to_float(from_float<T>(yv.y))});
+      }
     }
   } else {
     for (int col = t; col < n; col += kLnrThreads) {
-      y[col] = from_float<T>((to_float(s[col]) - mean) * rstd * to_float(p.weight[col]) + to_float(p.bias[col]));
+      const T yv = from_float<T>((to_float(s[col]) - mean) * rstd * to_float(p.weight[col]) + to_float(p.bias[col]));
+      y[col] = yv;
+      if (p.y_c != nullptr) lnr_store_c(p.y_c, p.c_type, base + col, to_float(yv));
     }
   }
 }
 
+// The gradient reaching y at element i (pairs: i even): dy + dy_c.
+template <typename T, typename TX>
+FF_DEVICE float lnr_dy(const LnrBwdParams<T, TX>& p, int64_t i) {
+  const float g = to_float(p.dy[i]);
+  return p.dy_c != nullptr ? g + lnr_load_c(p.dy_c, p.c_type, i) : g;
+}
+template <typename T, typename TX>
+FF_DEVICE float2 lnr_dy2(const LnrBwdParams<T, TX>& p, int64_t i) {
+  float2 g = load2(p.dy + i);
+  if (p.dy_c != nullptr) {
+    const float2 c = lnr_load2_c(p.dy_c, p.c_type, i);
+    g.x += c.x;
+    g.y += c.y;
+  }
+  return g;
+}
+
 // Backward stage 1: block b owns chunk b, the rows [b chunk_rows, min(R, (b + 1) chunk_rows)), one after
-// the other; writes their dx, dresidual and row b of partial_dw / partial_db.
+// the other; writes their dx, dresidual and row b of partial_dw / partial_db (/ partial_dxb).
 template <typename T, typename TX = T>
 FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_block_kernel(const LnrBwdParams<T, TX> p) {
   __shared__ float scratch[2][kWarpSize];  // the two row sums per warp
@@ -343,6 +469,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_block_kerne
   const int64_t last = first + p.chunk_rows < p.rows ? first + p.chunk_rows : p.rows;
   float* part_dw = p.partial_dw + static_cast<int64_t>(blockIdx.x) * n;
   float* part_db = p.partial_db + static_cast<int64_t>(blockIdx.x) * n;
+  float* part_dxb = p.partial_dxb != nullptr ? p.partial_dxb + static_cast<int64_t>(blockIdx.x) * n : nullptr;
   const bool drop = p.dropout_p > 0.0f;
   const float inv_n = 1.0f / static_cast<float>(n);
   // The chunk's partial sums start at zero; each thread clears the columns it accumulates below.
@@ -350,17 +477,18 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_block_kerne
     for (int col = 2 * t; col < n; col += 2 * kLnrThreads) {
       store2(part_dw + col, float2{0.0f, 0.0f});
       store2(part_db + col, float2{0.0f, 0.0f});
+      if (part_dxb != nullptr) store2(part_dxb + col, float2{0.0f, 0.0f});
     }
   } else {
     for (int col = t; col < n; col += kLnrThreads) {
       part_dw[col] = 0.0f;
       part_db[col] = 0.0f;
+      if (part_dxb != nullptr) part_dxb[col] = 0.0f;
     }
   }
   for (int64_t row = first; row < last; ++row) {
     const int64_t base = row * n;
     const T* s = p.s + base;
-    const T* dy = p.dy + base;
     const T* ds = p.ds != nullptr ? p.ds + base : nullptr;
     TX* dx = p.dx + base;
     T* dres = p.dresidual + base;
@@ -369,7 +497,8 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_block_kerne
     float sums[2] = {0.0f, 0.0f};
     if (p.vec2) {
       for (int col = 2 * t; col < n; col += 2 * kLnrThreads) {
-        const float2 sv = load2(s + col), gv = load2(dy + col), wv = load2(p.weight + col);
+        const float2 sv = load2(s + col), wv = load2(p.weight + col);
+        const float2 gv = lnr_dy2(p, base + col);
         const float xa = (sv.x - mu) * rs, xb = (sv.y - mu) * rs;
         const float ga = gv.x * wv.x, gb = gv.y * wv.y;
         sums[0] += ga + gb;
@@ -380,7 +509,7 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_block_kerne
       }
     } else {
       for (int col = t; col < n; col += kLnrThreads) {
-        const float xhat = (to_float(s[col]) - mu) * rs, gv = to_float(dy[col]);
+        const float xhat = (to_float(s[col]) - mu) * rs, gv = lnr_dy(p, base + col);
         const float g = gv * to_float(p.weight[col]);
         sums[0] += g;
         sums[1] += g * xhat;
@@ -393,7 +522,8 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_block_kerne
     // Sweep 2: ds_total = rstd (g - mean(g) - xhat mean(g xhat)) + ds; dresidual = ds_total, dx = ds_total r.
     if (p.vec2) {
       for (int col = 2 * t; col < n; col += 2 * kLnrThreads) {
-        const float2 sv = load2(s + col), gv = load2(dy + col), wv = load2(p.weight + col);
+        const float2 sv = load2(s + col), wv = load2(p.weight + col);
+        const float2 gv = lnr_dy2(p, base + col);
         float d0 = rs * (gv.x * wv.x - mean_g - (sv.x - mu) * rs * mean_gx);
         float d1 = rs * (gv.y * wv.y - mean_g - (sv.y - mu) * rs * mean_gx);
         if (ds != nullptr) {
@@ -409,16 +539,21 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrThreads) layer_norm_residual_bwd_block_kerne
           d1 *= r.y;
         }
         store2(dx + col, float2{d0, d1});
+        if (part_dxb != nullptr) {
+          const float2 pxb = load2(part_dxb + col);
+          store2(part_dxb + col, float2{pxb.x + d0, pxb.y + d1});
+        }
       }
     } else {
       for (int col = t; col < n; col += kLnrThreads) {
         const float xhat = (to_float(s[col]) - mu) * rs;
-        float d = rs * (to_float(dy[col]) * to_float(p.weight[col]) - mean_g - xhat * mean_gx);
+        float d = rs * (lnr_dy(p, base + col) * to_float(p.weight[col]) - mean_g - xhat * mean_gx);
         if (ds != nullptr) d += to_float(ds[col]);
         dres[col] = from_float<T>(d);
         if (drop) d *= dropout_factor(load_seed(p.seed), static_cast<uint64_t>(base + col), p.dropout_p,
                                       p.inv_keep);
         dx[col] = from_float<TX>(d);
+        if (part_dxb != nullptr) part_dxb[col] += d;
       }
     }
   }
@@ -437,26 +572,32 @@ FF_GLOBAL void FF_LAUNCH_BOUNDS(kLnrReduceStripes * kWarpSize) layer_norm_residu
   __shared__ float stripe_dw[kLnrReduceStripes][kWarpSize], stripe_db[kLnrReduceStripes][kWarpSize];
   const int lane = threadIdx.x % kWarpSize, stripe = threadIdx.x / kWarpSize;
   const int col = blockIdx.x * kWarpSize + lane;
-  float sw = 0.0f, sb = 0.0f;
+  __shared__ float stripe_dxb[kLnrReduceStripes][kWarpSize];
+  float sw = 0.0f, sb = 0.0f, sx = 0.0f;
   if (col < p.cols) {
     for (int c = stripe; c < p.partials; c += kLnrReduceStripes) {
       sw += p.partial_dw[static_cast<int64_t>(c) * p.cols + col];
       sb += p.partial_db[static_cast<int64_t>(c) * p.cols + col];
+      if (p.partial_dxb != nullptr) sx += p.partial_dxb[static_cast<int64_t>(c) * p.cols + col];
     }
   }
   stripe_dw[stripe][lane] = sw;
   stripe_db[stripe][lane] = sb;
+  stripe_dxb[stripe][lane] = sx;
   __syncthreads();
   if (stripe == 0 && col < p.cols) {
     sw = stripe_dw[0][lane];
     sb = stripe_db[0][lane];
+    sx = stripe_dxb[0][lane];
 #pragma unroll
     for (int k = 1; k < kLnrReduceStripes; ++k) {
       sw += stripe_dw[k][lane];
       sb += stripe_db[k][lane];
+      sx += stripe_dxb[k][lane];
     }
     p.dweight[col] = from_float<T>(sw);
     p.dbias[col] = from_float<T>(sb);
+    if (p.partial_dxb != nullptr) p.dx_bias[col] = sx;
   }
 }
 

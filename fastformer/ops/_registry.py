@@ -65,10 +65,11 @@ def _without_autocast(impl: Callable) -> Callable:
 
 @functools.cache
 def _argument_types(op: str) -> dict[str, str]:
-    """name -> schema type ("Tensor", "Optional[Tensor]", "float", "Optional[float]", "bool", "int", "str") of the
-    arguments of ``fastformer::<op>_fwd``, as declared once in csrc/ops.h."""
+    """name -> schema type ("Tensor", "Optional[Tensor]", "float", "Optional[float]", "bool", "int", "str",
+    "Optional[ScalarType]") of the arguments of ``fastformer::<op>_fwd``, as declared once in csrc/ops.h
+    (``real_type``: ``type`` shows a ScalarType as int)."""
     schema = getattr(torch.ops.fastformer, f"{op}_fwd").default._schema
-    return {arg.name: str(arg.type) for arg in schema.arguments}
+    return {arg.name: str(arg.real_type) for arg in schema.arguments}
 
 
 def _takes(kind: str, value) -> bool:
@@ -84,6 +85,8 @@ def _takes(kind: str, value) -> bool:
         return isinstance(value, bool)
     if kind == "str":
         return isinstance(value, str)
+    if kind == "ScalarType":
+        return isinstance(value, torch.dtype)
     return True
 
 
@@ -97,7 +100,7 @@ def check_types(op: str, arguments: dict) -> None:
             value = arguments[name]
             want = {"Tensor": "a torch.Tensor", "Optional[Tensor]": "a torch.Tensor or None", "float": "a number",
                     "Optional[float]": "a number or None", "int": "an int", "bool": "a bool",
-                    "str": "a str"}.get(kind, kind)
+                    "str": "a str", "Optional[ScalarType]": "a torch.dtype or None"}.get(kind, kind)
             got = "None" if value is None else type(value).__name__
             raise ValueError(f"fastformer {op}: {name} must be {want}, got {got}")
 

@@ -308,23 +308,27 @@ def softmax_bwd(dy, y, scale):
 # layer_norm_residual
 
 
-def layer_norm_residual_fwd(x, residual, weight, bias, eps, dropout_p, seed):
-    """y, s in residual's dtype (the stream's); x may be float16 or bfloat16 beside a float32 residual and is
-    upcast here, as the kernels upcast it when they read it."""
+def layer_norm_residual_fwd(x, residual, weight, bias, eps, dropout_p, seed, x_bias, compute_dtype):
+    """y, s in residual's dtype (the stream's), s = residual + dropout(x + x_bias); x may be float16 or bfloat16
+    beside a float32 residual and is upcast here, as the kernels upcast it when they read it, and x_bias (any
+    floating dtype) with it. y_c = y.to(compute_dtype), or empty (0,) when compute_dtype is residual's dtype."""
     acc = _acc_dtype(residual.dtype)
     drop = _dropout_factor(seed, x.shape, dropout_p, acc, x.device)
-    s = residual.to(acc) + (x.to(acc) if drop is None else x.to(acc) * drop)
+    branch = x.to(acc) if x_bias is None else x.to(acc) + x_bias.to(acc)
+    s = residual.to(acc) + (branch if drop is None else branch * drop)
     s = s.to(residual.dtype).to(acc)  # normalize the s that is returned, so backward rebuilds the same xhat
     mean = s.mean(-1)
     rstd = torch.rsqrt(s.var(-1, unbiased=False) + eps)
-    y = (s - mean[..., None]) * rstd[..., None] * weight.to(acc) + bias.to(acc)
-    return y.to(residual.dtype), s.to(residual.dtype), mean, rstd
+    y = ((s - mean[..., None]) * rstd[..., None] * weight.to(acc) + bias.to(acc)).to(residual.dtype)
+    y_c = y.to(compute_dtype) if compute_dtype != residual.dtype else residual.new_empty(0)
+    return y, s.to(residual.dtype), mean, rstd, y_c
 
 
-def layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p, seed, dx_dtype):
-    """dx in dx_dtype (x's), dresidual in s's dtype, dweight and dbias in weight's."""
+def layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p, seed, dx_dtype, dy_c, x_bias):
+    """dx in dx_dtype (x's), dresidual in s's dtype, dweight and dbias in weight's, dx_bias = sum over rows of
+    dx in x_bias's dtype (empty (0,) without x_bias); dy_c (the gradient of y_c) adds to dy."""
     acc = _acc_dtype(s.dtype)
-    dya = dy.to(acc)
+    dya = dy.to(acc) if dy_c is None else dy.to(acc) + dy_c.to(acc)
     xhat = (s.to(acc) - mean[..., None]) * rstd[..., None]
     g = dya * weight.to(acc)
     d_s = rstd[..., None] * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
@@ -335,7 +339,11 @@ def layer_norm_residual_bwd(dy, ds, s, weight, mean, rstd, dropout_p, seed, dx_d
     rows = tuple(range(s.dim() - 1))  # empty for a 1-D input, where sum(()) would reduce every dim
     dweight = (dya * xhat).sum(rows) if rows else dya * xhat
     dbias = dya.sum(rows) if rows else dya.clone()
-    return dx.to(dx_dtype), d_s.to(s.dtype), dweight.to(weight.dtype), dbias.to(weight.dtype)
+    if x_bias is None:
+        dx_bias = weight.new_empty(0)
+    else:
+        dx_bias = (dx.sum(rows) if rows else dx.clone()).to(x_bias.dtype)
+    return dx.to(dx_dtype), d_s.to(s.dtype), dweight.to(weight.dtype), dbias.to(weight.dtype), dx_bias
 
 
 # --------------------------------------------------------------------------------------------------

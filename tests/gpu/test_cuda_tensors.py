@@ -228,7 +228,8 @@ def device_seed(manual_seed):
 def lnr_with_seed(seed, p, prenorm):
     """layer_norm_residual through the registered op (CPU kernels and C++ autograd) with the seed ``seed``."""
     def run(x, residual, weight, bias):
-        y, s, _, _ = torch.ops.fastformer.layer_norm_residual_fwd(x, residual, weight, bias, 1e-5, p, seed)
+        y, s, _, _, _ = torch.ops.fastformer.layer_norm_residual_fwd(x, residual, weight, bias, 1e-5, p, seed, None,
+                                                                     None)
         return (y, s) if prenorm else y
     return run
 

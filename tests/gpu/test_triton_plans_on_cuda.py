@@ -116,7 +116,7 @@ def test_replays_are_captured_by_a_cuda_graph(fresh_plans):
     def step():
         out, lse = fwd(q, k, v, None, True, 0.2, None, seed, "triton")
         grads = bwd(dout, q, k, v, out, lse, None, True, 0.2, None, seed, 0, "triton")
-        return (out, *grads, lnr(x, r, w, b, 1e-5, 0.0, None, "triton")[0])
+        return (out, *grads, lnr(x, r, w, b, 1e-5, 0.0, None, None, None, "triton")[0])
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -68,6 +68,23 @@ def layer_norm_residual_call(backend):
     return run
 
 
+def layer_norm_residual_fused_call(backend):
+    # The training case of the fused epilogue: a bfloat16 branch, float32 residual, parameters and x_bias, the
+    # output also in bfloat16; nothing is cast under autocast (the op has no autocast kernel).
+    f32 = torch.float32
+    x, residual = randn(7, 97, dtype=DTYPE).requires_grad_(), randn(7, 97, dtype=f32).requires_grad_()
+    weight, bias = randn(97, dtype=f32, shift=1.0).requires_grad_(), randn(97, dtype=f32).requires_grad_()
+    x_bias = randn(97, dtype=f32).requires_grad_()
+    dy, dy_c = randn(7, 97, dtype=f32), randn(7, 97, dtype=DTYPE)
+
+    def run():
+        y, y_c = ops.layer_norm_residual(x, residual, weight, bias, x_bias=x_bias, compute_dtype=DTYPE,
+                                         backend=backend)
+        return (y, y_c, *torch.autograd.grad((y, y_c), (x, residual, weight, bias, x_bias), (dy, dy_c)))
+
+    return run
+
+
 def cross_entropy_call(backend):
     logits = randn(7, 3, 113, dtype=DTYPE).requires_grad_()
     target = torch.randint(0, 113, (7, 3))
@@ -95,7 +112,8 @@ def bias_activation_call(backend):
 
 # One call per op of csrc/ops.h's list (tests/test_op_lists.py fails while an op has none).
 CALLS = {"attention": attention_call, "attention_varlen": attention_varlen_call, "softmax": softmax_call, "layer_norm_residual": layer_norm_residual_call,
-         "cross_entropy": cross_entropy_call, "bias_activation": bias_activation_call}
+         "layer_norm_residual+fused": layer_norm_residual_fused_call, "cross_entropy": cross_entropy_call,
+         "bias_activation": bias_activation_call}
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)

@@ -188,6 +188,13 @@ BAD = {
     "lnr-dropout_str": (lnr(dropout_p="0.1"), VALUE),
     "lnr-dropout_tensor": (lnr(dropout_p=torch.tensor(0.1)), VALUE),
     "lnr-int": (lnr(**{n: (lambda a, n=n: a[n].long()) for n in ("x", "residual", "weight", "bias")}), ANY),
+    # x_bias (N,) floating on x's device; compute_dtype float16, bfloat16 or residual's dtype.
+    "lnr-x_bias_width": (lnr(x_bias=randn(N + 1, dtype=F32)), VALUE),
+    "lnr-x_bias_rank2": (lnr(x_bias=randn(1, N, dtype=F32)), VALUE),
+    "lnr-x_bias_int": (lnr(x_bias=torch.ones(N, dtype=torch.int32)), VALUE),
+    "lnr-x_bias_meta": (lnr(x_bias=torch.ones(N, device="meta")), VALUE),
+    "lnr-compute_float64": (lnr(compute_dtype=torch.float64), VALUE),
+    "lnr-compute_int8": (lnr(compute_dtype=torch.int8), VALUE),
     # cross_entropy: logits (..., V), target (...) int64 in [0, V) or ignore_index
     "ce-target_int32": (ce(target=lambda a: a["target"].int()), VALUE),
     "ce-target_float": (ce(target=lambda a: a["target"].float()), VALUE),
@@ -443,7 +450,7 @@ WRONG_TYPES = {
                           ("scale", None)]),
     "layer_norm_residual": (lnr, [("x", None), ("residual", None), ("weight", None), ("bias", None),
                                   ("weight", [1.0] * N), ("bias", 0.0), ("eps", "1e-5"), ("eps", None),
-                                  ("dropout_p", None)]),
+                                  ("dropout_p", None), ("x_bias", [0.0] * N), ("compute_dtype", "bfloat16")]),
     "cross_entropy": (ce, [("logits", None), ("target", None), ("target", [0, 1]), ("logits", 1.0),
                            ("label_smoothing", None), ("ignore_index", 1.5), ("ignore_index", None)]),
     "bias_activation": (ba, [("x", None), ("bias", None), ("x", [[1.0]]), ("bias", 0.5), ("activation", None),
@@ -480,7 +487,7 @@ def backward_calls():
         tables = (va["cu_seqlens_q"], va["cu_seqlens_k"], 5, 4, True, 0.0, None, None)
         v_out, v_lse = fwd("attention_varlen")(*packed, *tables)
         y = fwd("softmax")(x, None, 1.0)
-        _, s, mean, rstd = fwd("layer_norm_residual")(x, x, w, b, 1e-5, 0.0, None)
+        _, s, mean, rstd, _ = fwd("layer_norm_residual")(x, x, w, b, 1e-5, 0.0, None, None, None)
         loss, nll, ce_lse = fwd("cross_entropy")(logits, target, 0.0, -100)
         ba_y = fwd("bias_activation")(x, b, "gelu", 0.0, None)
         return {
@@ -490,13 +497,19 @@ def backward_calls():
             "attention_varlen-lse": lambda: bwd("attention_varlen")(v_out, *packed, v_out, v_lse[:, :-1], *tables),
             "softmax-dy": lambda: bwd("softmax")(short(y), y, 1.0),
             "layer_norm_residual-ds": lambda: bwd("layer_norm_residual")(s, short(s), s, w, mean, rstd, 0.0, None,
-                                                                         None),
+                                                                         None, None, None),
             "layer_norm_residual-rstd": lambda: bwd("layer_norm_residual")(s, None, s, w, mean, short(rstd), 0.0, None,
-                                                                           None),
+                                                                           None, None, None),
             "layer_norm_residual-dx_dtype": lambda: bwd("layer_norm_residual")(s, None, s, w, mean, rstd, 0.0, None,
-                                                                               torch.float64),
+                                                                               torch.float64, None, None),
             "layer_norm_residual-weight": lambda: bwd("layer_norm_residual")(s, None, s, w.bfloat16(), mean, rstd, 0.0,
-                                                                             None, torch.bfloat16),
+                                                                             None, torch.bfloat16, None, None),
+            "layer_norm_residual-dy_c": lambda: bwd("layer_norm_residual")(s, None, s, w, mean, rstd, 0.0, None, None,
+                                                                           short(s).bfloat16(), None),
+            "layer_norm_residual-dy_c-dtype": lambda: bwd("layer_norm_residual")(s, None, s, w, mean, rstd, 0.0, None,
+                                                                                 None, s.double(), None),
+            "layer_norm_residual-x_bias": lambda: bwd("layer_norm_residual")(s, None, s, w, mean, rstd, 0.0, None,
+                                                                             None, None, short(w)),
             "cross_entropy-lse": lambda: bwd("cross_entropy")(loss, nll, logits, target, short(ce_lse), 0.0, -100),
             "cross_entropy-dloss": lambda: bwd("cross_entropy")(loss.double(), nll, logits, target, ce_lse, 0.0, -100),
             "bias_activation-dy": lambda: bwd("bias_activation")(short(ba_y), x, b, "gelu", 0.0, None),
@@ -508,7 +521,8 @@ def backward_calls():
 
 
 BACKWARD_CASES = ["attention-dout", "attention-lse", "attention_varlen-dout", "attention_varlen-lse", "softmax-dy", "layer_norm_residual-ds", "layer_norm_residual-rstd",
-                  "layer_norm_residual-dx_dtype", "layer_norm_residual-weight", "cross_entropy-lse",
+                  "layer_norm_residual-dx_dtype", "layer_norm_residual-weight", "layer_norm_residual-dy_c",
+                  "layer_norm_residual-dy_c-dtype", "layer_norm_residual-x_bias", "cross_entropy-lse",
                   "cross_entropy-dloss", "bias_activation-dy", "bias_activation-bias", "bias_activation-activation"]
 
 
@@ -550,7 +564,7 @@ def seed_calls(backend, seed):
     packed = dict(varlen_args(), dropout_p=0.25)
     v_out, v_lse = registered("attention_varlen", "fwd", backend, **packed, seed=good)
     norm = dict(x=x, residual=x, weight=w, bias=b, eps=1e-5, dropout_p=0.25)
-    _, s, mean, rstd = registered("layer_norm_residual", "fwd", backend, **norm, seed=good)
+    _, s, mean, rstd, _ = registered("layer_norm_residual", "fwd", backend, **norm, seed=good)
     act = dict(bias=b, activation="silu", dropout_p=0.25)
     return {
         "attention-fwd": lambda: registered("attention", "fwd", backend, **attn, seed=seed),

@@ -391,6 +391,28 @@ def test_backends_draw_the_seed_the_same_way(make):
     assert not torch.equal(after["torch"], untouched), "a dropout call must draw from torch's generator"
 
 
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("N", [97, 98, 264], ids=["elements", "pairs", "packs"])
+def test_layer_norm_residual_x_bias_keeps_the_mask(backend, N):
+    # x_bias is added before dropout and changes no mask: with residual = 0 and x + x_bias > 0, s is zero
+    # exactly where the call without x_bias (same seed) drops, the element index rule unchanged, and kept
+    # values are (x + x_bias) / (1 - p), as the torch reference draws them. The compute-dtype output on top.
+    x = (torch.rand(70, N) + 0.5).to(torch.bfloat16)
+    x_bias = torch.rand(N) + 0.5
+    residual, weight, bias = torch.zeros(70, N), torch.randn(N), torch.randn(N)
+    runs = {}
+    for name, b, kwargs in (("plain", backend, {}), ("fused", backend, dict(x_bias=x_bias, compute_dtype=torch.float16)),
+                            ("reference", "torch", dict(x_bias=x_bias))):
+        torch.manual_seed(SEED)
+        _, runs[name] = ops.layer_norm_residual(x, residual, weight, bias, dropout_p=0.3, prenorm=True,
+                                                backend=b, **kwargs)
+    assert torch.equal(runs["fused"] != 0, runs["plain"] != 0)
+    assert torch.equal(runs["fused"] != 0, runs["reference"] != 0)
+    kept = runs["plain"] != 0
+    torch.testing.assert_close(runs["fused"][kept], ((x.float() + x_bias) / 0.7)[kept])
+    assert_kept_fraction(kept, 0.3)
+
+
 def test_reference_mask_over_several_slices_matches_the_cpu_kernel():
     """The torch reference computes its Philox mask in slices of reference._KEEP_SLICE counters on the CPU:
     over 2.3 slices (odd row length, a partial last slice) its mask is the cpu kernel's (csrc/philox.h)."""
@@ -434,7 +456,7 @@ def lnr_op(backend, case, p, seed):
     fwd, tail = kernel_op("layer_norm_residual", "fwd", backend)
 
     def run(x, residual, weight, bias):
-        y, s, _, _ = fwd(x, residual, weight, bias, case.eps, p, seed, *tail)
+        y, s, _, _, _ = fwd(x, residual, weight, bias, case.eps, p, seed, None, None, *tail)
         return (y, s) if case.prenorm else y
 
     return run

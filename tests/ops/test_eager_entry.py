@@ -44,10 +44,10 @@ def test_every_op_has_an_eager_entry():
 
 def test_eager_entry_matches_the_op():
     x, r, w, b = torch.randn(4, 6), torch.randn(4, 6), torch.randn(6), torch.randn(6)
-    args = (x, r, w, b, 1e-5, 0.0, None)
+    args = (x, r, w, b, 1e-5, 0.0, None, torch.randn(6), torch.bfloat16)
     ours = C.EAGER_FWD["layer_norm_residual"](*args)
     theirs = torch.ops.fastformer.layer_norm_residual_fwd(*args)
-    assert isinstance(ours, tuple) and len(ours) == 4
+    assert isinstance(ours, tuple) and len(ours) == 5 and ours[4].dtype == torch.bfloat16
     for a, t in zip(ours, theirs):
         assert torch.equal(a, t)
     # an int where the schema takes a float, and a Python int seed-less call: converted like the op does
@@ -112,7 +112,8 @@ def test_torch_dispatch_mode_sees_the_op(op):
 def test_errors_are_python_exceptions():
     x = torch.randn(3, 5)
     with pytest.raises(ValueError, match="residual"):
-        C.EAGER_FWD["layer_norm_residual"](x, torch.randn(3, 4), torch.randn(5), torch.randn(5), 1e-5, 0.0, None)
+        C.EAGER_FWD["layer_norm_residual"](x, torch.randn(3, 4), torch.randn(5), torch.randn(5), 1e-5, 0.0, None,
+                                           None, None)
     with pytest.raises(ValueError, match="dropout_p"):
         ops.layer_norm_residual(x, x, torch.randn(5), torch.randn(5), dropout_p=1.5)
     with pytest.raises(ValueError, match="outside the classes"):

@@ -2,6 +2,8 @@
 
 y = LayerNorm(residual + dropout(x)) over the last dim, with weight and bias of shape (N,);
 prenorm=True also returns s = residual + dropout(x), and the gradient then flows through both outputs.
+The fused epilogue (issue 52): x_bias, the branch's bias added before dropout, and compute_dtype, the
+normalized output also written in float16/bfloat16 for the next GEMM (post-norm: (y, y_c); pre-norm: (y_c, s)).
 (Dropout is tested in test_dropout.py; here dropout_p = 0, except with the vector paths and the mixed
 dtypes: a float16 or bfloat16 x beside a float32 residual, weight and bias, autocast's case.)
 """
@@ -272,11 +274,13 @@ def test_backward_op_writes_each_gradient_in_its_dtype(backend):
     weight, bias = randn(40, dtype=torch.float32, shift=1.0), randn(40, dtype=torch.float32)
     fwd, tail = kernel_op("layer_norm_residual", "fwd", backend)
     bwd, _ = kernel_op("layer_norm_residual", "bwd", backend)
-    y, s, mean, rstd = fwd(x, residual, weight, bias, 1e-5, 0.0, None, *tail)
+    y, s, mean, rstd, y_c = fwd(x, residual, weight, bias, 1e-5, 0.0, None, None, None, *tail)
     assert (y.dtype, s.dtype, mean.dtype, rstd.dtype) == (torch.float32,) * 4
+    assert y_c.shape == (0,)  # no compute dtype asked for: an empty output
     dy = randn(7, 40, dtype=torch.float32)
     for dx_dtype, want in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (None, torch.float32)):
-        dx, dres, dw, db = bwd(dy, None, s, weight, mean, rstd, 0.0, None, dx_dtype, *tail)
+        dx, dres, dw, db, dxb = bwd(dy, None, s, weight, mean, rstd, 0.0, None, dx_dtype, None, None, *tail)
+        assert dxb.shape == (0,)  # no x_bias: an empty gradient
         assert (dx.dtype, dres.dtype, dw.dtype, db.dtype) == (want,) + (torch.float32,) * 3
         # No dropout: dx is dresidual in dx's dtype, to one ulp (the Triton interpreter truncates float32 to
         # bfloat16 where a GPU rounds to nearest).
@@ -297,14 +301,150 @@ class AtenCalls(TorchDispatchMode):
 
 @pytest.mark.skipif("triton" not in ALL_BACKENDS, reason="the triton backend is not available")
 def test_triton_backward_reduces_dweight_dbias_inside_the_op():
-    # Stage two of the dweight/dbias reduction is a Triton kernel writing weight's dtype: the backward calls
-    # no reduction or cast op of torch (only allocations; the interpreter adds its own host copies).
+    # Stage two of the dweight/dbias/dx_bias reduction is a Triton kernel writing weight's and x_bias's dtype:
+    # the backward calls no reduction or cast op of torch (only allocations; the interpreter adds its own host
+    # copies), with the gradient of the bfloat16 output y_c read as it is.
     from fastformer.triton.layer_norm_residual import layer_norm_residual_bwd, layer_norm_residual_fwd
 
     x, residual = randn(70, 40, dtype=torch.bfloat16), randn(70, 40, dtype=torch.float32)
     weight, bias = randn(40, dtype=torch.float32, shift=1.0), randn(40, dtype=torch.float32)
-    _, s, mean, rstd = layer_norm_residual_fwd(x, residual, weight, bias, 1e-5, 0.0, None)
-    dy = randn(70, 40, dtype=torch.float32)
+    x_bias = randn(40, dtype=torch.float32)
+    _, s, mean, rstd, _ = layer_norm_residual_fwd(x, residual, weight, bias, 1e-5, 0.0, None, x_bias, torch.bfloat16)
+    dy, dy_c = randn(70, 40, dtype=torch.float32), randn(70, 40, dtype=torch.bfloat16)
     with AtenCalls() as calls:
-        layer_norm_residual_bwd(dy, None, s, weight, mean, rstd, 0.0, None, torch.bfloat16)
+        layer_norm_residual_bwd(dy, None, s, weight, mean, rstd, 0.0, None, torch.bfloat16, dy_c, x_bias)
     assert not [n for n in calls.names if "sum" in n or "_to_copy" in n or n == "aten::to"], calls.names
+
+
+# The fused epilogue (issue 52): the branch's bias x_bias (a float32 master bias) and the normalized output in
+# a compute dtype. The training case: a bfloat16 branch beside the float32 residual stream and parameters.
+FUSED_CASES = [
+    Case((1, 1)),
+    Case((7, 1), True),
+    Case((7, 40), True),  # N even: the CUDA kernels move pairs
+    Case((1, 113)),  # N odd: single elements
+    Case((2, 7, 97), True),
+    Case((3, 64)),  # packs for a float32 stream (float32 branch, float32 y_c: none)
+    Case((7, 1030), True, 0.1),  # the CUDA block-per-row layout
+    Case((97, 113)),  # bigger: not on the slow backends
+    Case((113, 512), True),
+]
+
+
+def fused_fn(backend, case, compute_dtype, dropout_p, with_bias=True):
+    def run(x, residual, weight, bias, x_bias):
+        torch.manual_seed(7)  # the same dropout seed for every backend
+        return ops.layer_norm_residual(x, residual, weight, bias, eps=case.eps, dropout_p=dropout_p,
+                                       prenorm=case.prenorm, x_bias=x_bias if with_bias else None,
+                                       compute_dtype=compute_dtype, backend=backend)
+    return run
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16, torch.float16], ids=["no_c", "c_bf16", "c_f16"])
+@pytest.mark.parametrize("backend,dtype,case", backend_dtype_cases(ALL_BACKENDS, FUSED_CASES, small,
+                                                                   dtypes=(torch.float32, torch.float16,
+                                                                           torch.bfloat16)))
+def test_x_bias_and_compute_dtype_match_reference(backend, dtype, case, compute_dtype, dropout_p):
+    # x in dtype beside a float32 residual, weight, bias and x_bias; y_c (compute_dtype) against the float64
+    # y in compute_dtype's tolerance; the gradients of y (or s) and y_c add; dx_bias = sum over rows of dx.
+    inputs, upstream = make_inputs(case, torch.float32)
+    inputs[0] = randn(*case.shape, dtype=dtype)
+    inputs.append(randn(case.shape[-1], dtype=torch.float32, shift=0.5))
+    if compute_dtype is not None:  # post-norm: (y, y_c); pre-norm: (y_c, s)
+        upstream.append(randn(*case.shape, dtype=compute_dtype))
+        if case.prenorm:
+            upstream = [upstream[2], upstream[1]]
+    outs, grads = forward_backward(fused_fn(backend, case, compute_dtype, dropout_p), inputs, upstream)
+    # The reference in float64; with a compute dtype it returns y for y_c (its stream's dtype: the same tensor).
+    refs, ref_grads = forward_backward(fused_fn("torch", case, None if compute_dtype is None else torch.float64,
+                                                dropout_p), upcast(inputs), upcast(upstream))
+    names = {(False, False): ("y",), (True, False): ("y", "s"), (False, True): ("y", "y_c"),
+             (True, True): ("y_c", "s")}[case.prenorm, compute_dtype is not None]
+    assert len(outs) == len(names)
+    for name, o, r in zip(names, outs, refs):
+        assert_close(o, r, compute_dtype if name == "y_c" else torch.float32, name)
+    assert_close(grads[0], ref_grads[0], dtype, "dx")
+    for name, g, r in zip(("dresidual", "dweight", "dbias", "dx_bias"), grads[1:], ref_grads[1:]):
+        assert_close(g, r, torch.float32, name)
+
+
+@pytest.mark.parametrize("backend,dtype,case",
+                         backend_dtype_cases(ALL_BACKENDS, [Case((7, 97), True), Case((2, 3, 40)), Case((5, 1030))],
+                                             small, dtypes=(torch.float16, torch.bfloat16)))
+def test_fused_epilogue_in_the_stream_dtype(backend, dtype, case):
+    # A float16 or bfloat16 stream (x, residual, weight, bias in dtype), a float32 x_bias (returned dx_bias in
+    # float32) and the other half dtype as compute dtype: y_c = y rounded to dtype, then to the other.
+    other = torch.bfloat16 if dtype == torch.float16 else torch.float16
+    inputs, upstream = make_inputs(case, dtype)
+    inputs.append(randn(case.shape[-1], dtype=torch.float32))
+    upstream.append(randn(*case.shape, dtype=other))
+    if case.prenorm:
+        upstream = [upstream[2], upstream[1]]
+    outs, grads = forward_backward(fused_fn(backend, case, other, 0.0), inputs, upstream)
+    refs, ref_grads = forward_backward(fused_fn("torch", case, torch.float64, 0.0), upcast(inputs),
+                                       upcast(upstream))
+    names = ("y_c", "s") if case.prenorm else ("y", "y_c")
+    for name, o, r in zip(names, outs, refs):
+        assert_close(o, r, other if name == "y_c" else dtype, name)
+    for name, g, r in zip(("dx", "dresidual", "dweight", "dbias"), grads, ref_grads):
+        assert_close(g, r, dtype, name)
+    # dx_bias comes in x_bias's float32, with the accuracy of the stream (s is rounded to dtype).
+    assert grads[4].dtype == torch.float32
+    assert_close(grads[4].to(dtype), ref_grads[4], dtype, "dx_bias")
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("compute_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("N", [40, 97, 264, 1030])
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset1"])
+def test_compute_output_is_y_rounded(backend, compute_dtype, N, offset):
+    # y_c is y.to(compute_dtype) bit for bit (the same pass rounds the stored y), on every vector path (N 40:
+    # pairs, 97: elements, 264: packs of the float32 rows without y_c, 1030: block per row; offset1: unaligned).
+    # The Triton interpreter rounds float32 to bfloat16 by truncation where torch rounds to nearest: one ulp.
+    case = Case((70, N))
+    inputs, _ = make_inputs(case, torch.float32)
+    inputs = [shifted(t, offset) for t in inputs]
+    x_bias = shifted(randn(N, dtype=torch.float32), offset)
+    y, y_c = ops.layer_norm_residual(*inputs, x_bias=x_bias, compute_dtype=compute_dtype, backend=backend)
+    plain = ops.layer_norm_residual(*inputs, x_bias=x_bias, backend=backend)
+    assert y_c.dtype == compute_dtype and y.dtype == torch.float32
+    if backend in ("cuda", "cuda_sim"):
+        # A 2-byte y_c beside float32 rows turns the CUDA warp layout's 16-byte packs into pairs (N 264): the
+        # row sums then add in another order, within float32 rounding.
+        torch.testing.assert_close(y, plain)
+    else:
+        assert torch.equal(y, plain)  # asking for y_c changes nothing else
+    if backend == "triton" and compute_dtype == torch.bfloat16:
+        torch.testing.assert_close(y_c.double(), y.to(compute_dtype).double(), rtol=torch.finfo(compute_dtype).eps,
+                                   atol=0)
+    else:
+        assert torch.equal(y_c, y.to(compute_dtype))
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_x_bias_is_the_branch_plus_bias(backend):
+    # x_bias adds to x before dropout: the same result as the branch x + x_bias (float32) without it, with the
+    # same dropout mask (the element index rule is unchanged); dx_bias is the row sum of dx.
+    case = Case((70, 98), True)
+    inputs, upstream = make_inputs(case, torch.float32)
+    inputs.append(randn(98, dtype=torch.float32))
+    fused = fused_fn(backend, case, None, 0.3)
+    outs, grads = forward_backward(fused, inputs, upstream)
+    summed = fused_fn(backend, case, None, 0.3, with_bias=False)
+    plain_outs, plain_grads = forward_backward(summed, [inputs[0] + inputs[4]] + inputs[1:], upstream)
+    for name, o, r in zip(("y", "s", "dx", "dresidual", "dweight", "dbias"), outs + grads[:4],
+                          plain_outs + plain_grads[:4]):
+        torch.testing.assert_close(o, r, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(grads[4], grads[0].sum(0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", FLOAT64_BACKENDS)
+@pytest.mark.parametrize("prenorm", [False, True])
+def test_gradcheck_float64_with_x_bias(backend, prenorm):
+    # Analytic gradients of all five inputs (x_bias included) against finite differences; with compute_dtype
+    # float64 (the stream's own) y_c is y, and both outputs' gradients add.
+    case = Case((3, 7), prenorm, 1e-5)
+    inputs, _ = make_inputs(case, torch.float64)
+    inputs = [t.requires_grad_() for t in inputs + [randn(7, dtype=torch.float64)]]
+    assert torch.autograd.gradcheck(fused_fn(backend, case, torch.float64, 0.0), inputs)

@@ -103,25 +103,33 @@ def test_softmax_ops(backend, masked):
     torch.library.opcheck(bwd, (dy, y, 0.5) + tail)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "x_bias+bf16_out"])
 @pytest.mark.parametrize("x_dtype", [F32, torch.bfloat16], ids=["f32", "bf16_branch"])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])
 @pytest.mark.parametrize("with_ds", [False, True], ids=["no_ds", "ds"])
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-def test_layer_norm_residual_ops(backend, with_ds, dropout_p, x_dtype):
+def test_layer_norm_residual_ops(backend, with_ds, dropout_p, x_dtype, fused):
+    # fused: the branch's bias (float32, a master bias) and the bfloat16 copy of the output y_c, whose
+    # gradient dy_c backward takes; without, y_c and dx_bias are empty (0,) tensors.
     x = randn(2, ROWS, N, dtype=x_dtype)  # a bfloat16 branch beside the float32 residual: autocast's case
     residual = randn(2, ROWS, N, dtype=F32)
     weight = randn(N, dtype=F32)
     bias = randn(N, dtype=F32)
+    x_bias = randn(N, dtype=F32) if fused else None
+    compute_dtype = torch.bfloat16 if fused else None
     fwd, tail = kernel_op("layer_norm_residual", "fwd", backend)
     bwd, _ = kernel_op("layer_norm_residual", "bwd", backend)
-    fwd_args = (x, residual, weight, bias, 1e-5, dropout_p, seed()) + tail
-    torch.library.opcheck(fwd, (leaf(x), leaf(residual), leaf(weight), leaf(bias)) + fwd_args[4:])
+    fwd_args = (x, residual, weight, bias, 1e-5, dropout_p, seed(), x_bias, compute_dtype) + tail
+    torch.library.opcheck(fwd, (leaf(x), leaf(residual), leaf(weight), leaf(bias)) + fwd_args[4:7] +
+                          (None if x_bias is None else leaf(x_bias), compute_dtype) + tail)
 
     with torch.no_grad():
-        y, s, mean, rstd = fwd(*fwd_args)
+        y, s, mean, rstd, y_c = fwd(*fwd_args)
+    assert y_c.shape == (s.shape if fused else (0,))
     dy = randn(2, ROWS, N, dtype=F32)
     ds = randn(2, ROWS, N, dtype=F32) if with_ds else None
-    bwd_args = (dy, ds, s, weight.detach(), mean, rstd, dropout_p, seed(), x_dtype) + tail
+    dy_c = randn(2, ROWS, N, dtype=torch.bfloat16) if fused else None
+    bwd_args = (dy, ds, s, weight.detach(), mean, rstd, dropout_p, seed(), x_dtype, dy_c, x_bias) + tail
     torch.library.opcheck(bwd, bwd_args)
 
 

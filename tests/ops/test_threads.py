@@ -99,6 +99,26 @@ def layer_norm_residual_call(dtype):
     return run
 
 
+def layer_norm_residual_fused_call(dtype):
+    # The fused epilogue: a float32 x_bias (its gradient dx_bias, a third reduction over the rows) and the
+    # output also in a compute dtype (bfloat16, or float16 beside a bfloat16 stream), whose gradient adds.
+    compute = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    x = randn(1031, 97, dtype=dtype).requires_grad_()
+    residual = randn(1031, 97, dtype=dtype).requires_grad_()
+    weight = randn(97, dtype=dtype, shift=1.0).requires_grad_()
+    bias = randn(97, dtype=dtype).requires_grad_()
+    x_bias = randn(97, dtype=torch.float32).requires_grad_()
+    dy, dy_c = randn(1031, 97, dtype=dtype), randn(1031, 97, dtype=compute)
+
+    def run():
+        torch.manual_seed(7)
+        y, y_c = ops.layer_norm_residual(x, residual, weight, bias, dropout_p=0.1, x_bias=x_bias,
+                                         compute_dtype=compute, backend="cpu")
+        return (y, y_c, *torch.autograd.grad((y, y_c), (x, residual, weight, bias, x_bias), (dy, dy_c)))
+
+    return run
+
+
 def cross_entropy_call(dtype):
     logits = randn(113, 7, 1001, dtype=dtype).requires_grad_()
     target = torch.randint(0, 1001, (113, 7))
@@ -133,9 +153,9 @@ def bias_activation_call(activation):
 # One call per op of csrc/ops.h's list (tests/test_op_lists.py fails while an op has none).
 CALLS = {"attention": attention_call, "attention_nomask": attention_nomask_call,
          "attention_varlen": attention_varlen_call, "softmax": softmax_call,
-         "layer_norm_residual": layer_norm_residual_call, "cross_entropy": cross_entropy_call,
-         "bias_activation-relu": bias_activation_call("relu"), "bias_activation-gelu": bias_activation_call("gelu"),
-         "bias_activation-silu": bias_activation_call("silu")}
+         "layer_norm_residual": layer_norm_residual_call, "layer_norm_residual+fused": layer_norm_residual_fused_call,
+         "cross_entropy": cross_entropy_call, "bias_activation-relu": bias_activation_call("relu"),
+         "bias_activation-gelu": bias_activation_call("gelu"), "bias_activation-silu": bias_activation_call("silu")}
 
 
 @pytest.fixture
@@ -228,3 +248,40 @@ def test_attention_does_not_depend_on_memory_offsets(dtype, layout, restore_thre
                     f"attention {dtype_name(dtype)} {layout}: output {i} with inputs {offset} elements off and "
                     f"{threads} threads differs from aligned, 1 thread, by up to "
                     f"{(a.double() - b.double()).abs().max().item():.3g}")
+
+
+def shifted_rows(x, offset):
+    """x's values (any shape) in a contiguous view ``offset`` elements into a larger buffer."""
+    buffer = torch.empty(x.numel() + offset, dtype=x.dtype)[offset:]
+    view = buffer.view(x.shape)
+    view.copy_(x)
+    return view
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+def test_layer_norm_residual_fused_does_not_depend_on_memory_offsets(dtype, restore_threads):
+    # The fused epilogue (x_bias, compute_dtype, dropout) on rows of 97 (no whole vector) with every input and
+    # upstream gradient misaligned by the offset: y, y_c and every gradient, dx_bias included, bit for bit.
+    compute = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    x, residual = randn(203, 97, dtype=dtype), randn(203, 97, dtype=dtype)
+    weight, bias = randn(97, dtype=dtype, shift=1.0), randn(97, dtype=dtype)
+    x_bias = randn(97, dtype=torch.float32)
+    dy, dy_c = randn(203, 97, dtype=dtype), randn(203, 97, dtype=compute)
+
+    def run(offset):
+        inputs = [shifted_rows(t, offset).requires_grad_() for t in (x, residual, weight, bias, x_bias)]
+        torch.manual_seed(7)
+        y, y_c = ops.layer_norm_residual(*inputs[:4], dropout_p=0.1, x_bias=inputs[4], compute_dtype=compute,
+                                         backend="cpu")
+        grads = (shifted_rows(dy, offset), shifted_rows(dy_c, offset))
+        return (y, y_c, *torch.autograd.grad((y, y_c), inputs, grads))
+
+    torch.set_num_threads(1)
+    expected = run(0)
+    for threads in THREADS:
+        torch.set_num_threads(threads)
+        for offset in OFFSETS:
+            for i, (a, b) in enumerate(zip(expected, run(offset))):
+                assert torch.isfinite(a).all()
+                assert torch.equal(a, b), (f"layer_norm_residual {dtype_name(dtype)}: output {i} with inputs {offset} "
+                                           f"elements off and {threads} threads differs from aligned, 1 thread")
