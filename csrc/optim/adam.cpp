@@ -1,9 +1,10 @@
 // fastformer._C.adam_step: the fused Adam step of fastformer.training.optim.Adam (csrc/optim/optim.h has the update
 // and its memory traffic). Checks every argument (ValueError naming it), then
-//   CPU tensors:  reads found_inf and grad_scale, counts the steps, computes each parameter's per-step factors and
-//                 calls the loaded level's kernel (csrc/optim/adam_cpu.cpp) once for all parameters;
+//   CPU tensors:  reads found_inf (nonzero: returns) and grad_scale, counts the steps, computes each parameter's
+//                 per-step factors and calls the loaded level's kernel (csrc/optim/adam_cpu.cpp) once for all;
 //   CUDA tensors: the launcher csrc/cuda/adam.cu, which reads the step counts, the learning rate, grad_scale and
-//                 found_inf on the device (no host synchronization: the step is graph-capturable).
+//                 found_inf on the device (no host synchronization: the step is graph-capturable);
+// then every tensor written gets a new version (bump_versions).
 #include "optim/optim.h"
 
 #include <cmath>
@@ -101,9 +102,7 @@ void adam_step_cpu(const std::vector<at::Tensor>& params, const std::vector<at::
                    const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                    const std::vector<c10::optional<at::Tensor>>& copies, const std::vector<at::Tensor>& steps,
                    double lr, const c10::optional<at::Tensor>& lr_tensor, double beta1, double beta2,
-                   double weight_decay, double eps, const c10::optional<at::Tensor>& grad_scale,
-                   const c10::optional<at::Tensor>& found_inf) {
-  if (found_inf.has_value() && found_inf->item<float>() != 0.0f) return;  // an overflow: no update, no step
+                   double weight_decay, double eps, const c10::optional<at::Tensor>& grad_scale) {
   if (lr_tensor.has_value()) lr = lr_tensor->item<float>();
   AdamHyper hyper{static_cast<float>(beta1), static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
                   static_cast<float>(1.0 - beta2), static_cast<float>(weight_decay), static_cast<float>(eps),
@@ -129,6 +128,20 @@ void adam_step_cpu(const std::vector<at::Tensor>& params, const std::vector<at::
   cpu_kernels().optim.adam_step(table.data(), static_cast<int64_t>(table.size()), hyper);
 }
 
+// Every tensor the step writes gets a new version, as an in-place op's outputs do: caches keyed by a weight's
+// version (fastformer/nn/linear.py's packed weights) see the update, and autograd refuses a graph that saved a
+// parameter before it (the kernels write through raw pointers, past the dispatcher that would bump them).
+void bump_versions(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& exp_avgs,
+                   const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<c10::optional<at::Tensor>>& copies,
+                   const std::vector<at::Tensor>& steps) {
+  for (const auto* list : {&params, &exp_avgs, &exp_avg_sqs, &steps}) {
+    for (const at::Tensor& t : *list) t.unsafeGetTensorImpl()->bump_version();
+  }
+  for (const auto& c : copies) {
+    if (c.has_value()) c->unsafeGetTensorImpl()->bump_version();
+  }
+}
+
 }  // namespace
 
 void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -140,13 +153,17 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
              grad_scale, found_inf);
   if (params.empty()) return;
   if (params[0].is_cpu()) {
+    if (found_inf.has_value() && found_inf->item<float>() != 0.0f) return;  // an overflow: no update, no step
     adam_step_cpu(params, grads, exp_avgs, exp_avg_sqs, copies, steps, lr, lr_tensor, beta1, beta2, weight_decay, eps,
-                  grad_scale, found_inf);
+                  grad_scale);
+    bump_versions(params, exp_avgs, exp_avg_sqs, copies, steps);
     return;
   }
 #ifdef FASTFORMER_WITH_CUDA
+  // found_inf is read on the device: the versions are bumped whether or not the kernels skip the update
   cuda::adam_step(params, grads, exp_avgs, exp_avg_sqs, copies, steps, lr, lr_tensor, beta1, beta2, weight_decay, eps,
                   grad_scale, found_inf);
+  bump_versions(params, exp_avgs, exp_avg_sqs, copies, steps);
 #else
   TORCH_CHECK_VALUE(false, "fastformer adam_step: this fastformer._C was built without CUDA kernels "
                     "(fastformer._C.WITH_CUDA is False); params are on ", params[0].device());

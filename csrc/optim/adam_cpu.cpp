@@ -2,7 +2,8 @@
 // (setup.py LEVEL_SOURCES) and reached through the kernel table (csrc/cpu/kernel_table.h, group optim).
 //
 // The parameters are cut into chunks of kAdamChunk elements (the last of each parameter shorter), numbered one
-// after the other over all parameters; at::parallel_for spreads the chunk numbers over the threads. Within a chunk
+// after the other over all parameters; at::parallel_for spreads the chunk numbers over the threads (below
+// kAdamParallelElements elements in all, the calling thread takes them all). Within a chunk
 // at::vec runs 2 vectors at a time (two float32 vectors make one vector of 16-bit copies), a scalar loop the rest.
 // Which element takes the vector or the scalar path depends only on its index in its parameter, so the results
 // are the same for any thread count and any memory offset.
@@ -19,6 +20,7 @@ namespace fastformer::cpu {
 namespace {
 
 constexpr int64_t kAdamChunk = 16384;  // elements: 64 KiB of each float32 stream
+constexpr int64_t kAdamParallelElements = 2 * kAdamChunk;  // fewer elements in all: one thread
 
 // The update of one element (the scalar path).
 inline float adam_element(const AdamTensor& t, const AdamHyper& h, int64_t i) {
@@ -79,14 +81,22 @@ void adam_chunk(const AdamTensor& t, const AdamHyper& h, int64_t begin, int64_t 
 void adam_step(const AdamTensor* tensors, int64_t count, const AdamHyper& hyper) {
   std::vector<int64_t> first(count + 1, 0);  // first[k]: the number of the first chunk of parameter k
   for (int64_t k = 0; k < count; ++k) first[k + 1] = first[k] + (tensors[k].numel + kAdamChunk - 1) / kAdamChunk;
-  at::parallel_for(0, first[count], 1, [&](int64_t begin, int64_t end) {
+  int64_t elements = 0;
+  for (int64_t k = 0; k < count; ++k) elements += tensors[k].numel;
+  const auto chunks = [&](int64_t begin, int64_t end) {  // chunk numbers [begin, end)
     int64_t k = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
     for (int64_t c = begin; c < end; ++c) {
       while (c >= first[k + 1]) ++k;
       const int64_t start = (c - first[k]) * kAdamChunk;
       adam_chunk(tensors[k], hyper, start, std::min(start + kAdamChunk, tensors[k].numel));
     }
-  });
+  };
+  // Little work (many small parameters make many short chunks): on the calling thread, no parallel region.
+  if (elements < kAdamParallelElements) {
+    chunks(0, first[count]);
+  } else {
+    at::parallel_for(0, first[count], 1, chunks);
+  }
 }
 
 }  // namespace fastformer::cpu

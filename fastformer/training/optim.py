@@ -160,4 +160,6 @@ class Adam(torch.optim.Adam):
         pairs = [(c, p) for c, p in zip(copies, params) if c is not None]
         if pairs:
             torch._foreach_copy_([c for c, _ in pairs], [p for _, p in pairs])
+        for t in (*params, *exp_avgs, *exp_avg_sqs, *steps):  # torch's fused kernel leaves the versions as they were
+            torch.autograd.graph.increment_version(t)
 

@@ -86,6 +86,22 @@ def test_torch_fused_fallback_matches_the_kernel(monkeypatch):
         assert fallback.state[t]["step"].item() == 3.0
 
 
+def test_step_gives_what_it_writes_a_new_version():
+    """As an in-place op: a cache keyed by a weight's version (fastformer/nn/linear.py's packed weights) sees the
+    update. Parameters without a gradient keep theirs."""
+    params = make_params()
+    copies = copies_for(params, torch.bfloat16)
+    opt = Adam(params, compute_copies=copies, **HYPER)
+    draw_grads(params, 0, skip=(1,))
+    opt.step()
+    before = {p: (p._version, copies[p]._version, opt.state[p].get("exp_avg", p)._version) for p in params}
+    opt.step()
+    for k, p in enumerate(params):
+        changed = [now > then for now, then in zip((p._version, copies[p]._version,
+                                                     opt.state[p].get("exp_avg", p)._version), before[p])]
+        assert changed == ([False] * 3 if k == 1 else [True] * 3), k
+
+
 def scaled_backward(params, scaler, step, poison=False):
     """Gradients of a loss whose gradient w.r.t. each param is draw_grads' (times the scaler's scale)."""
     draw_grads(params, step)
