@@ -67,7 +67,8 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
       }
       p.first_block[j] = static_cast<int>(blocks);
       blocks += (p.numel[j] + kAdamChunk - 1) / kAdamChunk;
-      TORCH_CHECK(blocks <= INT_MAX, "fastformer ", kBackend, " adam_step: ", blocks, " blocks exceed the launch limit");
+      TORCH_CHECK(blocks <= INT_MAX, "fastformer ", kBackend, " adam_step: ", blocks,
+                  " blocks exceed the launch limit");
     }
     p.first_block[count] = static_cast<int>(blocks);
     launch(adam_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kAdamThreads), p);
