@@ -1,7 +1,7 @@
 """Builds the pybind11 extension ``fastformer._C`` and the CPU kernel modules ``fastformer._cpu_<level>``.
 
 The CPU kernels (LEVEL_SOURCES: the ops' csrc/cpu/*.cpp and the per-level files of the decoding GEMMs,
-csrc/gemm/, and of the inference room, csrc/inference/) are compiled once per instruction-set level:
+csrc/gemm/, of the inference room, csrc/inference/, and the optimizer's, csrc/optim/adam_cpu.cpp) are compiled once per instruction-set level:
 ``default`` (baseline x86-64, or the target's baseline elsewhere) and, on x86-64, ``avx2`` and ``avx512``, each
 into a module of its own (csrc/cpu/kernel_table.h says why); the best level the running CPU supports is loaded
 at import, or a lower one named by FASTFORMER_CPU_CAPABILITY at run time (fastformer/_ext.py).
@@ -127,11 +127,11 @@ def want_cuda():
 # The sources compiled once per CPU level (the rest of csrc/gemm and csrc/inference goes into fastformer._C).
 LEVEL_SOURCES = sorted(glob.glob("csrc/cpu/*.cpp")) + [
     "csrc/gemm/packed_linear.cpp", "csrc/gemm/int8_linear.cpp",
-    "csrc/inference/decoder_step.cpp", "csrc/inference/search_candidates.cpp"]
+    "csrc/inference/decoder_step.cpp", "csrc/inference/search_candidates.cpp", "csrc/optim/adam_cpu.cpp"]
 # The headers that declare the CPU kernel table and what crosses it: their digest is the table's layout
 # (csrc/cpu/kernel_table.h), compiled into _C and every level module, so a stale module is refused at import.
 KERNEL_TABLE_HEADERS = ["csrc/cpu/kernel_table.h", "csrc/ops.h", "csrc/op_entry_points.h", "csrc/gemm/gemm.h",
-                        "csrc/gemm/int8_onednn.h", "csrc/inference/inference.h"]
+                        "csrc/gemm/int8_onednn.h", "csrc/inference/inference.h", "csrc/optim/optim.h"]
 
 
 def kernel_table_digest():
@@ -198,7 +198,7 @@ def core_extension():
     sources = ["csrc/fastformer.cpp", "csrc/value_checks.cpp", "csrc/cpu_levels.cpp", "csrc/gemm/gemm.cpp",
                "csrc/gemm/int8_onednn.cpp",
                "csrc/inference/decoder.cpp",
-               "csrc/inference/beam_search.cpp", "csrc/triton/plans.cpp"]
+               "csrc/inference/beam_search.cpp", "csrc/optim/adam.cpp", "csrc/triton/plans.cpp"]
     sources = unity_sources("core", sources + sorted(glob.glob("csrc/autograd/*.cpp")))
     cxx = ["-O3", NO_DEBUG_INFO, f'-DFASTFORMER_TORCH_VERSION="{torch.__version__}"', kernel_table_digest()]
     include_dirs = [os.path.join(ROOT, "csrc")]

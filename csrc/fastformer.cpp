@@ -24,6 +24,7 @@
 #include "gemm/gemm.h"
 #include "gemm/int8_onednn.h"
 #include "ops.h"
+#include "optim/optim.h"
 #include "triton/plans.h"
 
 #ifndef FASTFORMER_TORCH_VERSION
@@ -319,6 +320,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   fastformer::bind_beam_search(m);
   // The triton backend's launch plans (csrc/triton/plans.cpp).
   fastformer::bind_triton_plans(m);
+  // The fused Adam step of fastformer.training.optim.Adam (csrc/optim/optim.h).
+  m.def("adam_step", &fastformer::adam_step, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"),
+        py::arg("exp_avg_sqs"), py::arg("copies"), py::arg("steps"), py::arg("lr"), py::arg("lr_tensor"),
+        py::arg("beta1"), py::arg("beta2"), py::arg("weight_decay"), py::arg("eps"), py::arg("grad_scale"),
+        py::arg("found_inf"),
+        "one fused Adam step of every parameter (float32, one device), also writing each parameter's bfloat16 or "
+        "float16 copy where copies[k] is a tensor; steps[k] += 1 unless found_inf is nonzero (then nothing changes)");
 #ifdef FASTFORMER_WITH_CUDA
   m.attr("WITH_CUDA") = true;
 #else

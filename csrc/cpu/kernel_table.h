@@ -1,5 +1,6 @@
 // The CPU kernels of one instruction-set level as a table of entry points: the ops' (csrc/op_entry_points.h),
-// then, grouped, the decoding GEMMs' (csrc/gemm/gemm.h) and the inference room's (csrc/inference/inference.h).
+// then, grouped, the decoding GEMMs' (csrc/gemm/gemm.h), the inference room's (csrc/inference/inference.h) and the
+// optimizer's (csrc/optim/optim.h).
 //
 // The kernel files (csrc/cpu/<op>.cpp, and the per-level files of csrc/gemm/ and csrc/inference/: setup.py's
 // LEVEL_SOURCES) are compiled once per level (default x86-64, AVX2, AVX-512: each with its own -m flags and
@@ -11,7 +12,7 @@
 //
 // The table's layout is checked, not remembered: setup.py compiles every module with FASTFORMER_KERNEL_TABLE,
 // a digest of the headers that declare the table and what crosses it (this file, ops.h, op_entry_points.h,
-// gemm/gemm.h, inference/inference.h), and fastformer._C refuses a level module whose digest differs.
+// gemm/gemm.h, inference/inference.h, optim/optim.h), and fastformer._C refuses a level module whose digest differs.
 #pragma once
 #include <ATen/ATen.h>
 #include <c10/util/Optional.h>
@@ -20,6 +21,7 @@
 
 #include "gemm/gemm.h"
 #include "inference/inference.h"
+#include "optim/optim.h"
 #include "ops.h"
 
 #ifndef FASTFORMER_KERNEL_TABLE
@@ -64,14 +66,19 @@ void decoder_step(const DecoderStep& step);
 void search_candidates(const float* logits, int64_t N, int64_t V, int64_t row_stride, const bool* only_eos,
                        int64_t pad, int64_t bos,
                        int64_t eos, int64_t width, double* lse, float* top_values, int64_t* top_tokens);
+
+// csrc/optim: one fused Adam step of `count` parameters (adam_cpu.cpp), arguments checked by the caller
+// (csrc/optim/adam.cpp).
+void adam_step(const AdamTensor* tensors, int64_t count, const AdamHyper& hyper);
 }  // namespace cpu
 
 constexpr const char* kCpuKernelsCapsule = "fastformer.cpu_kernels";
 
-// The non-op entries, in two groups (each list is the one place its members are named: the struct and the
+// The non-op entries, in three groups (each list is the one place its members are named: the struct and the
 // level module's initializer expand it).
 #define FASTFORMER_GEMM_KERNELS(X) X(packed_linear) X(int8_linear_rows) X(int8_variants) X(int8_choose)
 #define FASTFORMER_INFERENCE_KERNELS(X) X(decoder_step) X(search_candidates)
+#define FASTFORMER_OPTIM_KERNELS(X) X(adam_step)
 #define FASTFORMER_CPU_TABLE_MEMBER(name) decltype(&cpu::name) name;
 
 struct GemmKernels {  // csrc/gemm: the decoding GEMMs (not ops)
@@ -79,6 +86,9 @@ struct GemmKernels {  // csrc/gemm: the decoding GEMMs (not ops)
 };
 struct InferenceKernels {  // csrc/inference: the decoder step and the search's candidate pass
   FASTFORMER_INFERENCE_KERNELS(FASTFORMER_CPU_TABLE_MEMBER)
+};
+struct OptimKernels {  // csrc/optim: the fused optimizer step
+  FASTFORMER_OPTIM_KERNELS(FASTFORMER_CPU_TABLE_MEMBER)
 };
 
 struct CpuKernels {
@@ -92,6 +102,7 @@ struct CpuKernels {
 #undef FASTFORMER_CPU_TABLE_ENTRY
   GemmKernels gemm;
   InferenceKernels inference;
+  OptimKernels optim;
 };
 
 }  // namespace fastformer

@@ -7,7 +7,7 @@ a fiber, treats __syncthreads, __syncwarp and warp shuffles as barriers, raises 
 and deadlocks, and shuffles the order of warps and lanes between barriers from a schedule seed.
 
 Each op is its own extension ``fastformer_cuda_sim_<op>`` (csrc/cuda_sim/binding.cpp built with
--DFF_SIM_OP=<op>), compiled on first use with ``torch.utils.cpp_extension.load`` (about a minute per
+-DFF_SIM_OP=<op>; the fused Adam, not an op, is ``fastformer_cuda_sim_adam``: ``adam_step``), compiled on first use with ``torch.utils.cpp_extension.load`` (about a minute per
 op on 2 cores) and cached under ``TORCH_EXTENSIONS_DIR``. The sources come from ``fastformer/_csrc`` (copied there by ``pip install``)
 or from ``csrc/`` beside the package (an editable install).
 
@@ -148,6 +148,21 @@ def barrier_deleted(op: str, file: str, line: int):
         yield module
     finally:
         module.delete_barrier("", 0)
+
+
+def adam_step(*args):
+    """fastformer._C.adam_step's arguments (csrc/optim/optim.h) on the fused Adam's CUDA launcher and kernels
+    (csrc/cuda/adam.cu, adam.cuh) executed by the CPU SIMT model, CPU tensors. Not an op: its own extension,
+    ``fastformer_cuda_sim_adam`` (csrc/cuda_sim/optim_binding.cpp), built on first use. The launcher trusts its
+    arguments as _C's checks left them: call it with what passes ``fastformer._C.adam_step``."""
+    with _lock:
+        if "adam" not in _modules:
+            module = build("fastformer_cuda_sim_adam", [SOURCE_ROOT / "cuda_sim" / "optim_binding.cpp"])
+            module.set_schedule_seed(_seed)
+            module.set_compute_capability(_capability)
+            _modules["adam"] = module
+        module = _modules["adam"]
+    return module.adam_step(*args)
 
 
 def entry(op: str, phase: str):

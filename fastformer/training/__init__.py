@@ -9,6 +9,7 @@
   tokenizer and languages), and the flags whose defaults --init changes (the fine-tuning schedule).
 - ``step``: the paper's recipe for one update (learning-rate schedule, label-smoothed loss, gradient
   accumulation to a token count, Adam).
+- ``optim``: Adam as one fused pass that also writes the weights' compute-dtype copies (fastformer's kernel).
 - ``resume``: what a checkpoint must hold for every rank to continue bit-identically, written and read.
 - ``evaluation``: dev loss and dev BLEU during training, the final test with beam search.
 - ``runlog``: ``log.jsonl`` and ``loss.png``.

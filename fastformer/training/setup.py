@@ -18,6 +18,7 @@ from fastformer.nn.linear import set_compute_dtype
 from fastformer.runtime import bound_onednn_cache, keep_freed_memory, native_bf16_cpu
 from fastformer.training import finetune, resume
 from fastformer.training.batches import BatchStream, special_ids
+from fastformer.training.optim import Adam
 from fastformer.training.processes import Processes
 from fastformer.training.runlog import RunLog
 
@@ -149,10 +150,11 @@ def setup(args: argparse.Namespace, procs: Processes) -> Run:
             usage_error(PROG, reason)
     run = Run(args=args, procs=procs, run_dir=run_dir, corpus=corpus, data_info=data_info, data_name=data_name,
               tokenizer=tokenizer, ids=ids, config=config, model=model, train_model=model,
-              # fused on CUDA: one multi-tensor kernel per step instead of a few per parameter, its step count
-              # kept on the device (the unfused Adam reads it back with .item()); capturable: --cuda-graphs
-              optimizer=torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9,
-                                         fused=procs.device.type == "cuda", capturable=bool(args.cuda_graphs)),
+              # fastformer's fused Adam (training/optim.py) on every device: one pass per element, its step
+              # counts on the device; capturable: --cuda-graphs. compute_copies: the weights' bf16/fp16 copies
+              # that the optimizer writes with its update (issue 52; none yet: the model does not read them)
+              optimizer=Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9,
+                             capturable=bool(args.cuda_graphs), compute_copies=None),
               scaler=torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16), amp_dtype=amp_dtype,
               batches=BatchStream(*ids["train"], args.max_tokens, args.seed, procs.shard,
                                   fixed_shapes=bool(args.cuda_graphs), packed=args.batching == "packed",
