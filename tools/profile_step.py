@@ -3,7 +3,8 @@
 Both models take the same batch (random sentence pairs, lengths uniform in [max/2, max], right-padded),
 compute the loss as the training benchmark does (benchmarks/test_training_step.py: fastformer's
 ``loss_sums`` with the fused ``ops.cross_entropy``, the baseline's ``F.cross_entropy``), back-propagate its
-mean over the target tokens and take an Adam step (``fused=True`` on CUDA, as fastformer.train does).
+mean over the target tokens and take an Adam step (fastformer's with fastformer.train's fused Adam, the baseline
+with torch's, ``fused=True`` on CUDA).
 After ``--warmup`` steps, ``--steps`` steps per model are profiled; the report gives each model's step time
 and target tokens/s over the profiled steps, its ops by self time on the device (CUDA) or the CPU, and
 one more step seen by fastformer/training/copies.py: its copies and casts of >= 4,096 elements per GEMM (issue
@@ -27,9 +28,10 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # the baseline model and i
 
 from fastformer.cli import HelpFormatter  # noqa: E402
 from fastformer.nn import Transformer, TransformerConfig  # noqa: E402
-from fastformer.nn.linear import set_compute_dtype  # noqa: E402
+from fastformer.nn.linear import mark_compute_copies_current, set_compute_dtype  # noqa: E402
 from fastformer.training.copies import profile_step  # noqa: E402
-from fastformer.training.step import loss_sums, write_compute_copies  # noqa: E402
+from fastformer.training.optim import Adam  # noqa: E402
+from fastformer.training.step import loss_sums  # noqa: E402
 from test_training_step import TorchTransformer, torch_loss_sums  # noqa: E402
 
 
@@ -48,13 +50,16 @@ def batch(config: TransformerConfig, pairs: int, max_len: int, device) -> tuple[
 def profile(name: str, model, data, config, args, device) -> str:
     """Markdown: the model's step time, tokens/s and its profiler table."""
     model.to(device).train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
-                                 fused=device.type == "cuda")
     src, tgt_in, tgt_out = data
     baseline = isinstance(model, TorchTransformer)
     dtype = getattr(torch, args.dtype)
-    # fastformer.train's projections multiply compute-dtype copies of their weights under autocast
-    copies = {} if baseline or dtype == torch.float32 else set_compute_dtype(model, dtype)
+    if baseline:
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
+                                     fused=device.type == "cuda")
+        copies = {}
+    else:  # as fastformer.train: compute-dtype copies of the weights, written by its fused Adam's pass
+        copies = {} if dtype == torch.float32 else set_compute_dtype(model, dtype)
+        optimizer = Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, compute_copies=copies)
 
     target_tokens = int(tgt_out.ne(config.pad_id).sum())
 
@@ -68,7 +73,7 @@ def profile(name: str, model, data, config, args, device) -> str:
                                     backend=args.backend)
             (loss / target_tokens).backward()
         optimizer.step()
-        write_compute_copies(copies)
+        mark_compute_copies_current(copies)
         return target_tokens
 
     def sync():

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from fastformer import ops
 from fastformer.data.batching import Sequences
-from fastformer.nn.linear import Linear
+from fastformer.nn.linear import Linear, product
 
 
 class SplitHeads(torch.autograd.Function):
@@ -88,10 +88,12 @@ class MultiHeadAttention(nn.Module):
         return x.view(x.shape[0], n, self.n_heads, self.head_dim).unbind(1)
 
     def forward(self, x: Tensor, memory: Optional[Tensor] = None, *, key_padding_mask: Optional[Tensor] = None,
-                causal: bool = False, seqs: Optional[Sequences] = None,
-                memory_seqs: Optional[Sequences] = None) -> Tensor:
+                causal: bool = False, seqs: Optional[Sequences] = None, memory_seqs: Optional[Sequences] = None,
+                defer_bias: bool = False):
+        """The attention's output; with ``defer_bias``, (output without out_proj's bias, that bias or None) for
+        the op that consumes it (``run_sublayers``: ops.layer_norm_residual's branch bias)."""
         if seqs is not None:
-            return self._forward_packed(x, memory, seqs, memory_seqs, causal)
+            return self._out(self._forward_packed(x, memory, seqs, memory_seqs, causal), defer_bias)
         if self.cross:
             if memory is None:
                 raise ValueError("cross-attention needs memory")
@@ -107,12 +109,17 @@ class MultiHeadAttention(nn.Module):
         out = ops.attention(q, k, v, key_padding_mask=key_padding_mask, causal=causal,
                             dropout_p=self.attention_dropout if self.training else 0.0, backend=self.backend)
         B, _, Lq, _ = out.shape
-        return self.out_proj(out.transpose(1, 2).reshape(B, Lq, self.d_model))
+        return self._out(out.transpose(1, 2).reshape(B, Lq, self.d_model), defer_bias)
+
+    def _out(self, a: Tensor, defer_bias: bool):
+        """out_proj of the heads' outputs a (..., d): the projection, or (product, bias) (``defer_bias``)."""
+        return product(self.out_proj, a) if defer_bias else self.out_proj(a)
 
 
     def _forward_packed(self, x: Tensor, memory: Optional[Tensor], seqs: Sequences, memory_seqs: Optional[Sequences],
                         causal: bool) -> Tensor:
-        """x (Tq, d) of packed sequences -> (Tq, d): ops.attention_varlen, each sequence on its own."""
+        """x (Tq, d) of packed sequences -> the heads' outputs (Tq, d) (before out_proj): ops.attention_varlen,
+        each sequence on its own."""
         if self.cross:
             if memory is None or memory_seqs is None:
                 raise ValueError("packed cross-attention needs memory and memory_seqs")
@@ -125,4 +132,4 @@ class MultiHeadAttention(nn.Module):
         out = ops.attention_varlen(q, k, v, seqs.cu_seqlens, keys.cu_seqlens, seqs.max_len, keys.max_len,
                                    causal=causal, dropout_p=self.attention_dropout if self.training else 0.0,
                                    backend=self.backend)
-        return self.out_proj(out.reshape(x.shape[0], self.d_model))
+        return out.reshape(x.shape[0], self.d_model)

@@ -1,7 +1,9 @@
 """Encoder and decoder stacks of the Transformer on fastformer's ops.
 
 Each layer is a list of sublayers (self-attention, [cross-attention,] feed-forward), each with its
-LayerNorm. Residual connection, residual dropout and LayerNorm are one fused op:
+LayerNorm. The bias of a sublayer's last projection, residual dropout, residual connection and LayerNorm are
+one fused op (its ``x_bias``; and under autocast it also writes the next sublayer's input in the autocast
+dtype, ``compute_dtype``):
 
   post-norm (the paper, default):  x = LayerNorm(x + dropout(sublayer(x)))
       -> x = ops.layer_norm_residual(sublayer(x), x, norm, dropout_p)
@@ -21,7 +23,7 @@ from fastformer import ops
 from fastformer.data.batching import Sequences
 from fastformer.nn.attention import MultiHeadAttention
 from fastformer.nn.config import TransformerConfig
-from fastformer.nn.linear import Int8Linear, Int8Weight, Linear
+from fastformer.nn.linear import Int8Linear, Int8Weight, Linear, product
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -117,45 +119,66 @@ def decoder_layer_weights(layer: nn.Module, config: TransformerConfig) -> dict[s
 
 
 class FeedForward(nn.Module):
-    """Linear(d, d_ff) -> activation (config.activation) -> dropout -> Linear(d_ff, d)."""
+    """Linear(d, d_ff) -> activation (config.activation) -> dropout -> Linear(d_ff, d).
 
-    def __init__(self, d_model: int, d_ff: int, activation_dropout: float = 0.0, activation: str = "relu"):
+    fc1's bias, the activation and its dropout are one op, ``ops.bias_activation``, on fc1's product without
+    bias (where the packed or int8 kernels apply, inference on the CPU, their epilogue adds the bias instead);
+    with ``defer_bias`` fc2's bias is handed back too, for the op that consumes the branch (``run_sublayers``)."""
+
+    def __init__(self, d_model: int, d_ff: int, activation_dropout: float = 0.0, activation: str = "relu",
+                 backend: Optional[str] = None):
         super().__init__()
         self.fc1, self.fc2 = Linear(d_model, d_ff), Linear(d_ff, d_model)
-        self.activation_dropout, self.activation = activation_dropout, activation
+        self.activation_dropout, self.activation, self.backend = activation_dropout, activation, backend
         for m in (self.fc1, self.fc2):
             nn.init.xavier_uniform_(m.weight)
             nn.init.zeros_(m.bias)
 
-    def forward(self, x: Tensor) -> Tensor:
-        h = ACTIVATIONS[self.activation](self.fc1(x), False)
-        if self.activation_dropout > 0:
-            h = F.dropout(h, self.activation_dropout, self.training)
-        return self.fc2(h)
+    def forward(self, x: Tensor, defer_bias: bool = False):
+        p = self.activation_dropout if self.training else 0.0
+        h, bias = product(self.fc1, x)
+        if bias is not None:
+            h = ops.bias_activation(h, bias, activation=self.activation, dropout_p=p, backend=self.backend)
+        else:
+            h = ACTIVATIONS[self.activation](h, False)
+            if p > 0:
+                h = F.dropout(h, p, True)
+        return product(self.fc2, h) if defer_bias else self.fc2(h)
 
 
-Sublayer = tuple[nn.LayerNorm, Callable[[Tensor], Tensor]]
+# A sublayer: its LayerNorm and its function of the normalized input, which returns the branch, or (branch, the
+# bias of its last projection, for ops.layer_norm_residual to add: None if added already).
+Sublayer = tuple[nn.LayerNorm, Callable[[Tensor], object]]
 
 
 def run_sublayers(x: Tensor, sublayers: list[Sublayer], final_norm: Optional[nn.LayerNorm], norm_first: bool,
                   dropout_p: float, backend: Optional[str]) -> Tensor:
-    """Runs sublayers with fused residual + dropout + LayerNorm (see the module docstring)."""
-    # Under autocast the sublayers return half-precision tensors while the residual stream and the
-    # LayerNorm parameters stay in float32: the fused op takes the branch as it comes (its kernels upcast
-    # it as they read it and write its gradient in its dtype), so no cast runs around it.
-    def fused(branch, residual, norm, prenorm):
+    """Runs sublayers with fused residual + bias + dropout + LayerNorm (see the module docstring).
+
+    Under autocast the residual stream and the LayerNorm parameters stay float32 while the branches come in the
+    autocast dtype: the fused op takes the branch as it comes (its kernels upcast it as they read it and write
+    its gradient in its dtype), adds the branch's bias, and writes beside the float32 stream the normalized
+    output in the autocast dtype (``compute_dtype``), the next sublayer's input, so no cast runs around it."""
+    device = x.device.type
+    compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+    def fused(out, residual, norm, prenorm, compute_dtype=compute):
+        branch, bias = out if isinstance(out, tuple) else (out, None)
         return ops.layer_norm_residual(branch, residual, norm.weight, norm.bias, eps=norm.eps, dropout_p=dropout_p,
-                                       prenorm=prenorm, backend=backend)
+                                       prenorm=prenorm, x_bias=bias, compute_dtype=compute_dtype, backend=backend)
 
     if not norm_first:
+        x_in = x  # the next sublayer's input: the stream, or its copy in the compute dtype
         for norm, fn in sublayers:
-            x = fused(fn(x), x, norm, False)
+            out = fused(fn(x_in), x, norm, False)
+            x, x_in = out if compute is not None else (out, out)
         return x
     first = sublayers[0][0]
     h = F.layer_norm(x, first.normalized_shape, first.weight, first.bias, first.eps)
     for index, (_, fn) in enumerate(sublayers):
-        norm = sublayers[index + 1][0] if index + 1 < len(sublayers) else final_norm
-        h, x = fused(fn(h), x, norm, True)
+        last = index + 1 == len(sublayers)
+        # the stack's output (after the final norm) in the stream's dtype, as post-norm's
+        h, x = fused(fn(h), x, final_norm if last else sublayers[index + 1][0], True, None if last else compute)
     return h
 
 
@@ -165,13 +188,14 @@ class EncoderLayer(nn.Module):
         d = config.d_model
         self.self_attn = MultiHeadAttention(d, config.n_heads, attention_dropout=config.attention_dropout,
                                             backend=backend)
-        self.ffn = FeedForward(d, config.d_ff, config.activation_dropout, config.activation)
+        self.ffn = FeedForward(d, config.d_ff, config.activation_dropout, config.activation, backend)
         self.self_attn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.ffn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
 
     def sublayers(self, key_padding_mask: Optional[Tensor], seqs: Optional[Sequences] = None) -> list[Sublayer]:
-        run = {"self_attention": lambda h: self.self_attn(h, key_padding_mask=key_padding_mask, seqs=seqs),
-               "feed_forward": self.ffn}
+        run = {"self_attention": lambda h: self.self_attn(h, key_padding_mask=key_padding_mask, seqs=seqs,
+                                                          defer_bias=True),
+               "feed_forward": lambda h: self.ffn(h, defer_bias=True)}
         return [(self.get_submodule(s.norm), run[s.kind]) for s in ENCODER_SUBLAYERS]
 
 
@@ -183,17 +207,17 @@ class DecoderLayer(nn.Module):
                                             backend=backend)
         self.cross_attn = MultiHeadAttention(d, config.n_heads, cross=True,
                                              attention_dropout=config.attention_dropout, backend=backend)
-        self.ffn = FeedForward(d, config.d_ff, config.activation_dropout, config.activation)
+        self.ffn = FeedForward(d, config.d_ff, config.activation_dropout, config.activation, backend)
         self.self_attn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.cross_attn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
         self.ffn_norm = nn.LayerNorm(d, eps=config.layer_norm_eps)
 
     def sublayers(self, memory: Tensor, memory_padding_mask: Optional[Tensor], seqs: Optional[Sequences] = None,
                   memory_seqs: Optional[Sequences] = None) -> list[Sublayer]:
-        run = {"self_attention": lambda h: self.self_attn(h, causal=True, seqs=seqs),
+        run = {"self_attention": lambda h: self.self_attn(h, causal=True, seqs=seqs, defer_bias=True),
                "cross_attention": lambda h: self.cross_attn(h, memory, key_padding_mask=memory_padding_mask,
-                                                            seqs=seqs, memory_seqs=memory_seqs),
-               "feed_forward": self.ffn}
+                                                            seqs=seqs, memory_seqs=memory_seqs, defer_bias=True),
+               "feed_forward": lambda h: self.ffn(h, defer_bias=True)}
         return [(self.get_submodule(s.norm), run[s.kind]) for s in DECODER_SUBLAYERS]
 
 

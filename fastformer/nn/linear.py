@@ -193,6 +193,17 @@ def compute_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Optiona
         return _ComputeLinear.apply(x.to(dtype), weight, bias, weight_c, bias_c)
 
 
+def product(module: nn.Module, x: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+    """A projection whose bias is added by the op that consumes it (ops.bias_activation, the branch bias of
+    ops.layer_norm_residual): (x W^T, b) for a ``Linear`` with a bias, its compute-dtype copies under autocast;
+    (module(x), None), the bias added already, where the packed or int8 kernels add it in their own epilogue
+    (``packed_applies``) or the module has no bias to hand over."""
+    if isinstance(module, Linear) and module.bias is not None and not packed_applies(x):
+        y = compute_linear(x, module.weight, None)
+        return (F.linear(x, module.weight) if y is None else y), module.bias
+    return module(x), None
+
+
 def linear(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor] = None,
            int8: Optional[Int8Weight] = None) -> Tensor:
     """x (..., in) W^T + b: ``F.linear``, or the packed kernel where ``packed_applies(x)``; with ``int8`` (a

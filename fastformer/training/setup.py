@@ -46,8 +46,8 @@ class Run:
     sums: torch.Tensor          # (loss, nll) summed over the current update's micro-batches, on the device
     grad_scale: torch.Tensor    # world / target tokens of the current update, on the device
     graphs: object = None       # fastformer.training.graphs.CudaGraphs with --cuda-graphs
-    # parameter -> its copy in the autocast dtype (fastformer/nn/linear.py set_compute_dtype), written after each
-    # optimizer step; empty in float32 and under --compile (which traces plain autocast)
+    # parameter -> its copy in the autocast dtype (fastformer/nn/linear.py set_compute_dtype), written by the
+    # optimizer's step; empty in float32 and under --compile (which traces plain autocast)
     compute_copies: dict = field(default_factory=dict)
     state: dict = field(default_factory=lambda: {"step": 0, "tokens": 0, "train_seconds": 0.0})
     last_dev_step: int = -1
@@ -169,6 +169,7 @@ def setup(args: argparse.Namespace, procs: Processes) -> Run:
     procs.barrier()
     if amp_dtype is not None and not args.compile:  # from the weights as trained so far (after a resume)
         run.compute_copies = set_compute_dtype(model, amp_dtype)
+        run.optimizer.set_compute_copies(run.compute_copies)  # written by each step, in its pass
     if args.compile:  # in place: parameter names (and so checkpoints) stay those of the eager model
         model.encoder.compile(dynamic=True)
         model.decoder.compile(dynamic=True)

@@ -129,17 +129,8 @@ def optimizer_update(run: Run) -> None:
         torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.args.clip_norm)
     run.scaler.step(run.optimizer)
     run.scaler.update()
-    write_compute_copies(run.compute_copies)
-
-
-def write_compute_copies(copies: dict) -> None:
-    """The projections' compute-dtype copies (parameter -> copy: fastformer/nn/linear.py set_compute_dtype)
-    written from the updated parameters: one multi-tensor copy, captured with the update under --cuda-graphs."""
-    if copies:
-        params = list(copies)
-        with torch.no_grad():
-            torch._foreach_copy_(list(copies.values()), params)
-        mark_compute_copies_current(params)
+    # the optimizer wrote the compute-dtype copies in its pass and moved the parameters' version counters
+    mark_compute_copies_current(run.compute_copies)
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
