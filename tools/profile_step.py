@@ -93,7 +93,7 @@ def profile(name: str, model, data, config, args, device) -> str:
         seconds = time.perf_counter() - start
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=60)
-    traffic = profile_step(step, device).markdown(f"{name}: copies and casts of one step, time by kernel class")
+    traffic = profile_step(step, device).markdown(f"Copies and casts of one step of {name}, time by kernel class")
     return (f"### {name}\n\n{args.steps} profiled steps: {seconds / args.steps * 1e3:.1f} ms a step, "
             f"{tokens / seconds:,.0f} target tokens/s (under the profiler)\n\n```\n{table}\n```\n\n{traffic}")
 

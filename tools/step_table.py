@@ -1,7 +1,8 @@
 """The training step's speed, fastformer beside PyTorch: one batch, one process, one table (issue 44).
 
 Every row trains the same model size on the same batch (random sentence pairs, lengths uniform in
-[max/2, max], right-padded: tools/profile_step.py's batch) with Adam (fused) and the same loss (label-smoothed
+[max/2, max], right-padded: tools/profile_step.py's batch) with a fused Adam (fastformer.train's, and its
+compute-dtype weight copies, in fastformer's rows; torch's in the baselines) and the same loss (label-smoothed
 cross-entropy over every target position, pad ignored), and reports target tokens/s over ``--steps`` timed
 steps after ``--warmup`` untimed ones, its ratio to nn.Transformer eager and the peak device memory:
 
@@ -41,6 +42,8 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 from fastformer.cli import HelpFormatter  # noqa: E402
 from fastformer.nn import Transformer, TransformerConfig  # noqa: E402
+from fastformer.nn.linear import set_compute_dtype  # noqa: E402
+from fastformer.training.optim import Adam  # noqa: E402
 from fastformer.training.loop import triton_plans_summary  # noqa: E402
 from fastformer.training.step import micro_batch, optimizer_update, to_device, value_checks  # noqa: E402
 from profile_step import add_batch_arguments, batch  # noqa: E402
@@ -55,10 +58,11 @@ def fastformer_step(config, backend, graphs: bool, data, dtype, device, tokens):
     model = Transformer(config, backend=backend).to(device).train()
     model.check_token_values = False
     amp = None if dtype == torch.float32 else dtype
+    copies = {} if amp is None else set_compute_dtype(model, amp)  # as fastformer.train: weights in the autocast dtype
     run = SimpleNamespace(
-        model=model, train_model=model, config=config, amp_dtype=amp,
-        optimizer=torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
-                                   fused=device.type == "cuda", capturable=graphs),
+        model=model, train_model=model, config=config, amp_dtype=amp, compute_copies=copies,
+        optimizer=Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, capturable=graphs,
+                       compute_copies=copies),
         scaler=torch.amp.GradScaler(device.type, enabled=False), args=SimpleNamespace(clip_norm=0.0),
         sums=torch.zeros(2, device=device), grad_scale=torch.full((), 1.0 / tokens, device=device),
         procs=SimpleNamespace(device=device, world=1, gradient_sync=lambda *a, **k: contextlib.nullcontext()))
