@@ -60,6 +60,8 @@ import torch
 
 from fastformer import hf_convert
 from fastformer.data.batching import PackedBatch, collate, collate_packed
+from fastformer.nn.linear import set_compute_dtype
+from fastformer.training.optim import Adam
 from fastformer.training.processes import Processes
 from fastformer.training.step import check_batch, micro_batch, optimizer_update
 from harness import MarianShape, need  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
@@ -116,16 +118,18 @@ def sentence_pairs(shape: Shape) -> tuple[list[list[int]], list[list[int]]]:
 
 def fastformer_run(folder: str, precision: torch.dtype) -> SimpleNamespace:
     """What fastformer.train's micro_batch and optimizer_update read of its Run (fastformer/training/setup.py),
-    for one process on the CPU: the converted model in train mode, Adam as setup builds it, autocast to
+    for one process on the CPU: the converted model in train mode, Adam as setup builds it (fastformer's fused one,
+    writing the weights' autocast-dtype copies), autocast to
     ``precision`` (None for float32), no gradient scaler (float16 only), no clipping."""
     model, _ = hf_convert.from_transformers(folder, tokenizer=False)
     model.train()
     model.check_token_values = False  # check_batch checks each batch on the host, as train_step does
+    amp = None if precision == torch.float32 else precision
+    copies = {} if amp is None else set_compute_dtype(model, amp)  # the weights' autocast-dtype copies
     return SimpleNamespace(
         args=SimpleNamespace(clip_norm=0.0), procs=Processes(), config=model.config, model=model, train_model=model,
-        optimizer=torch.optim.Adam(model.parameters(), lr=5e-5, betas=(0.9, 0.98), eps=1e-9),
-        scaler=torch.amp.GradScaler("cuda", enabled=False),
-        amp_dtype=None if precision == torch.float32 else precision,
+        optimizer=Adam(model.parameters(), lr=5e-5, betas=(0.9, 0.98), eps=1e-9, compute_copies=copies),
+        compute_copies=copies, scaler=torch.amp.GradScaler("cuda", enabled=False), amp_dtype=amp,
         sums=torch.zeros(2), grad_scale=torch.ones(()))
 
 
