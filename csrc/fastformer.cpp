@@ -295,6 +295,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_variants", &fastformer::int8_variants,
         "the int8 variants this CPU runs at the loaded level: fastformer's own, best first, then \"onednn\" where torch "
         "has oneDNN");
+  m.def("product_variants", &fastformer::product_variants,
+        "the tile products' variants this CPU runs at the loaded level (csrc/gemm/products.h): \"fma\", "
+        "\"bf16_dot\" where the CPU has AVX512_BF16, \"bf16_emulated\"");
+  m.def("tile_product", &fastformer::tile_product, py::arg("a"), py::arg("b"), py::arg("variant"),
+        "C (m, n) = a (m, k) b (k, n) on fastformer's CPU micro-kernel by one of product_variants() (a test's hook): "
+        "float32/float64 for \"fma\", bfloat16 (C float32) for the bf16 variants");
   m.def("int8_variant_for", &fastformer::int8_variant_for, py::arg("M"), py::arg("N"), py::arg("K"),
         "the int8 variant a projection y (M, N) = x (M, K) W^T runs: FASTFORMER_INT8_PROVIDER's, else the rule's "
         "(oneDNN's products on a CPU with AMX from 32 rows and 2^22 multiply-adds, the first of int8_variants() "

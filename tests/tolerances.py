@@ -63,3 +63,14 @@ def matrix_bound(eager_error, expected, dtype, condition=1.0):
     magnitude = expected.abs().max().item() if expected.numel() else 0.0
     floor = tol["floor"] * torch.finfo(dtype).eps * max(1.0, magnitude) * max(1.0, condition)
     return tol["factor"] * eager_error + floor
+
+
+def product_bound(a, b, accumulate_dtype):
+    """The rounding error a product ``a @ b`` (float64 copies of the rounded inputs) may carry when each
+    element is a chain of k multiply-adds rounded to ``accumulate_dtype``: the forward error bound of
+    recursive summation, |C - AB| <= gamma_k |A||B| with gamma_k = k u / (1 - k u), u the unit roundoff (the
+    products of the bf16 variants are exact in float32, so the same bound holds for them)."""
+    k = a.shape[1]
+    u = torch.finfo(accumulate_dtype).eps / 2
+    gamma = k * u / (1 - k * u)
+    return gamma * (a.abs() @ b.abs())

@@ -1,7 +1,7 @@
 // The CPU attention kernels, forward and backward, shared by the ops attention (csrc/cpu/attention.cpp, dense
 // (B, H, L, D) tensors) and attention_varlen (csrc/cpu/attention_varlen.cpp, packed sequences). Fused masked
 // scaled dot-product attention on the CPU: FlashAttention-2's
-// algorithm on tiles, with the tile products done by fastformer's own register-blocked micro-kernel (tile_gemm.h,
+// algorithm on tiles, with the tile products done by fastformer's own register-blocked micro-kernel (csrc/gemm/products.h,
 // no BLAS: the results depend on the values alone, not on the thread count, the buffers' placement or a BLAS's
 // mode) and the softmax/mask/dropout work vectorized with at::vec.
 //
@@ -56,7 +56,7 @@
 
 #include "cpu/cpu_ops.h"
 #include "cpu/dropout.h"
-#include "cpu/tile_gemm.h"
+#include "gemm/products.h"
 
 // A namespace of its own (not an unnamed one): the level's sources may be compiled as one unit (setup.py).
 namespace fastformer::cpu::attention_kernels {
@@ -183,6 +183,160 @@ inline void mask_row(T* s, int64_t nk, const T* pad_bias, int64_t visible_end, T
   for (int64_t t = std::max<int64_t>(0, visible_end); t < nk; ++t) s[t] = value;
 }
 
+// ---- The tile products, by element type --------------------------------------------------------------------
+// float, double, half (the default): operands in acc_t (half converted tile by tile into buffers, float and
+// double read in place), products on the fma micro-kernel (csrc/gemm/products.h); B operands of the form
+// M^T transposed once per key block.
+// bfloat16: operands stay bfloat16 (q, k, v, dout read in place as A operands, packed into pairs as B operands:
+// products.h pack_row_pairs, pack_column_pairs), bf16 products with float32 sums (vdpbf16ps where the CPU has
+// AVX512_BF16, the same arithmetic emulated elsewhere); the probabilities P and dS are rounded to bfloat16 for
+// their products, as FlashAttention does on GPUs, the scores, softmax and every sum stay float32. No tile is
+// converted to float32 before a product.
+// ldk: the score tiles' leading dimension (>= every key block's nk); bq: query rows per tile.
+template <typename scalar_t, bool = std::is_same_v<scalar_t, c10::BFloat16>>
+struct ForwardTiles {
+  using acc_t = at::opmath_type<scalar_t>;
+  int64_t D, ldk;
+  Buffer<acc_t> kt, q_buf, v_buf;  // K_b^T (D x ldk); Q_t and V_b as acc_t where scalar_t is not
+  const acc_t* qt = nullptr;
+  const acc_t* vb = nullptr;
+  int64_t ldq = 0, ldv = 0;
+  ForwardTiles(int64_t D, int64_t bq, int64_t ldk) : D(D), ldk(ldk), kt(D * ldk) {
+    if constexpr (!std::is_same_v<scalar_t, acc_t>) {
+      q_buf.resize(bq * D);
+      v_buf.resize(ldk * D);
+    }
+  }
+  void load_q(const scalar_t* q, int64_t nq, int64_t ld) { std::tie(qt, ldq) = rows_as_acc(q, nq, ld, D, q_buf); }
+  void load_block(const scalar_t* k, int64_t k_ld, const scalar_t* v, int64_t v_ld, int64_t nk) {
+    transpose_rows(k, nk, D, k_ld, kt.data(), ldk);
+    std::tie(vb, ldv) = rows_as_acc(v, nk, v_ld, D, v_buf);
+  }
+  // s (nq x nk, ld ldk) = scale Q_t K_b^T
+  void scores(int64_t nq, int64_t nk, acc_t scale, acc_t* s) {
+    tile_gemm<acc_t>(nq, nk, D, scale, qt, ldq, false, kt.data(), ldk, false, s, ldk);
+  }
+  // o (nq x D) += p (nq x nk, ld ldk) V_b
+  void add_pv(int64_t nq, int64_t nk, const acc_t* p, acc_t* o) {
+    tile_gemm<acc_t>(nq, D, nk, acc_t(1), p, ldk, false, vb, ldv, true, o, D);
+  }
+};
+
+template <typename scalar_t>
+struct ForwardTiles<scalar_t, true> {
+  using bf16 = c10::BFloat16;
+  int64_t D, ldk;
+  Buffer<uint32_t> kp, vp;  // K_b^T as pairs (ceil(D / 2) x ldk), V_b as pairs of rows (ceil(ldk / 2) x D)
+  Buffer<bf16> pb;          // P rounded to bfloat16 (bq x ldk)
+  const bf16* qt = nullptr;
+  int64_t ldq = 0;
+  ForwardTiles(int64_t D, int64_t bq, int64_t ldk)
+      : D(D), ldk(ldk), kp((D + 1) / 2 * ldk), vp((ldk + 1) / 2 * D), pb(bq * ldk) {}
+  void load_q(const bf16* q, int64_t, int64_t ld) {
+    qt = q;
+    ldq = ld;
+  }
+  void load_block(const bf16* k, int64_t k_ld, const bf16* v, int64_t v_ld, int64_t nk) {
+    pack_column_pairs(k, nk, D, k_ld, kp.data(), ldk);
+    pack_row_pairs(v, nk, D, v_ld, vp.data(), D);
+  }
+  void scores(int64_t nq, int64_t nk, float scale, float* s) {
+    tile_gemm_bf16(nq, nk, D, scale, qt, ldq, kp.data(), ldk, false, s, ldk);
+  }
+  void add_pv(int64_t nq, int64_t nk, const float* p, float* o) {
+    for (int64_t r = 0; r < nq; ++r) convert_row(p + r * ldk, pb.data() + r * ldk, nk);
+    tile_gemm_bf16(nq, D, nk, 1.0f, pb.data(), ldk, vp.data(), D, true, o, D);
+  }
+};
+
+// The backward's: per query head, Q and dO (Lq rows); per key block, K_b and V_b; per query tile (from row i0,
+// a multiple of kBlockQ) the five products.
+template <typename scalar_t, bool = std::is_same_v<scalar_t, c10::BFloat16>>
+struct BackwardTiles {
+  using acc_t = at::opmath_type<scalar_t>;
+  int64_t D, ldk;
+  Buffer<acc_t> kt, vt, q_buf, do_buf, k_buf;  // K_b^T, V_b^T (D x ldk); Q, dO, K_b as acc_t where needed
+  const acc_t *qa = nullptr, *doa = nullptr, *kb = nullptr;
+  int64_t ldq = 0, lddo = 0, ldkb = 0;
+  BackwardTiles(int64_t D, int64_t max_q, int64_t, int64_t ldk) : D(D), ldk(ldk), kt(D * ldk), vt(D * ldk) {
+    if constexpr (!std::is_same_v<scalar_t, acc_t>) {
+      q_buf.resize(max_q * D);
+      do_buf.resize(max_q * D);
+      k_buf.resize(ldk * D);
+    }
+  }
+  void load_head(const scalar_t* q, int64_t q_ld, const scalar_t* dout, int64_t do_ld, int64_t Lq) {
+    std::tie(qa, ldq) = rows_as_acc(q, Lq, q_ld, D, q_buf);
+    std::tie(doa, lddo) = rows_as_acc(dout, Lq, do_ld, D, do_buf);
+  }
+  void load_block(const scalar_t* k, int64_t k_ld, const scalar_t* v, int64_t v_ld, int64_t nk) {
+    std::tie(kb, ldkb) = rows_as_acc(k, nk, k_ld, D, k_buf);
+    transpose_rows(kb, nk, D, ldkb, kt.data(), ldk);
+    transpose_rows(v, nk, D, v_ld, vt.data(), ldk);
+  }
+  // p (nq x nk, ld ldk) = scale Q_t K_b^T
+  void scores(int64_t i0, int64_t nq, int64_t nk, acc_t scale, acc_t* p) {
+    tile_gemm<acc_t>(nq, nk, D, scale, qa + i0 * ldq, ldq, false, kt.data(), ldk, false, p, ldk);
+  }
+  // dp (nq x nk, ld ldk) = dO_t V_b^T
+  void dprobs(int64_t i0, int64_t nq, int64_t nk, acc_t* dp) {
+    tile_gemm<acc_t>(nq, nk, D, acc_t(1), doa + i0 * lddo, lddo, false, vt.data(), ldk, false, dp, ldk);
+  }
+  // dv_b (nk x D) += p^T dO_t; dk_b (nk x D) += scale ds^T Q_t; dq_t (nq x D) += scale ds K_b
+  void add_grads(int64_t i0, int64_t nq, int64_t nk, acc_t scale, const acc_t* p, const acc_t* ds, acc_t* dv_b,
+                 acc_t* dk_b, acc_t* dq_t) {
+    tile_gemm<acc_t>(nk, D, nq, acc_t(1), p, ldk, true, doa + i0 * lddo, lddo, true, dv_b, D);
+    tile_gemm<acc_t>(nk, D, nq, scale, ds, ldk, true, qa + i0 * ldq, ldq, true, dk_b, D);
+    tile_gemm<acc_t>(nq, D, nk, scale, ds, ldk, false, kb, ldkb, true, dq_t, D);
+  }
+};
+
+template <typename scalar_t>
+struct BackwardTiles<scalar_t, true> {
+  using bf16 = c10::BFloat16;
+  int64_t D, ldk, bq;
+  // pairs: Q and dO as pairs of rows (ceil(max_q / 2) x D); K_b^T and V_b^T (ceil(D / 2) x ldk); K_b as pairs of
+  // rows (ceil(ldk / 2) x D)
+  Buffer<uint32_t> qp, dop, kp, vp, kr;
+  Buffer<bf16> pt, dst, ds_rows;  // P^T and dS^T (ldk x bq), dS (bq x ldk), rounded to bfloat16
+  const bf16 *qa = nullptr, *doa = nullptr;
+  int64_t ldq = 0, lddo = 0;
+  BackwardTiles(int64_t D, int64_t max_q, int64_t bq, int64_t ldk)
+      : D(D), ldk(ldk), bq(bq), qp((max_q + 1) / 2 * D), dop((max_q + 1) / 2 * D), kp((D + 1) / 2 * ldk),
+        vp((D + 1) / 2 * ldk), kr((ldk + 1) / 2 * D), pt(ldk * bq), dst(ldk * bq), ds_rows(bq * ldk) {}
+  void load_head(const bf16* q, int64_t q_ld, const bf16* dout, int64_t do_ld, int64_t Lq) {
+    qa = q;
+    ldq = q_ld;
+    doa = dout;
+    lddo = do_ld;
+    pack_row_pairs(q, Lq, D, q_ld, qp.data(), D);
+    pack_row_pairs(dout, Lq, D, do_ld, dop.data(), D);
+  }
+  void load_block(const bf16* k, int64_t k_ld, const bf16* v, int64_t v_ld, int64_t nk) {
+    pack_column_pairs(k, nk, D, k_ld, kp.data(), ldk);
+    pack_column_pairs(v, nk, D, v_ld, vp.data(), ldk);
+    pack_row_pairs(k, nk, D, k_ld, kr.data(), D);
+  }
+  void scores(int64_t i0, int64_t nq, int64_t nk, float scale, float* p) {
+    tile_gemm_bf16(nq, nk, D, scale, qa + i0 * ldq, ldq, kp.data(), ldk, false, p, ldk);
+  }
+  void dprobs(int64_t i0, int64_t nq, int64_t nk, float* dp) {
+    tile_gemm_bf16(nq, nk, D, 1.0f, doa + i0 * lddo, lddo, vp.data(), ldk, false, dp, ldk);
+  }
+  // i0 is even (a multiple of kBlockQ): row i0 of Q and dO begins pair row i0 / 2.
+  void add_grads(int64_t i0, int64_t nq, int64_t nk, float scale, const float* p, const float* ds, float* dv_b,
+                 float* dk_b, float* dq_t) {
+    // rounded row by row (vectorized), then transposed as 16-bit values
+    for (int64_t r = 0; r < nq; ++r) convert_row(p + r * ldk, ds_rows.data() + r * ldk, nk);
+    transpose_rows(ds_rows.data(), nq, nk, ldk, pt.data(), bq);
+    for (int64_t r = 0; r < nq; ++r) convert_row(ds + r * ldk, ds_rows.data() + r * ldk, nk);
+    transpose_rows(ds_rows.data(), nq, nk, ldk, dst.data(), bq);
+    tile_gemm_bf16(nk, D, nq, 1.0f, pt.data(), bq, dop.data() + i0 / 2 * D, D, true, dv_b, D);
+    tile_gemm_bf16(nk, D, nq, scale, dst.data(), bq, qp.data() + i0 / 2 * D, D, true, dk_b, D);
+    tile_gemm_bf16(nq, D, nk, scale, ds_rows.data(), ldk, kr.data(), D, true, dq_t, D);
+  }
+};
+
 template <typename scalar_t>
 void attention_fwd_kernel(const Rows<const scalar_t> q, const Rows<const scalar_t> k, const Rows<const scalar_t> v,
                           const bool* kpm, const Rows<scalar_t> out, at::opmath_type<scalar_t>* lse, const Seqs s,
@@ -200,32 +354,27 @@ void attention_fwd_kernel(const Rows<const scalar_t> q, const Rows<const scalar_
   const int64_t bq = std::min(kBlockQ, max_q), ldk = std::max<int64_t>(1, std::min(kBlockK, max_k));
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   at::parallel_for(0, first_item[s.B], 1, [&](int64_t begin, int64_t end) {
-    Buffer<acc_t> sc(bq * ldk), o(bq * D), m(bq), l(bq), pad_bias(ldk), drop(ldk), kt(D * ldk), q_buf, v_buf;
-    if constexpr (!std::is_same_v<scalar_t, acc_t>) {
-      q_buf.resize(bq * D);
-      v_buf.resize(ldk * D);
-    }
+    Buffer<acc_t> sc(bq * ldk), o(bq * D), m(bq), l(bq), pad_bias(ldk), drop(ldk);
+    ForwardTiles<scalar_t> tiles(D, bq, ldk);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
       const Seq seq{s.q_len(b), s.k_len(b), s.causal};
-      const int64_t tiles = (seq.Lq + kBlockQ - 1) / kBlockQ, local = item - first_item[b];
-      const int64_t h = local / tiles, i0 = (local % tiles) * kBlockQ, h_kv = h / group;
+      const int64_t tiles_q = (seq.Lq + kBlockQ - 1) / kBlockQ, local = item - first_item[b];
+      const int64_t h = local / tiles_q, i0 = (local % tiles_q) * kBlockQ, h_kv = h / group;
       const int64_t nq = std::min(kBlockQ, seq.Lq - i0), qs = s.q_start(b), ks = s.k_start(b);
       const bool* pad = kpm ? kpm + b * s.Lk : nullptr;
-      const auto [qt, ldq] = rows_as_acc(q.row(b, h, qs + i0), nq, q.sl, D, q_buf);
+      tiles.load_q(q.row(b, h, qs + i0), nq, q.sl);
       std::fill(o.begin(), o.end(), acc_t(0));
       std::fill(m.begin(), m.end(), neg_inf);
       std::fill(l.begin(), l.end(), acc_t(0));
       const int64_t tile_key_end = seq.key_end(i0 + nq - 1);
       for (int64_t j0 = 0; j0 < tile_key_end; j0 += kBlockK) {
         const int64_t nk = std::min(kBlockK, tile_key_end - j0);
-        transpose_rows(k.row(b, h_kv, ks + j0), nk, D, k.sl, kt.data(), ldk);  // K_b^T (D x nk)
-        const auto [vb, ldvb] = rows_as_acc(v.row(b, h_kv, ks + j0), nk, v.sl, D, v_buf);
+        tiles.load_block(k.row(b, h_kv, ks + j0), k.sl, v.row(b, h_kv, ks + j0), v.sl, nk);
         if (pad != nullptr) {
           for (int64_t t = 0; t < nk; ++t) pad_bias[t] = pad[j0 + t] ? neg_inf : acc_t(0);
         }
-        // S (nq x nk) = scale Q_t K_b^T
-        tile_gemm<acc_t>(nq, nk, D, static_cast<acc_t>(scale), qt, ldq, false, kt.data(), ldk, false, sc.data(), ldk);
+        tiles.scores(nq, nk, static_cast<acc_t>(scale), sc.data());  // S (nq x nk) = scale Q_t K_b^T
         for (int64_t r = 0; r < nq; ++r) {
           const int64_t i = i0 + r;
           acc_t* p = sc.data() + r * ldk;
@@ -248,8 +397,7 @@ void attention_fwd_kernel(const Rows<const scalar_t> q, const Rows<const scalar_
             vec_mul(p, drop.data(), nk);
           }
         }
-        // O (nq x D) += P (nq x nk) V_b (nk x D)
-        tile_gemm<acc_t>(nq, D, nk, acc_t(1), sc.data(), ldk, false, vb, ldvb, true, o.data(), D);
+        tiles.add_pv(nq, nk, sc.data(), o.data());  // O (nq x D) += P (nq x nk) V_b (nk x D)
       }
       for (int64_t r = 0; r < nq; ++r) {
         const int64_t i = i0 + r;
@@ -292,13 +440,9 @@ void attention_bwd_kernel(const Rows<const scalar_t> dout, const Rows<const scal
     return static_cast<double>(group) * static_cast<double>(s.q_len(b) + 1) * static_cast<double>(s.k_len(b) + 1);
   });
   at::parallel_for(0, threads, 1, [&](int64_t t_begin, int64_t t_end) {
-    Buffer<acc_t> dq_acc(max_q * D), delta(max_q), o_row(D), dk_acc(max_k * D), dv_acc(max_k * D);
-    Buffer<acc_t> p(bq * ldk), dp(bq * ldk), pad_bias(ldk), drop(ldk), kt(D * ldk), vt(D * ldk), q_buf, do_buf, k_buf;
-    if constexpr (!std::is_same_v<scalar_t, acc_t>) {
-      q_buf.resize(max_q * D);
-      do_buf.resize(max_q * D);
-      k_buf.resize(ldk * D);
-    }
+    Buffer<acc_t> dq_acc(max_q * D), delta(max_q), o_row(D), do_row(D), dk_acc(max_k * D), dv_acc(max_k * D);
+    Buffer<acc_t> p(bq * ldk), dp(bq * ldk), pad_bias(ldk), drop(ldk);
+    BackwardTiles<scalar_t> tiles(D, max_q, bq, ldk);
     for (int64_t item = ranges[t_begin]; item < ranges[t_end]; ++item) {
       const int64_t b = item / s.H_kv, h_kv = item % s.H_kv;
       const Seq seq{s.q_len(b), s.k_len(b), s.causal};
@@ -309,18 +453,16 @@ void attention_bwd_kernel(const Rows<const scalar_t> dout, const Rows<const scal
       std::fill(dk_acc.begin(), dk_acc.begin() + all_key_end * D, acc_t(0));
       std::fill(dv_acc.begin(), dv_acc.begin() + all_key_end * D, acc_t(0));
       for (int64_t h = h_kv * group; h < (h_kv + 1) * group; ++h) {  // the query heads reading this kv head
-        const auto [qa, ldq] = rows_as_acc(q.row(b, h, qs), Lq, q.sl, D, q_buf);         // (Lq, D)
-        const auto [doa, lddo] = rows_as_acc(dout.row(b, h, qs), Lq, dout.sl, D, do_buf);  // (Lq, D)
+        tiles.load_head(q.row(b, h, qs), q.sl, dout.row(b, h, qs), dout.sl, Lq);
         for (int64_t i = 0; i < Lq; ++i) {  // D_i = dO_i . O_i
           convert_row(out.row(b, h, qs + i), o_row.data(), D);
-          delta[i] = vec_dot(doa + i * lddo, o_row.data(), D);
+          convert_row(dout.row(b, h, qs + i), do_row.data(), D);
+          delta[i] = vec_dot(do_row.data(), o_row.data(), D);
         }
         std::fill(dq_acc.begin(), dq_acc.begin() + Lq * D, acc_t(0));
         for (int64_t j0 = 0; j0 < all_key_end; j0 += kBlockK) {
           const int64_t nk = std::min(kBlockK, all_key_end - j0);
-          const auto [kb, ldkb] = rows_as_acc(k.row(b, h_kv, ks + j0), nk, k.sl, D, k_buf);  // K_b (nk x D)
-          transpose_rows(kb, nk, D, ldkb, kt.data(), ldk);                                     // K_b^T (D x nk)
-          transpose_rows(v.row(b, h_kv, ks + j0), nk, D, v.sl, vt.data(), ldk);                // V_b^T (D x nk)
+          tiles.load_block(k.row(b, h_kv, ks + j0), k.sl, v.row(b, h_kv, ks + j0), v.sl, nk);
           if (pad != nullptr) {
             for (int64_t t = 0; t < nk; ++t) pad_bias[t] = pad[j0 + t] ? neg_inf : acc_t(0);
           }
@@ -329,10 +471,8 @@ void attention_bwd_kernel(const Rows<const scalar_t> dout, const Rows<const scal
           // Query tiles that can see some key of this block (causal: rows before first_query see none).
           for (int64_t i0 = seq.first_query(j0) / kBlockQ * kBlockQ; i0 < Lq; i0 += kBlockQ) {
             const int64_t nq = std::min(kBlockQ, Lq - i0);
-            const acc_t* qt = qa + i0 * ldq;
-            const acc_t* dot = doa + i0 * lddo;
-            tile_gemm<acc_t>(nq, nk, D, scale_acc, qt, ldq, false, kt.data(), ldk, false, p.data(), ldk);    // S
-            tile_gemm<acc_t>(nq, nk, D, acc_t(1), dot, lddo, false, vt.data(), ldk, false, dp.data(), ldk);  // dO V^T
+            tiles.scores(i0, nq, nk, scale_acc, p.data());  // S = scale Q_t K_b^T
+            tiles.dprobs(i0, nq, nk, dp.data());            // dO_t V_b^T
             for (int64_t r = 0; r < nq; ++r) {
               const int64_t i = i0 + r;
               acc_t* p_r = p.data() + r * ldk;
@@ -361,9 +501,7 @@ void attention_bwd_kernel(const Rows<const scalar_t> dout, const Rows<const scal
               if (dropout_p > 0) vec_mul(p_r, drop.data(), nk);
             }
             // dV_b (nk x D) += (P r)^T dO_t ; dK_b += scale dS^T Q_t ; dQ_t += scale dS K_b
-            tile_gemm<acc_t>(nk, D, nq, acc_t(1), p.data(), ldk, true, dot, lddo, true, dv_b, D);
-            tile_gemm<acc_t>(nk, D, nq, scale_acc, dp.data(), ldk, true, qt, ldq, true, dk_b, D);
-            tile_gemm<acc_t>(nq, D, nk, scale_acc, dp.data(), ldk, false, kb, ldkb, true, dq_acc.data() + i0 * D, D);
+            tiles.add_grads(i0, nq, nk, scale_acc, p.data(), dp.data(), dv_b, dk_b, dq_acc.data() + i0 * D);
           }
         }
         for (int64_t i = 0; i < Lq; ++i) convert_row(dq_acc.data() + i * D, dq.row(b, h, qs + i), D);

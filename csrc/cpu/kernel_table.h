@@ -51,6 +51,12 @@ const char* const* int8_variants();
 // gemm/int8_onednn.h onednn_rule holds, else 0).
 int int8_choose(int64_t M, int64_t N, int64_t K);
 
+// The tile products' variants this CPU runs at this level, null-terminated ("fma", then "bf16_dot" where the CPU
+// has AVX512_BF16, "bf16_emulated": csrc/gemm/products.h), and C (m, n) = A (m, k) B (k, n) by one of them
+// (products.cpp; A and B 2-D with unit column stride, checked by the caller: gemm.cpp).
+const char* const* product_variants();
+Tensor tile_product(const Tensor& a, const Tensor& b, const std::string& variant);
+
 // The forward of layer_norm_residual without dropout on raw float32 rows (csrc/cpu/layer_norm_residual.cpp):
 // s = residual + x and y = LayerNorm(s), mean and rstd (R,) written. Row by row each input row is read
 // before that row's outputs are written, so y or s may be the residual itself.
@@ -76,7 +82,8 @@ constexpr const char* kCpuKernelsCapsule = "fastformer.cpu_kernels";
 
 // The non-op entries, in three groups (each list is the one place its members are named: the struct and the
 // level module's initializer expand it).
-#define FASTFORMER_GEMM_KERNELS(X) X(packed_linear) X(int8_linear_rows) X(int8_variants) X(int8_choose)
+#define FASTFORMER_GEMM_KERNELS(X) \
+  X(packed_linear) X(int8_linear_rows) X(int8_variants) X(int8_choose) X(product_variants) X(tile_product)
 #define FASTFORMER_INFERENCE_KERNELS(X) X(decoder_step) X(search_candidates)
 #define FASTFORMER_OPTIM_KERNELS(X) X(adam_step)
 #define FASTFORMER_CPU_TABLE_MEMBER(name) decltype(&cpu::name) name;

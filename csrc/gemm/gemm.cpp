@@ -187,6 +187,31 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, const c1
   return cpu_kernels().gemm.packed_linear(x.contiguous(), panels, b, n);
 }
 
+std::vector<std::string> product_variants() {
+  std::vector<std::string> names;
+  for (const char* const* v = cpu_kernels().gemm.product_variants(); *v != nullptr; ++v) names.emplace_back(*v);
+  return names;
+}
+
+at::Tensor tile_product(const at::Tensor& a, const at::Tensor& b, const std::string& variant) {
+  const std::string who = "fastformer tile_product";
+  const std::vector<std::string> names = product_variants();
+  TORCH_CHECK_VALUE(std::find(names.begin(), names.end(), variant) != names.end(), who, ": variant \"", variant,
+                    "\" does not run here (", cpu_kernels().level, " level on this CPU: ", c10::Join(", ", names), ")");
+  const bool bf16 = variant != "fma";
+  TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0), who, ": expected a (m, k) and b (k, n), "
+                    "got ", a.sizes(), " and ", b.sizes());
+  TORCH_CHECK_VALUE(a.device().is_cpu() && b.device().is_cpu() && a.scalar_type() == b.scalar_type() &&
+                        (bf16 ? a.scalar_type() == at::kBFloat16
+                              : a.scalar_type() == at::kFloat || a.scalar_type() == at::kDouble),
+                    who, ": ", variant, " takes two CPU tensors of ", bf16 ? "bfloat16" : "float32 or float64",
+                    ", got ", dtype_name(a.scalar_type()), " and ", dtype_name(b.scalar_type()));
+  TORCH_CHECK_VALUE((a.size(1) <= 1 || a.stride(1) == 1) && (b.size(1) <= 1 || b.stride(1) == 1) &&
+                        a.stride(0) >= a.size(1) && b.stride(0) >= b.size(1),
+                    who, ": a and b must have unit column strides and rows that do not overlap");
+  return cpu_kernels().gemm.tile_product(a, b, variant);
+}
+
 std::vector<std::string> int8_variants() {
   std::vector<std::string> names;
   for (const char* const* v = cpu_kernels().gemm.int8_variants(); *v != nullptr; ++v) names.emplace_back(*v);

@@ -178,6 +178,11 @@ std::shared_ptr<OnednnInt8> int8_prepare(const at::Tensor& weight, const at::Ten
                                          const at::Tensor& weight_colsum, int64_t n, int64_t K);
 // Wq (checked by the caller) packed for oneDNN (csrc/gemm/int8_onednn.cpp), owned by the pointer's holders.
 std::shared_ptr<OnednnInt8> onednn_int8_pack(const at::Tensor& weight, int64_t n, int64_t K);
+// The tile products' variants this CPU runs (csrc/gemm/products.h), and C = A B by one of them: a test's hook
+// on the micro-kernel (tests/ops/test_products.py). a (m, k), b (k, n): 2-D CPU tensors with unit column stride,
+// float32 or float64 for "fma", bfloat16 for the bf16 variants (C float32).
+std::vector<std::string> product_variants();
+at::Tensor tile_product(const at::Tensor& a, const at::Tensor& b, const std::string& variant);
 // The packs made and not yet freed, in this process (a test's check that they are freed with their owner).
 int64_t onednn_int8_live();
 

@@ -59,6 +59,16 @@ constexpr int kInt8Panel = kPackedLinearPanel;  // columns per panel: the float3
 constexpr int64_t kInt8BlockRows = 16;           // rows per work unit: a multiple of every variant's rows
 constexpr int64_t kInt8TaskBytes = 65536;        // the least work of a task: K x rows, summed over its units
 
+// The micro-kernel's names for an int8 Isa's types (csrc/gemm/micro_kernel.h): 4 activation bytes (unsigned or
+// signed per variant) against 4 weight bytes a step, int32 lanes.
+#define INT8_ISA_TYPES                                        \
+  using AElem = uint8_t;                                      \
+  using BElem = int8_t;                                       \
+  using Acc = Reg;                                            \
+  using BReg = Reg;                                           \
+  using AReg = Row;                                           \
+  static constexpr int kDepth = 4, kVectors = kInt8Panel / kLanes;
+
 inline int32_t four_bytes(const uint8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -71,8 +81,9 @@ struct Isa {
   struct Reg { int32_t lane[8]; };
   struct Row { int8_t byte[4]; };
   static constexpr int kLanes = 8, kRows = 4;
+  INT8_ISA_TYPES
   static Reg zero() { return Reg{}; }
-  static Row row(const uint8_t* four) {
+  static Row broadcast(const uint8_t* four) {
     Row r;
     std::memcpy(r.byte, four, 4);
     return r;
@@ -82,7 +93,7 @@ struct Isa {
     std::memcpy(r.lane, w, sizeof(r.lane));  // the bytes, reread per lane in dot
     return r;
   }
-  static Reg dot(Reg acc, const Row& a, const Reg& w) {
+  static Reg madd(Reg acc, const Row& a, const Reg& w) {
     int8_t bytes[32];
     std::memcpy(bytes, w.lane, 32);
     for (int l = 0; l < 8; ++l)
@@ -91,6 +102,7 @@ struct Isa {
   }
   static void store(int32_t* out, const Reg& v) { std::memcpy(out, v.lane, sizeof(v.lane)); }
 };
+#include "gemm/micro_kernel.h"
 #include "gemm/int8_linear_tile.h"
 }  // namespace plain
 
@@ -101,19 +113,21 @@ struct Isa {
   using Reg = __m256i;
   struct Row { __m256i abs, sign; };
   static constexpr int kLanes = 8, kRows = 2;
+  INT8_ISA_TYPES
   static Reg zero() { return _mm256_setzero_si256(); }
-  static Row row(const uint8_t* four) {
+  static Row broadcast(const uint8_t* four) {
     const __m256i b = _mm256_set1_epi32(four_bytes(four));
     return {_mm256_abs_epi8(b), b};
   }
   static Reg load(const int8_t* w) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)); }
-  static Reg dot(Reg acc, const Row& a, Reg w) {
+  static Reg madd(Reg acc, const Row& a, Reg w) {
     // |x| (<= 127, unsigned) times w with x's sign (signed): x w, pairs <= 2 x 127^2 < 2^15.
     const __m256i pairs = _mm256_maddubs_epi16(a.abs, _mm256_sign_epi8(w, a.sign));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
   }
   static void store(int32_t* out, Reg v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), v); }
 };
+#include "gemm/micro_kernel.h"
 #include "gemm/int8_linear_tile.h"
 }  // namespace avx2
 #endif
@@ -127,12 +141,14 @@ struct Isa {
   using Reg = __m512i;
   using Row = __m512i;
   static constexpr int kLanes = 16, kRows = 4;
+  INT8_ISA_TYPES
   static Reg zero() { return _mm512_setzero_si512(); }
-  static Row row(const uint8_t* four) { return _mm512_set1_epi32(four_bytes(four)); }
+  static Row broadcast(const uint8_t* four) { return _mm512_set1_epi32(four_bytes(four)); }
   static Reg load(const int8_t* w) { return _mm512_loadu_si512(w); }
-  static Reg dot(Reg acc, const Row& a, Reg w) { return _mm512_dpbusd_epi32(acc, a, w); }
+  static Reg madd(Reg acc, const Row& a, Reg w) { return _mm512_dpbusd_epi32(acc, a, w); }
   static void store(int32_t* out, Reg v) { _mm512_storeu_si512(out, v); }
 };
+#include "gemm/micro_kernel.h"
 #include "gemm/int8_linear_tile.h"
 }  // namespace vnni512
 #pragma GCC pop_options
@@ -145,12 +161,14 @@ struct Isa {
   using Reg = __m256i;
   using Row = __m256i;
   static constexpr int kLanes = 8, kRows = 2;
+  INT8_ISA_TYPES
   static Reg zero() { return _mm256_setzero_si256(); }
-  static Row row(const uint8_t* four) { return _mm256_set1_epi32(four_bytes(four)); }
+  static Row broadcast(const uint8_t* four) { return _mm256_set1_epi32(four_bytes(four)); }
   static Reg load(const int8_t* w) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)); }
-  static Reg dot(Reg acc, const Row& a, Reg w) { return _mm256_dpbusd_avx_epi32(acc, a, w); }
+  static Reg madd(Reg acc, const Row& a, Reg w) { return _mm256_dpbusd_avx_epi32(acc, a, w); }
   static void store(int32_t* out, Reg v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), v); }
 };
+#include "gemm/micro_kernel.h"
 #include "gemm/int8_linear_tile.h"
 }  // namespace vnni256
 #pragma GCC pop_options

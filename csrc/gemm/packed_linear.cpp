@@ -24,6 +24,7 @@
 #include <algorithm>
 
 #include "cpu/kernel_table.h"
+#include "gemm/products.h"
 
 namespace fastformer {
 namespace cpu {
@@ -69,14 +70,8 @@ void panel_rows(const float* x, int64_t K, const float* panel, const float* bias
   }
   const float* column[V];
   for (int v = 0; v < V; ++v) column[v] = panel + packed_column_offset(c0 + v * Vec::size(), K);
-  for (int64_t k = 0; k < K; ++k) {
-    Vec w[V];
-    for (int v = 0; v < V; ++v) w[v] = Vec::loadu(column[v] + k * kPackedLinearStrip);
-    for (int r = 0; r < R; ++r) {
-      const Vec xr(x[r * K + k]);
-      for (int v = 0; v < V; ++v) acc[r][v] = at::vec::fmadd(xr, w[v], acc[r][v]);
-    }
-  }
+  // the micro-kernel (csrc/gemm/micro_kernel.h): A = x's rows, B's register v at step k = column[v] + k S
+  micro::micro_kernel<micro::FmaIsa<float>, R, V>(K, x, K, column, kPackedLinearStrip, acc);
   for (int r = 0; r < R; ++r) {
     float* out = y + r * y_stride + n0 + c0;
     if (valid == kWidth) {

@@ -1,7 +1,7 @@
 """A result must not depend on the number of threads: every op of the cpu backend, forward and backward,
 gives bit-identical results with 1, 2 and 3 threads (a training run or a translation must not change with
 the machine's core count). Nor on where its inputs lie: attention's tile products are fastformer's own
-(csrc/cpu/tile_gemm.h), because a BLAS may take alignment- and thread-dependent paths (MKL's default mode
+(csrc/gemm/micro_kernel.h), because a BLAS may take alignment- and thread-dependent paths (MKL's default mode
 on Intel CPUs does), so the same call on views shifted by 1, 2, 3 and 8 elements, at 1, 2 and 3 threads,
 gives bit-identical results too.
 

@@ -1,0 +1,224 @@
+// The CPU tile products of one instruction-set level, on the one micro-kernel (csrc/gemm/micro_kernel.h): the
+// variants, each with the guarantee it keeps, the packers of their B operands, and the entry points the
+// attention kernels call (csrc/cpu/attention_kernels.h). The int8 variants of the decoding GEMMs are the same
+// micro-kernel on 4-byte dot products (csrc/gemm/int8_linear.cpp, listed by int8_variants()); the float32
+// panels of decoding are FmaIsa<float> on a packed layout (csrc/gemm/packed_linear.cpp).
+//
+// | variant       | operands           | instruction           | lanes        | block      | where                    |
+// |---------------|--------------------|-----------------------|--------------|------------|--------------------------|
+// | fma           | float32, float64   | at::vec fmadd         | a vector     | 6 x 4 (avx512), 6 x 2 | every level |
+// | bf16_dot      | bf16 x bf16 -> f32 | vdpbf16ps (zmm)       | 16           | 6 x 4      | avx512 level, AVX512_BF16 |
+// | bf16_emulated | bf16 x bf16 -> f32 | two at::vec fmadds    | a vector     | 4 x 4 (avx512), 4 x 2 | every level |
+//
+// Guarantees (tests/ops/test_products.py checks each, through C.tile_product, at shifted memory offsets;
+// tests/ops/test_threads.py through attention at 1, 2 and 3 threads):
+//   fma: C[i, j] = alpha (fma chain over t of A[i, t] B[t, j]) (+ C), in order t = 0, 1, ...: no horizontal
+//     sums, so the result depends on row i of A and column j of B alone: not on offsets, threads, blocks or
+//     the vector width (the avx2 and avx512 levels give the same products).
+//   bf16_dot: per pair of inputs (t = 2s, 2s + 1): acc = acc + A[i, 2s+1] B[2s+1, j] (rounded), then
+//     + A[i, 2s] B[2s, j] (rounded): the order of vdpbf16ps as Intel documents it (the product of two
+//     bfloat16 values is exact in float32); measured bit for bit against bf16_emulated on an AMD EPYC (Zen 4).
+//     The instruction treats subnormal inputs and results as zero (DAZ, FTZ).
+//   bf16_emulated: the same chain with fused multiply-adds (exact products, the same roundings), so it equals
+//     bf16_dot bit for bit where no subnormal number occurs: bfloat16 attention gives the same results on CPUs
+//     with and without AVX512_BF16, and at every level.
+// bf16 tile products take bf16_dot where the CPU has it (checked once at run time), else bf16_emulated.
+#pragma once
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+namespace fastformer::cpu::micro {
+
+// float32 and float64: one fused multiply-add a step.
+template <typename T>
+struct FmaIsa {
+  using Vec = at::vec::Vectorized<T>;
+  using AElem = T;
+  using BElem = T;
+  using Out = T;
+  using Acc = Vec;
+  using AReg = Vec;
+  using BReg = Vec;
+  static constexpr int kLanes = Vec::size(), kDepth = 1;
+  // avx512 (64-byte vectors): 6 x 4 accumulators, 4 B registers and a broadcast in its 32 registers; avx2
+  // and the default level: 6 x 2 + 2 + 1 in 16.
+  static constexpr int kRows = 6, kVectors = sizeof(Vec) >= 64 ? 4 : 2;
+  static Acc zero() { return Vec(T(0)); }
+  static AReg broadcast(const T* a) { return Vec(*a); }
+  static BReg load(const T* b) { return Vec::loadu(b); }
+  static Acc madd(const Acc& acc, const AReg& a, const BReg& b) { return at::vec::fmadd(a, b, acc); }
+  static Vec out(const Acc& acc) { return acc; }
+};
+
+// A bfloat16 value's float32: its 16 bits on top.
+inline float bf16_bits_to_float(uint32_t high) {
+  float f;
+  std::memcpy(&f, &high, 4);
+  return f;
+}
+
+// bfloat16 pairs with float32 sums, in the order of vdpbf16ps, on any CPU: per step, the odd element's product
+// then the even one's, each a fused multiply-add (exact product, one rounding). A pair is 32 bits: the even
+// element (k = 2s) in the low half, the odd one (2s + 1) in the high half, as in memory.
+struct Bf16Emulated {
+  using Vec = at::vec::Vectorized<float>;
+  using IVec = at::vec::Vectorized<int32_t>;
+  using AElem = c10::BFloat16;
+  using BElem = uint32_t;
+  using Out = float;
+  struct Pair {
+    Vec odd, even;
+  };
+  using Acc = Vec;
+  using AReg = Pair;
+  using BReg = Pair;
+  static constexpr int kLanes = Vec::size(), kDepth = 2;
+  // avx512: 4 x 4 accumulators, 8 registers of B (each pair register unpacked into two) and 2 broadcasts;
+  // avx2: 4 x 2 + 4 + 2 in 16.
+  static constexpr int kRows = 4, kVectors = sizeof(Vec) >= 64 ? 4 : 2;
+  static Acc zero() { return Vec(0.0f); }
+  static AReg broadcast(const c10::BFloat16* a) {
+    uint32_t pair;
+    std::memcpy(&pair, a, 4);
+    return {Vec(bf16_bits_to_float(pair & 0xFFFF0000u)), Vec(bf16_bits_to_float(pair << 16))};
+  }
+  static BReg load(const uint32_t* b) {
+    const IVec w = IVec::loadu(b);
+    return {at::vec::cast<float>(w & IVec(static_cast<int32_t>(0xFFFF0000u))), at::vec::cast<float>(w << IVec(16))};
+  }
+  static Acc madd(const Acc& acc, const AReg& a, const BReg& b) {
+    return at::vec::fmadd(a.even, b.even, at::vec::fmadd(a.odd, b.odd, acc));
+  }
+  static Vec out(const Acc& acc) { return acc; }
+};
+
+#include "gemm/micro_kernel.h"
+
+}  // namespace fastformer::cpu::micro
+
+#if defined(CPU_CAPABILITY_AVX512)
+// ---- bf16_dot: vdpbf16ps (only this region may use AVX512_BF16) -----------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx512bf16")
+namespace fastformer::cpu::micro::bf16_dot {
+struct Isa {
+  using AElem = c10::BFloat16;
+  using BElem = uint32_t;
+  using Out = float;
+  using Acc = __m512;
+  using AReg = __m512bh;
+  using BReg = __m512bh;
+  static constexpr int kLanes = 16, kDepth = 2, kRows = 6, kVectors = 4;  // 24 accumulators, 4 B, 1 broadcast
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static AReg broadcast(const c10::BFloat16* a) {
+    int32_t pair;
+    std::memcpy(&pair, a, 4);
+    return reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+  }
+  static BReg load(const uint32_t* b) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(b)); }
+  static Acc madd(Acc acc, AReg a, BReg b) { return _mm512_dpbf16_ps(acc, a, b); }
+  static at::vec::Vectorized<float> out(Acc acc) { return acc; }
+};
+#include "gemm/micro_kernel.h"
+
+inline void tile_gemm(int64_t m, int64_t n, int64_t k, float alpha, const c10::BFloat16* a, int64_t lda,
+                      const uint32_t* b, int64_t ldb, bool accumulate, float* c, int64_t ldc) {
+  tile_product<Isa, false>(m, n, k, alpha, a, lda, b, ldb, accumulate, c, ldc);
+}
+}  // namespace fastformer::cpu::micro::bf16_dot
+#pragma GCC pop_options
+#endif
+
+namespace fastformer::cpu {
+
+// Whether this level runs bf16 tile products on vdpbf16ps (the CPU has AVX512_BF16; the avx512 level only).
+inline bool bf16_dot_runs() {
+#if defined(CPU_CAPABILITY_AVX512)
+  static const bool runs = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") != 0;
+  }();
+  return runs;
+#else
+  return false;
+#endif
+}
+
+// C (m x n, ldc) = alpha op(A) B (+ C when accumulate), float32 or float64 (the variant fma):
+// op(A)(i, t) = A[i lda + t], or A[t lda + i] when a_transposed; B (k x n, ldb) row-major.
+template <typename T>
+inline void tile_gemm(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, bool a_transposed,
+                      const T* b, int64_t ldb, bool accumulate, T* c, int64_t ldc) {
+  if (a_transposed) {
+    micro::tile_product<micro::FmaIsa<T>, true>(m, n, k, alpha, a, lda, b, ldb, accumulate, c, ldc);
+  } else {
+    micro::tile_product<micro::FmaIsa<T>, false>(m, n, k, alpha, a, lda, b, ldb, accumulate, c, ldc);
+  }
+}
+
+// C (m x n float32, ldc) = alpha A B (+ C when accumulate), A (m x k, lda) bfloat16 row-major, B as packed
+// pairs (ceil(k / 2) rows of ldb pairs: pack_row_pairs, pack_column_pairs): bf16_dot where it runs, else
+// bf16_emulated (`variant` forces one: "bf16_dot", "bf16_emulated"; a test's hook).
+inline void tile_gemm_bf16(int64_t m, int64_t n, int64_t k, float alpha, const c10::BFloat16* a, int64_t lda,
+                           const uint32_t* b, int64_t ldb, bool accumulate, float* c, int64_t ldc,
+                           bool emulated = false) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (!emulated && bf16_dot_runs()) return micro::bf16_dot::tile_gemm(m, n, k, alpha, a, lda, b, ldb, accumulate, c, ldc);
+#endif
+  micro::tile_product<micro::Bf16Emulated, false>(m, n, k, alpha, a, lda, b, ldb, accumulate, c, ldc);
+}
+
+inline uint32_t bf16_pair(c10::BFloat16 even, c10::BFloat16 odd) {
+  return static_cast<uint32_t>(even.x) | (static_cast<uint32_t>(odd.x) << 16);
+}
+
+// The B operand of a bf16 product from a row-major (k x n, ld) matrix M, B = M: pairs of rows interleaved,
+// dst (ceil(k / 2) x n, ld_dst) with dst[s][j] = (M[2s][j], M[2s + 1][j]) (zero past k). Memory: k n elements
+// read and written once.
+inline void pack_row_pairs(const c10::BFloat16* src, int64_t k, int64_t n, int64_t ld, uint32_t* dst, int64_t ld_dst) {
+  for (int64_t s = 0; s < k / 2; ++s) {
+    const c10::BFloat16* even = src + 2 * s * ld;
+    const c10::BFloat16* odd = even + ld;
+    uint32_t* d = dst + s * ld_dst;
+    for (int64_t j = 0; j < n; ++j) d[j] = bf16_pair(even[j], odd[j]);
+  }
+  if (k % 2 != 0) {
+    const c10::BFloat16* even = src + (k - 1) * ld;
+    uint32_t* d = dst + (k / 2) * ld_dst;
+    for (int64_t j = 0; j < n; ++j) d[j] = even[j].x;
+  }
+}
+
+// The B operand of a bf16 product from the rows of an (n x k, ld) matrix M, B = M^T (a key or value block read
+// as its transpose, S = Q K^T): dst (ceil(k / 2) x n, ld_dst) with dst[s][j] = (M[j][2s], M[j][2s + 1]), the
+// 32-bit pair as it lies in row j (zero past k). Memory: n k elements read and written once.
+inline void pack_column_pairs(const c10::BFloat16* src, int64_t n, int64_t k, int64_t ld, uint32_t* dst,
+                              int64_t ld_dst) {
+  for (int64_t j = 0; j < n; ++j) {
+    const c10::BFloat16* row = src + j * ld;
+    for (int64_t s = 0; s < k / 2; ++s) std::memcpy(dst + s * ld_dst + j, row + 2 * s, 4);
+    if (k % 2 != 0) dst[(k / 2) * ld_dst + j] = row[k - 1].x;
+  }
+}
+
+// dst (cols x rows, ld_dst) = src (rows x cols, ld_src)^T, converted to dst's type (the B operand of an fma
+// product A src^T, or a bf16 A operand op(src)^T).
+template <typename S, typename T>
+inline void transpose_rows(const S* src, int64_t rows, int64_t cols, int64_t ld_src, T* dst, int64_t ld_dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const S* s = src + r * ld_src;
+    for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = static_cast<T>(s[c]);
+  }
+}
+
+}  // namespace fastformer::cpu
