@@ -298,12 +298,13 @@ struct BackwardTiles<scalar_t, true> {
   // pairs: Q and dO as pairs of rows (ceil(max_q / 2) x D); K_b^T and V_b^T (ceil(D / 2) x ldk); K_b as pairs of
   // rows (ceil(ldk / 2) x D)
   Buffer<uint32_t> qp, dop, kp, vp, kr;
+  Buffer<float> t32;              // P^T or dS^T in float32 (ldk x bq)
   Buffer<bf16> pt, dst, ds_rows;  // P^T and dS^T (ldk x bq), dS (bq x ldk), rounded to bfloat16
   const bf16 *qa = nullptr, *doa = nullptr;
   int64_t ldq = 0, lddo = 0;
   BackwardTiles(int64_t D, int64_t max_q, int64_t bq, int64_t ldk)
       : D(D), ldk(ldk), bq(bq), qp((max_q + 1) / 2 * D), dop((max_q + 1) / 2 * D), kp((D + 1) / 2 * ldk),
-        vp((D + 1) / 2 * ldk), kr((ldk + 1) / 2 * D), pt(ldk * bq), dst(ldk * bq), ds_rows(bq * ldk) {}
+        vp((D + 1) / 2 * ldk), kr((ldk + 1) / 2 * D), t32(ldk * bq), pt(ldk * bq), dst(ldk * bq), ds_rows(bq * ldk) {}
   void load_head(const bf16* q, int64_t q_ld, const bf16* dout, int64_t do_ld, int64_t Lq) {
     qa = q;
     ldq = q_ld;
@@ -326,16 +327,27 @@ struct BackwardTiles<scalar_t, true> {
   // i0 is even (a multiple of kBlockQ): row i0 of Q and dO begins pair row i0 / 2.
   void add_grads(int64_t i0, int64_t nq, int64_t nk, float scale, const float* p, const float* ds, float* dv_b,
                  float* dk_b, float* dq_t) {
-    // rounded row by row (vectorized), then transposed as 16-bit values
-    for (int64_t r = 0; r < nq; ++r) convert_row(p + r * ldk, ds_rows.data() + r * ldk, nk);
-    transpose_rows(ds_rows.data(), nq, nk, ldk, pt.data(), bq);
+    // P^T and dS^T: transposed as float32 (in registers, transpose32), then rounded row by row (vectorized)
+    transpose32(p, nq, nk, ldk, t32.data(), bq);
+    for (int64_t j = 0; j < nk; ++j) convert_row(t32.data() + j * bq, pt.data() + j * bq, nq);
+    transpose32(ds, nq, nk, ldk, t32.data(), bq);
+    for (int64_t j = 0; j < nk; ++j) convert_row(t32.data() + j * bq, dst.data() + j * bq, nq);
     for (int64_t r = 0; r < nq; ++r) convert_row(ds + r * ldk, ds_rows.data() + r * ldk, nk);
-    transpose_rows(ds_rows.data(), nq, nk, ldk, dst.data(), bq);
     tile_gemm_bf16(nk, D, nq, 1.0f, pt.data(), bq, dop.data() + i0 / 2 * D, D, true, dv_b, D);
     tile_gemm_bf16(nk, D, nq, scale, dst.data(), bq, qp.data() + i0 / 2 * D, D, true, dk_b, D);
     tile_gemm_bf16(nq, D, nk, scale, ds_rows.data(), ldk, kr.data(), D, true, dq_t, D);
   }
 };
+
+// n rows of D elements at row stride ld: every cache line they touch prefetched (into all levels).
+template <typename T>
+inline void prefetch_rows(const T* first, int64_t n, int64_t ld, int64_t D) {
+  constexpr int64_t kLine = 64;
+  for (int64_t r = 0; r < n; ++r) {
+    const char* row = reinterpret_cast<const char*>(first + r * ld);
+    for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(T)); byte += kLine) __builtin_prefetch(row + byte);
+  }
+}
 
 template <typename scalar_t>
 void attention_fwd_kernel(const Rows<const scalar_t> q, const Rows<const scalar_t> k, const Rows<const scalar_t> v,
@@ -445,6 +457,16 @@ void attention_bwd_kernel(const Rows<const scalar_t> dout, const Rows<const scal
     BackwardTiles<scalar_t> tiles(D, max_q, bq, ldk);
     for (int64_t item = ranges[t_begin]; item < ranges[t_end]; ++item) {
       const int64_t b = item / s.H_kv, h_kv = item % s.H_kv;
+      if (item + 1 < ranges[t_end]) {  // the next item's inputs on their way into the caches
+        const int64_t nb = (item + 1) / s.H_kv, nh = (item + 1) % s.H_kv, nq = s.q_len(nb), nk = s.k_len(nb);
+        for (int64_t h = nh * group; h < (nh + 1) * group; ++h) {
+          prefetch_rows(q.row(nb, h, s.q_start(nb)), nq, q.sl, D);
+          prefetch_rows(dout.row(nb, h, s.q_start(nb)), nq, dout.sl, D);
+          prefetch_rows(out.row(nb, h, s.q_start(nb)), nq, out.sl, D);
+        }
+        prefetch_rows(k.row(nb, nh, s.k_start(nb)), nk, k.sl, D);
+        prefetch_rows(v.row(nb, nh, s.k_start(nb)), nk, v.sl, D);
+      }
       const Seq seq{s.q_len(b), s.k_len(b), s.causal};
       const int64_t Lq = seq.Lq, Lk = seq.Lk, qs = s.q_start(b), ks = s.k_start(b);
       const bool* pad = kpm ? kpm + b * s.Lk : nullptr;

@@ -31,9 +31,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -199,15 +200,101 @@ inline void pack_row_pairs(const c10::BFloat16* src, int64_t k, int64_t n, int64
   }
 }
 
+// dst (cols x rows, ld_dst) = src (rows x cols, ld_src)^T for 32-bit elements (float32, or bf16 pairs as uint32):
+// whole 16 x 16 (avx512) or 8 x 8 (avx2) blocks transposed in registers (unpack 32-bit, unpack 64-bit, then
+// shuffle 128-bit lanes), the edges element by element. A pure permutation: the bits move, nothing is
+// computed. Memory: rows x cols elements read and written once (an element-wise loop wrote each element to
+// another cache line, and took as long as the products it fed at short sequence lengths).
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kTransposeBlock = 16;
+inline void transpose_block32(const void* src, int64_t ld_src, void* dst, int64_t ld_dst) {
+  const int32_t* s = static_cast<const int32_t*>(src);
+  int32_t* d = static_cast<int32_t*>(dst);
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(s + i * ld_src);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
+      t[8 * i + j + 4] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0xdd);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_si512(d + i * ld_dst, r[i]);
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+constexpr int64_t kTransposeBlock = 8;
+inline void transpose_block32(const void* src, int64_t ld_src, void* dst, int64_t ld_dst) {
+  const int32_t* s = static_cast<const int32_t*>(src);
+  int32_t* d = static_cast<int32_t*>(dst);
+  __m256i r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i * ld_src));
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    r[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    t[j] = _mm256_permute2x128_si256(r[j], r[j + 4], 0x20);
+    t[j + 4] = _mm256_permute2x128_si256(r[j], r[j + 4], 0x31);
+  }
+  for (int i = 0; i < 8; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i * ld_dst), t[i]);
+}
+#else
+constexpr int64_t kTransposeBlock = 0;  // element by element
+inline void transpose_block32(const void*, int64_t, void*, int64_t) {}
+#endif
+
+template <typename T>
+inline void transpose32(const T* src, int64_t rows, int64_t cols, int64_t ld_src, T* dst, int64_t ld_dst) {
+  static_assert(sizeof(T) == 4, "32-bit elements");
+  constexpr int64_t W = kTransposeBlock;
+  const int64_t whole_rows = W > 0 ? rows / W * W : 0, whole_cols = W > 0 ? cols / W * W : 0;
+  for (int64_t r0 = 0; r0 < whole_rows; r0 += W) {
+    for (int64_t c0 = 0; c0 < whole_cols; c0 += W) {
+      transpose_block32(src + r0 * ld_src + c0, ld_src, dst + c0 * ld_dst + r0, ld_dst);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {  // the edges: columns past the whole blocks, rows past them
+    // (memcpy: src may be a pair pointer into bfloat16 rows, 2-byte aligned)
+    for (int64_t c = r < whole_rows ? whole_cols : 0; c < cols; ++c) {
+      std::memcpy(dst + c * ld_dst + r, src + r * ld_src + c, 4);
+    }
+  }
+}
+
 // The B operand of a bf16 product from the rows of an (n x k, ld) matrix M, B = M^T (a key or value block read
 // as its transpose, S = Q K^T): dst (ceil(k / 2) x n, ld_dst) with dst[s][j] = (M[j][2s], M[j][2s + 1]), the
-// 32-bit pair as it lies in row j (zero past k). Memory: n k elements read and written once.
+// 32-bit pair as it lies in row j (zero past k): a transpose of 32-bit pairs (transpose32), row j's last odd
+// element on its own. Memory: n k elements read and written once.
 inline void pack_column_pairs(const c10::BFloat16* src, int64_t n, int64_t k, int64_t ld, uint32_t* dst,
                               int64_t ld_dst) {
-  for (int64_t j = 0; j < n; ++j) {
-    const c10::BFloat16* row = src + j * ld;
-    for (int64_t s = 0; s < k / 2; ++s) std::memcpy(dst + s * ld_dst + j, row + 2 * s, 4);
-    if (k % 2 != 0) dst[(k / 2) * ld_dst + j] = row[k - 1].x;
+  if (ld % 2 == 0) {  // rows of whole pairs (any start: the loads are unaligned)
+    transpose32(reinterpret_cast<const uint32_t*>(src), n, k / 2, ld / 2, dst, ld_dst);
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t s = 0; s < k / 2; ++s) std::memcpy(dst + s * ld_dst + j, src + j * ld + 2 * s, 4);
+    }
+  }
+  if (k % 2 != 0) {
+    for (int64_t j = 0; j < n; ++j) dst[(k / 2) * ld_dst + j] = src[j * ld + k - 1].x;
   }
 }
 
@@ -215,6 +302,7 @@ inline void pack_column_pairs(const c10::BFloat16* src, int64_t n, int64_t k, in
 // product A src^T, or a bf16 A operand op(src)^T).
 template <typename S, typename T>
 inline void transpose_rows(const S* src, int64_t rows, int64_t cols, int64_t ld_src, T* dst, int64_t ld_dst) {
+  if constexpr (std::is_same_v<S, T> && sizeof(T) == 4) return transpose32(src, rows, cols, ld_src, dst, ld_dst);
   for (int64_t r = 0; r < rows; ++r) {
     const S* s = src + r * ld_src;
     for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = static_cast<T>(s[c]);
