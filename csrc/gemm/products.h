@@ -205,57 +205,73 @@ inline void pack_row_pairs(const c10::BFloat16* src, int64_t k, int64_t n, int64
 // shuffle 128-bit lanes), the edges element by element. A pure permutation: the bits move, nothing is
 // computed. Memory: rows x cols elements read and written once (an element-wise loop wrote each element to
 // another cache line, and took as long as the products it fed at short sequence lengths).
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// One register of 32-bit lanes and the three permutations of the transpose, per width.
 #if defined(CPU_CAPABILITY_AVX512)
-constexpr int64_t kTransposeBlock = 16;
-inline void transpose_block32(const void* src, int64_t ld_src, void* dst, int64_t ld_dst) {
-  const int32_t* s = static_cast<const int32_t*>(src);
-  int32_t* d = static_cast<int32_t*>(dst);
-  __m512i r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(s + i * ld_src);
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int i = 0; i < 2; ++i) {
-    for (int j = 0; j < 4; ++j) {
-      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
-      t[8 * i + j + 4] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0xdd);
+struct TransposeRegs {
+  using R = __m512i;
+  static constexpr int kLanes = 16;
+  static R load(const int32_t* p) { return _mm512_loadu_si512(p); }
+  static void store(int32_t* p, R v) { _mm512_storeu_si512(p, v); }
+  static R lo32(R a, R b) { return _mm512_unpacklo_epi32(a, b); }
+  static R hi32(R a, R b) { return _mm512_unpackhi_epi32(a, b); }
+  static R lo64(R a, R b) { return _mm512_unpacklo_epi64(a, b); }
+  static R hi64(R a, R b) { return _mm512_unpackhi_epi64(a, b); }
+  // After the unpacks each 128-bit lane holds a 4 x 4 block in place; two shuffles of whole lanes put the blocks
+  // where the transpose wants them (r[j] and r[j + 4] within each half, then the halves).
+  static void lanes(R* r, R* t) {
+    for (int i = 0; i < 2; ++i) {
+      for (int j = 0; j < 4; ++j) {
+        t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
+        t[8 * i + j + 4] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0xdd);
+      }
+    }
+    for (int j = 0; j < 8; ++j) {
+      r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+      r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
     }
   }
-  for (int j = 0; j < 8; ++j) {
-    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
-    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+};
+#else
+struct TransposeRegs {
+  using R = __m256i;
+  static constexpr int kLanes = 8;
+  static R load(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static void store(int32_t* p, R v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+  static R lo32(R a, R b) { return _mm256_unpacklo_epi32(a, b); }
+  static R hi32(R a, R b) { return _mm256_unpackhi_epi32(a, b); }
+  static R lo64(R a, R b) { return _mm256_unpacklo_epi64(a, b); }
+  static R hi64(R a, R b) { return _mm256_unpackhi_epi64(a, b); }
+  static void lanes(R* r, R* t) {  // the two 128-bit halves exchanged between r[j] and r[j + 4]
+    for (int j = 0; j < 4; ++j) {
+      t[j] = _mm256_permute2x128_si256(r[j], r[j + 4], 0x20);
+      t[j + 4] = _mm256_permute2x128_si256(r[j], r[j + 4], 0x31);
+    }
+    for (int j = 0; j < 8; ++j) r[j] = t[j];
   }
-  for (int i = 0; i < 16; ++i) _mm512_storeu_si512(d + i * ld_dst, r[i]);
-}
-#elif defined(CPU_CAPABILITY_AVX2)
-constexpr int64_t kTransposeBlock = 8;
+};
+#endif
+constexpr int64_t kTransposeBlock = TransposeRegs::kLanes;
+// One W x W block (W = the register's lanes): unpack pairs of rows (32-bit, then 64-bit), then whole lanes.
 inline void transpose_block32(const void* src, int64_t ld_src, void* dst, int64_t ld_dst) {
+  using Regs = TransposeRegs;
+  constexpr int W = Regs::kLanes;
   const int32_t* s = static_cast<const int32_t*>(src);
   int32_t* d = static_cast<int32_t*>(dst);
-  __m256i r[8], t[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i * ld_src));
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  typename Regs::R r[W], t[W];
+  for (int i = 0; i < W; ++i) r[i] = Regs::load(s + i * ld_src);
+  for (int i = 0; i < W / 2; ++i) {
+    t[2 * i] = Regs::lo32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = Regs::hi32(r[2 * i], r[2 * i + 1]);
   }
-  for (int i = 0; i < 2; ++i) {
-    r[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  for (int i = 0; i < W / 4; ++i) {
+    r[4 * i] = Regs::lo64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = Regs::hi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = Regs::lo64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = Regs::hi64(t[4 * i + 1], t[4 * i + 3]);
   }
-  for (int j = 0; j < 4; ++j) {
-    t[j] = _mm256_permute2x128_si256(r[j], r[j + 4], 0x20);
-    t[j + 4] = _mm256_permute2x128_si256(r[j], r[j + 4], 0x31);
-  }
-  for (int i = 0; i < 8; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i * ld_dst), t[i]);
+  Regs::lanes(r, t);
+  for (int i = 0; i < W; ++i) Regs::store(d + i * ld_dst, r[i]);
 }
 #else
 constexpr int64_t kTransposeBlock = 0;  // element by element

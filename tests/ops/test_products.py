@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastformer import _C as C
-from tests.tolerances import product_bound
+from tolerances import product_bound
 
 VARIANTS = C.product_variants()
 DTYPES = {"fma": (torch.float32, torch.float64), "bf16_dot": (torch.bfloat16,), "bf16_emulated": (torch.bfloat16,)}
