@@ -1,9 +1,9 @@
 // The CPU attention kernels, forward and backward, shared by the ops attention (csrc/cpu/attention.cpp, dense
 // (B, H, L, D) tensors) and attention_varlen (csrc/cpu/attention_varlen.cpp, packed sequences). Fused masked
-// scaled dot-product attention on the CPU: FlashAttention-2's
-// algorithm on tiles, with the tile products done by fastformer's own register-blocked micro-kernel (csrc/gemm/products.h,
-// no BLAS: the results depend on the values alone, not on the thread count, the buffers' placement or a BLAS's
-// mode) and the softmax/mask/dropout work vectorized with at::vec.
+// scaled dot-product attention on the CPU: FlashAttention-2's algorithm on tiles, with the tile products done by
+// fastformer's own register-blocked micro-kernel (csrc/gemm/products.h, no BLAS: the results depend on the values
+// alone, not on the thread count, the buffers' placement or a BLAS's mode) and the softmax/mask/dropout work
+// vectorized with at::vec.
 //
 // Two ops share these kernels:
 //   attention          q (B, H, Lq, D), k and v (B, H_kv, Lk, D), key_padding_mask (B, Lk), out (B, H, Lq, D),
@@ -15,7 +15,8 @@
 // row (0 for dense tensors, cu_seqlens[b] for packed ones) of batch b (always 0 for packed ones). Grouped-query
 // attention: query head h reads key/value head h / (H / H_kv), in place (no copies of K and V).
 // lse is in the accumulation type acc_t (float for half/bfloat16/float, double for double).
-// Half inputs are converted tile by tile into acc_t buffers; float and double tiles are used in place.
+// float16 inputs are converted tile by tile into acc_t buffers, float and double tiles are used in place;
+// bfloat16 tiles are multiplied as bfloat16 (ForwardTiles, BackwardTiles below).
 // Layout: any strides with the last dim contiguous (``Rows``): a tile is rows at a row stride, which the
 // tile products take as their leading dimension. So q, k, v as transformers passes them (views (B, H, L, D) of
 // (B, L, H, D) projections) are read in place, and out, dq, dk, dv are always written in that layout
@@ -477,9 +478,8 @@ void attention_bwd_kernel(const Rows<const scalar_t> dout, const Rows<const scal
       for (int64_t h = h_kv * group; h < (h_kv + 1) * group; ++h) {  // the query heads reading this kv head
         tiles.load_head(q.row(b, h, qs), q.sl, dout.row(b, h, qs), dout.sl, Lq);
         for (int64_t i = 0; i < Lq; ++i) {  // D_i = dO_i . O_i
-          convert_row(out.row(b, h, qs + i), o_row.data(), D);
-          convert_row(dout.row(b, h, qs + i), do_row.data(), D);
-          delta[i] = vec_dot(do_row.data(), o_row.data(), D);
+          delta[i] = vec_dot(as_acc(dout.row(b, h, qs + i), D, do_row), as_acc(out.row(b, h, qs + i), D, o_row),
+                             D);
         }
         std::fill(dq_acc.begin(), dq_acc.begin() + Lq * D, acc_t(0));
         for (int64_t j0 = 0; j0 < all_key_end; j0 += kBlockK) {

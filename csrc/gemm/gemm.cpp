@@ -187,11 +187,18 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& panels, const c1
   return cpu_kernels().gemm.packed_linear(x.contiguous(), panels, b, n);
 }
 
-std::vector<std::string> product_variants() {
+namespace {
+
+// A level's null-terminated list of names (int8_variants, product_variants) as strings.
+std::vector<std::string> names_of(const char* const* list) {
   std::vector<std::string> names;
-  for (const char* const* v = cpu_kernels().gemm.product_variants(); *v != nullptr; ++v) names.emplace_back(*v);
+  for (const char* const* v = list; *v != nullptr; ++v) names.emplace_back(*v);
   return names;
 }
+
+}  // namespace
+
+std::vector<std::string> product_variants() { return names_of(cpu_kernels().gemm.product_variants()); }
 
 at::Tensor tile_product(const at::Tensor& a, const at::Tensor& b, const std::string& variant) {
   const std::string who = "fastformer tile_product";
@@ -212,11 +219,7 @@ at::Tensor tile_product(const at::Tensor& a, const at::Tensor& b, const std::str
   return cpu_kernels().gemm.tile_product(a, b, variant);
 }
 
-std::vector<std::string> int8_variants() {
-  std::vector<std::string> names;
-  for (const char* const* v = cpu_kernels().gemm.int8_variants(); *v != nullptr; ++v) names.emplace_back(*v);
-  return names;
-}
+std::vector<std::string> int8_variants() { return names_of(cpu_kernels().gemm.int8_variants()); }
 
 int int8_variant_index(const std::string& variant, const std::string& who) {
   std::string name = variant;

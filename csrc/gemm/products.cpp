@@ -7,34 +7,12 @@
 #include "gemm/products.h"
 
 namespace fastformer::cpu {
-namespace {
 
-struct ProductVariant {
-  const char* name;
-  bool (*runs)();
-};
-
-bool everywhere() { return true; }
-
-// This level's variants (bf16_dot where the CPU has AVX512_BF16: the avx512 level only).
-const ProductVariant kProductVariants[] = {
-    {"fma", &everywhere}, {"bf16_dot", &bf16_dot_runs}, {"bf16_emulated", &everywhere}};
-
-struct RunnableProducts {
-  std::vector<const char*> names;
-  RunnableProducts() {
-    for (const ProductVariant& v : kProductVariants) {
-      if (v.runs()) names.push_back(v.name);
-    }
-    names.push_back(nullptr);
-  }
-};
-
-}  // namespace
-
+// This level's variants: bf16_dot only where the CPU has AVX512_BF16 (the avx512 level only).
 const char* const* product_variants() {
-  static const RunnableProducts r;
-  return r.names.data();
+  static const char* const with_bf16_dot[] = {"fma", "bf16_dot", "bf16_emulated", nullptr};
+  static const char* const without[] = {"fma", "bf16_emulated", nullptr};
+  return bf16_dot_runs() ? with_bf16_dot : without;
 }
 
 // C (m, n) = A (m, k) B (k, n) by the named variant (checked by the caller: csrc/gemm/gemm.cpp tile_product):

@@ -169,12 +169,14 @@ inline void tile_gemm(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int6
 
 // C (m x n float32, ldc) = alpha A B (+ C when accumulate), A (m x k, lda) bfloat16 row-major, B as packed
 // pairs (ceil(k / 2) rows of ldb pairs: pack_row_pairs, pack_column_pairs): bf16_dot where it runs, else
-// bf16_emulated (`variant` forces one: "bf16_dot", "bf16_emulated"; a test's hook).
+// bf16_emulated (`emulated` forces bf16_emulated: the test hook's, products.cpp).
 inline void tile_gemm_bf16(int64_t m, int64_t n, int64_t k, float alpha, const c10::BFloat16* a, int64_t lda,
                            const uint32_t* b, int64_t ldb, bool accumulate, float* c, int64_t ldc,
                            bool emulated = false) {
 #if defined(CPU_CAPABILITY_AVX512)
-  if (!emulated && bf16_dot_runs()) return micro::bf16_dot::tile_gemm(m, n, k, alpha, a, lda, b, ldb, accumulate, c, ldc);
+  if (!emulated && bf16_dot_runs()) {
+    return micro::bf16_dot::tile_gemm(m, n, k, alpha, a, lda, b, ldb, accumulate, c, ldc);
+  }
 #endif
   micro::tile_product<micro::Bf16Emulated, false>(m, n, k, alpha, a, lda, b, ldb, accumulate, c, ldc);
 }
@@ -315,7 +317,7 @@ inline void pack_column_pairs(const c10::BFloat16* src, int64_t n, int64_t k, in
 }
 
 // dst (cols x rows, ld_dst) = src (rows x cols, ld_src)^T, converted to dst's type (the B operand of an fma
-// product A src^T, or a bf16 A operand op(src)^T).
+// product A src^T; transpose32 where no conversion is needed).
 template <typename S, typename T>
 inline void transpose_rows(const S* src, int64_t rows, int64_t cols, int64_t ld_src, T* dst, int64_t ld_dst) {
   if constexpr (std::is_same_v<S, T> && sizeof(T) == 4) return transpose32(src, rows, cols, ld_src, dst, ld_dst);
