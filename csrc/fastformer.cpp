@@ -306,10 +306,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(oneDNN's products on a CPU with AMX from 32 rows and 2^22 multiply-adds, the first of int8_variants() "
         "otherwise)");
   m.def("int8_prepare", &fastformer::int8_prepare, py::arg("weight"), py::arg("weight_scale"),
-        py::arg("weight_colsum"), py::arg("n"), py::arg("K"),
+        py::arg("weight_colsum"), py::arg("n"), py::arg("K"), py::arg("variant") = "",
         "quantize_int8's weight (n, K) packed for oneDNN's int8 products (an OnednnInt8, for the caller to keep with "
-        "the weight and pass to int8_linear and the CpuDecoder), where FASTFORMER_INT8_PROVIDER or the rule can choose "
-        "them; else None");
+        "the weight and pass to int8_linear and the CpuDecoder), where the variant (as int8_linear's; \"\": "
+        "FASTFORMER_INT8_PROVIDER) is oneDNN's or the rule can choose them; else None");
+  m.def("int8_provider", &fastformer::int8_provider, py::arg("variant") = "",
+        "the int8 variant a projection bound now runs: `variant` (\"\": FASTFORMER_INT8_PROVIDER, the one place it "
+        "is read) as a name of int8_variants() (\"fastformer\": the first), or \"auto\" (the rule per call: "
+        "int8_variant_for); ValueError for a variant this CPU does not run");
   m.def("int8_onednn_live", &fastformer::onednn_int8_live,
         "how many OnednnInt8 packs this process holds (made and not yet freed)");
   m.def("int8_onednn_rule", []() { return std::make_pair(fastformer::kOnednnMinRows, fastformer::kOnednnMinProducts); },

@@ -47,9 +47,12 @@ void int8_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& w,
 // The int8 dot-product variants this CPU runs at this level, null-terminated: our own best first ("avx512_vnni",
 // "avx_vnni", "avx2", "default"), then "onednn" where torch has oneDNN (csrc/gemm/int8_onednn.h).
 const char* const* int8_variants();
-// The rule: the index of the variant for an M x K by K x N product (oneDNN's on a CPU with AMX where
-// gemm/int8_onednn.h onednn_rule holds, else 0).
+// The rule: the index of the variant for an M x K by K x N product (the first that prefers it: oneDNN's on a
+// CPU with AMX where gemm/int8_onednn.h onednn_preferred holds; else 0).
 int int8_choose(int64_t M, int64_t N, int64_t K);
+// Whether a projection bound for `variant` (an index, or -1: the rule) needs its weight prepared (oneDNN's pack):
+// the variant packs, or the rule can prefer one that does for some product.
+bool int8_packs(int variant);
 
 // The tile products' variants this CPU runs at this level, null-terminated ("fma", then "bf16_dot" where the CPU
 // has AVX512_BF16, "bf16_emulated": csrc/gemm/products.h), and C (m, n) = A (m, k) B (k, n) by one of them
@@ -83,7 +86,7 @@ constexpr const char* kCpuKernelsCapsule = "fastformer.cpu_kernels";
 // The non-op entries, in three groups (each list is the one place its members are named: the struct and the
 // level module's initializer expand it).
 #define FASTFORMER_GEMM_KERNELS(X) \
-  X(packed_linear) X(int8_linear_rows) X(int8_variants) X(int8_choose) X(product_variants) X(tile_product)
+  X(packed_linear) X(int8_linear_rows) X(int8_variants) X(int8_choose) X(int8_packs) X(product_variants) X(tile_product)
 #define FASTFORMER_INFERENCE_KERNELS(X) X(decoder_step) X(search_candidates)
 #define FASTFORMER_OPTIM_KERNELS(X) X(adam_step)
 #define FASTFORMER_CPU_TABLE_MEMBER(name) decltype(&cpu::name) name;

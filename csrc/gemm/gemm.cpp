@@ -224,7 +224,7 @@ std::vector<std::string> int8_variants() { return names_of(cpu_kernels().gemm.in
 int int8_variant_index(const std::string& variant, const std::string& who) {
   std::string name = variant;
   const char* source = "variant";
-  if (name.empty()) {
+  if (name.empty()) {  // the one place FASTFORMER_INT8_PROVIDER is read
     const char* env = std::getenv("FASTFORMER_INT8_PROVIDER");
     name = env != nullptr ? env : "";
     source = "FASTFORMER_INT8_PROVIDER";
@@ -243,6 +243,11 @@ int int8_variant_index(const std::string& variant, const std::string& who) {
   return static_cast<int>(it - names.begin());
 }
 
+std::string int8_provider(const std::string& variant) {
+  const int index = int8_variant_index(variant, "fastformer int8_provider");
+  return index >= 0 ? int8_variants()[index] : "auto";
+}
+
 std::string int8_variant_for(int64_t M, int64_t N, int64_t K) {
   TORCH_CHECK_VALUE(M >= 1 && N >= 1 && K >= 0, "fastformer int8_variant_for: M and N must be >= 1 and K >= 0, "
                     "got ", M, ", ", N, " and ", K);
@@ -250,21 +255,15 @@ std::string int8_variant_for(int64_t M, int64_t N, int64_t K) {
   return int8_variants()[forced >= 0 ? forced : cpu_kernels().gemm.int8_choose(M, N, K)];
 }
 
-std::shared_ptr<OnednnInt8> int8_prepare(const at::Tensor& weight, const at::Tensor& weight_scale,
-                                         const at::Tensor& weight_colsum, int64_t n, int64_t K) {
-  const int variant = int8_variant_index("", "fastformer int8_prepare");
-  int8_projection(weight, weight_scale, weight_colsum, c10::nullopt, K, n, "fastformer int8_prepare", "", "", nullptr);
-  if (n == 0 || K == 0 || !int8_wants_onednn(variant)) return nullptr;
-  return onednn_int8_pack(weight, n, K);
-}
+bool int8_needs_pack(int variant) { return cpu_kernels().gemm.int8_packs(variant); }
 
-bool int8_wants_onednn(int variant) {
-  const std::vector<std::string> names = int8_variants();
-  // auto: whether the rule takes oneDNN's products for this weight at some row count (it does for every
-  // weight on a CPU with AMX, at enough rows)
-  constexpr int64_t kManyRows = std::numeric_limits<int32_t>::max();
-  const int index = variant >= 0 ? variant : cpu_kernels().gemm.int8_choose(kManyRows, 1, 1);
-  return names[index] == "onednn";
+std::shared_ptr<OnednnInt8> int8_prepare(const at::Tensor& weight, const at::Tensor& weight_scale,
+                                         const at::Tensor& weight_colsum, int64_t n, int64_t K,
+                                         const std::string& variant) {
+  const int index = int8_variant_index(variant, "fastformer int8_prepare");
+  int8_projection(weight, weight_scale, weight_colsum, c10::nullopt, K, n, "fastformer int8_prepare", "", "", nullptr);
+  if (n == 0 || K == 0 || !int8_needs_pack(index)) return nullptr;
+  return onednn_int8_pack(weight, n, K);
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
@@ -280,7 +279,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   const int index = int8_variant_index(variant, "fastformer int8_linear");
   const int chosen = index >= 0 || M == 0 || n == 0 ? index : cpu_kernels().gemm.int8_choose(M, n, K);
   std::shared_ptr<OnednnInt8> for_this_call;
-  if (w.int8.onednn == nullptr && M > 0 && n > 0 && K > 0 && chosen >= 0 && int8_wants_onednn(chosen)) {
+  if (w.int8.onednn == nullptr && M > 0 && n > 0 && K > 0 && chosen >= 0 && int8_needs_pack(chosen)) {
     for_this_call = onednn_int8_pack(weight, n, K);
     w.int8.onednn = for_this_call.get();
   }

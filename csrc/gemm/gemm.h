@@ -163,19 +163,24 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 std::vector<std::string> int8_variants();
 // The variant a caller asked for as an index into int8_variants(): `variant` if not empty, else the environment's
 // FASTFORMER_INT8_PROVIDER (a variant's name, "fastformer": the best of our own, or "auto"/unset); -1: auto, the
-// rule of int8_choose per call. A name this CPU does not run is a ValueError naming `who` and the list.
+// rule of int8_choose per call. A name this CPU does not run is a ValueError naming `who` and the list. The one
+// place the environment variable is read: the int8 modules (fastformer/nn/linear.py) and the C++ decoder read it
+// once, when they bind their weights (int8_provider, the decoder's constructor), and keep what it said.
 int int8_variant_index(const std::string& variant, const std::string& who);
+// int8_variant_index's answer as a name: a variant of int8_variants(), or "auto".
+std::string int8_provider(const std::string& variant);
 // The variant int8_linear_rows takes for an M x K by K x N product under int8_variant_index("") (the
 // environment, else the rule).
 std::string int8_variant_for(int64_t M, int64_t N, int64_t K);
-// Whether a projection bound for `variant` (an index as above) needs oneDNN's packed weight: it is "onednn",
-// or auto on a CPU where the rule can choose oneDNN (AMX).
-bool int8_wants_onednn(int variant);
-// An int8 weight (n, K) packed for oneDNN where int8_wants_onednn(int8_variant_index("")), else nullptr (also
+// Whether a projection bound for `variant` (an index as above) needs its weight prepared (oneDNN's pack): the
+// provider table's answer (int8_linear.cpp int8_packs).
+bool int8_needs_pack(int variant);
+// An int8 weight (n, K) packed for oneDNN where int8_needs_pack(int8_variant_index(variant)), else nullptr (also
 // for n or K 0): the int8 modules call it at quantization and load and keep the pack, so that no decoding call
 // packs.
 std::shared_ptr<OnednnInt8> int8_prepare(const at::Tensor& weight, const at::Tensor& weight_scale,
-                                         const at::Tensor& weight_colsum, int64_t n, int64_t K);
+                                         const at::Tensor& weight_colsum, int64_t n, int64_t K,
+                                         const std::string& variant);
 // Wq (checked by the caller) packed for oneDNN (csrc/gemm/int8_onednn.cpp), owned by the pointer's holders.
 std::shared_ptr<OnednnInt8> onednn_int8_pack(const at::Tensor& weight, int64_t n, int64_t K);
 // The tile products' variants this CPU runs (csrc/gemm/products.h), and C = A B by one of them: a test's hook

@@ -26,9 +26,14 @@
 //   default: the same tile in plain C++ (in every level's list; the only one of our own at the baseline level);
 //   onednn: oneDNN's int8 products (csrc/gemm/int8_onednn.h: AMX tiles where the CPU has them), on xq + 128
 //     with zero point 128, returning the same sums; our epilogue. Listed last, wherever torch has oneDNN.
-// The rule (int8_choose, "auto"): oneDNN's products on a CPU with AMX from 32 rows and 2^22 multiply-adds a call
-// on (int8_onednn.h onednn_rule), the first of our own variants otherwise (on CPUs without AMX ours are as fast
-// as oneDNN's or faster; below that oneDNN's fixed cost per call dominates: docs/decoding.md, "int8 providers").
+// The provider table (kVariants below) is the one place a variant is described: its name, whether it runs here,
+// whether the rule prefers it, whether it needs its weight prepared, its tile; the epilogue (epilogue_row) is
+// written once for all of them. The rule (int8_choose, "auto"): the first variant that runs here and prefers the
+// product, else the first that runs (our best). Only oneDNN's has a preference (int8_onednn.h onednn_preferred: a
+// CPU with AMX, from 32 rows and 2^22 multiply-adds a call); on CPUs without AMX ours are as fast as oneDNN's or
+// faster, and below those bounds oneDNN's fixed cost per call dominates (docs/decoding.md, "int8 providers").
+// Which variant a caller asked for (a name, or FASTFORMER_INT8_PROVIDER) is read in one place, csrc/gemm/gemm.cpp
+// int8_variant_index.
 // The VNNI variants are compiled into the avx2 and avx512 modules under `#pragma GCC target` (only their
 // region may use the instructions) and chosen only after __builtin_cpu_supports says the CPU has them.
 // Memory traffic: the weight once as bytes (a quarter of float32's) a task, x once (quantized into a
@@ -42,6 +47,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -174,14 +180,18 @@ struct Isa {
 #pragma GCC pop_options
 #endif
 
-// One dot-product variant: its name, whether its activations go in unsigned (xq + 128), rows per pass,
-// its tile (nullptr: oneDNN's products), and whether this CPU runs it.
+// The int8 provider table: one row per variant, its name, whether this CPU runs it, whether the rule ("auto")
+// prefers it for an M x K by K x N product over the first row that runs (our best), whether its products need
+// the weight prepared once (int8_prepare: oneDNN's pack), and how it multiplies: our tile (its activations'
+// offset, 0 or 128 for an unsigned operand, and rows per pass), or nullptr: oneDNN's products.
 struct Variant {
   const char* name;
+  bool (*runs)();
+  bool (*preferred)(int64_t M, int64_t N, int64_t K);  // nullptr: only as the first that runs
+  bool packs;
   int offset;
   int rows;
   void (*tile)(int, const uint8_t*, int64_t, int64_t, const int8_t*, int32_t*);
-  bool (*runs)();
 };
 
 bool always() { return true; }
@@ -197,17 +207,17 @@ bool has_avx_vnni() {
 }
 #endif
 
-// This level's variants, best first.
+// This level's variants, best first (the order of int8_variants()).
 const Variant kVariants[] = {
 #if defined(CPU_CAPABILITY_AVX512)
-    {"avx512_vnni", 128, vnni512::Isa::kRows, &vnni512::tile, &has_avx512_vnni},
-    {"avx2", 0, avx2::Isa::kRows, &avx2::tile, &always},
+    {"avx512_vnni", &has_avx512_vnni, nullptr, false, 128, vnni512::Isa::kRows, &vnni512::tile},
+    {"avx2", &always, nullptr, false, 0, avx2::Isa::kRows, &avx2::tile},
 #elif defined(CPU_CAPABILITY_AVX2)
-    {"avx_vnni", 128, vnni256::Isa::kRows, &vnni256::tile, &has_avx_vnni},
-    {"avx2", 0, avx2::Isa::kRows, &avx2::tile, &always},
+    {"avx_vnni", &has_avx_vnni, nullptr, false, 128, vnni256::Isa::kRows, &vnni256::tile},
+    {"avx2", &always, nullptr, false, 0, avx2::Isa::kRows, &avx2::tile},
 #endif
-    {"default", 0, plain::Isa::kRows, &plain::tile, &always},
-    {"onednn", 128, 0, nullptr, &onednn_int8_runs},
+    {"default", &always, nullptr, false, 0, plain::Isa::kRows, &plain::tile},
+    {"onednn", &onednn_int8_runs, &onednn_preferred, true, 128, 0, nullptr},
 };
 
 // The variants this CPU runs, best first, as a null-terminated list of names (and their table rows).
@@ -264,43 +274,45 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int offset, uint8_t* q,
   });
 }
 
-// y's rows m0 .. m1, columns n0 .. n0 + width, from the sums (M, width) (exact integers: int32, or float32 from
-// oneDNN) of an offset-free variant: the same float operations as the epilogue of our own tiles.
+// The epilogue, written once for every variant: y's row (columns n0 .. n0 + width) from that row's exact sums
+// (M rows of `width`: int32 from our tiles, float32 or int32 from oneDNN's), y = float(sum - offset colsum)
+// (s_x s_w) + b, where offset is the variant's activation offset (128 for an unsigned operand; oneDNN's sums come
+// back offset-free: 0). The same float operations whichever variant ran, so y is bit-identical across variants.
+// Local restrict pointers, so that it vectorizes.
 template <typename Sum>
-void write_rows(const Sum* sums, int64_t m0, int64_t m1, int64_t n0, int64_t width, const float* sx,
-                const Int8Weight& w, const float* bias, float* y, int64_t y_stride) {
+inline void epilogue_row(const Sum* __restrict sums, int32_t offset, const Int8Weight& w, int64_t n0, int64_t width,
+                         float s, const float* bias, float* __restrict out) {
+  const int32_t* __restrict colsum = w.weight_colsum + n0;
   const float* __restrict sw = w.weight_scale + n0;
-  for (int64_t m = m0; m < m1; ++m) {
-    float* __restrict out = y + m * y_stride + n0;
-    const Sum* __restrict a = sums + m * width;
-    const float s = sx[m];
-    if (bias != nullptr) {
-      const float* __restrict b = bias + n0;
-      for (int64_t c = 0; c < width; ++c) out[c] = static_cast<float>(a[c]) * (s * sw[c]) + b[c];
-    } else {
-      for (int64_t c = 0; c < width; ++c) out[c] = static_cast<float>(a[c]) * (s * sw[c]);
-    }
+  if (bias != nullptr) {
+    const float* __restrict b = bias + n0;
+    for (int64_t c = 0; c < width; ++c) out[c] = static_cast<float>(sums[c] - offset * colsum[c]) * (s * sw[c]) + b[c];
+  } else {
+    for (int64_t c = 0; c < width; ++c) out[c] = static_cast<float>(sums[c] - offset * colsum[c]) * (s * sw[c]);
   }
 }
 
 // y = x W^T + b through oneDNN's products (int8_onednn.h), a block of output columns at a time: x quantized
 // here once, each block's sums by oneDNN, then our epilogue on them (rows over threads) while they are in cache.
-void onednn_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& w, const float* bias, float* y,
-                        int64_t n, int64_t y_stride) {
+void onednn_linear_rows(const float* x, int64_t M, int64_t K, int offset, const Int8Weight& w, const float* bias,
+                        float* y, int64_t n, int64_t y_stride) {
   TORCH_CHECK(w.onednn != nullptr, "fastformer int8_linear: the variant onednn needs the weight packed for oneDNN "
               "(csrc/gemm/gemm.cpp int8_projection attaches it); this is a bug in fastformer");
   const int64_t stride = (K + 3) / 4 * 4;
   at::Tensor q = at::empty({M, stride}, at::kByte);
   std::vector<float> sx(M);
-  quantize_rows(x, M, K, 128, q.mutable_data_ptr<uint8_t>(), sx.data());
+  quantize_rows(x, M, K, offset, q.mutable_data_ptr<uint8_t>(), sx.data());
   for (int64_t b = 0; b < w.onednn->blocks(); ++b) {
     const int64_t n0 = w.onednn->columns[b], width = w.onednn->columns[b + 1] - n0;
     const at::Tensor sums = onednn_int8_sums(*w.onednn, b, q);
     at::parallel_for(0, M, std::max<int64_t>(1, 16384 / width), [&](int64_t m0, int64_t m1) {
-      if (sums.scalar_type() == at::kFloat) {
-        write_rows(sums.const_data_ptr<float>(), m0, m1, n0, width, sx.data(), w, bias, y, y_stride);
-      } else {
-        write_rows(sums.const_data_ptr<int32_t>(), m0, m1, n0, width, sx.data(), w, bias, y, y_stride);
+      for (int64_t m = m0; m < m1; ++m) {
+        float* out = y + m * y_stride + n0;
+        if (sums.scalar_type() == at::kFloat) {
+          epilogue_row(sums.const_data_ptr<float>() + m * width, 0, w, n0, width, sx[m], bias, out);
+        } else {
+          epilogue_row(sums.const_data_ptr<int32_t>() + m * width, 0, w, n0, width, sx[m], bias, out);
+        }
       }
     });
   }
@@ -311,13 +323,22 @@ void onednn_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& 
 const char* const* int8_variants() { return runnable().names.data(); }
 
 int int8_choose(int64_t M, int64_t N, int64_t K) {
-  const Runnable& run = runnable();
-  if (onednn_rule(M, N, K) && cpu_has_amx_int8()) {
-    for (size_t i = 0; i < run.variants.size(); ++i) {
-      if (run.variants[i]->tile == nullptr) return static_cast<int>(i);
-    }
+  const std::vector<const Variant*>& variants = runnable().variants;
+  for (size_t i = 0; i < variants.size(); ++i) {
+    if (variants[i]->preferred != nullptr && variants[i]->preferred(M, N, K)) return static_cast<int>(i);
   }
   return 0;
+}
+
+bool int8_packs(int variant) {
+  const std::vector<const Variant*>& variants = runnable().variants;
+  if (variant >= 0) return variants.at(variant)->packs;
+  // auto: whether the rule prefers a packing variant for some product (oneDNN's on a CPU with AMX, at enough rows)
+  constexpr int64_t kMany = std::numeric_limits<int32_t>::max();
+  for (const Variant* v : variants) {
+    if (v->packs && v->preferred != nullptr && v->preferred(kMany, kMany, kMany)) return true;
+  }
+  return false;
 }
 
 void int8_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& w, const float* bias, float* y,
@@ -326,7 +347,7 @@ void int8_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& w,
   const Runnable& run = runnable();
   if (variant < 0 || variant >= static_cast<int>(run.variants.size())) variant = int8_choose(M, n, K);
   if (run.variants[variant]->tile == nullptr) {
-    if (K > 0) return onednn_linear_rows(x, M, K, w, bias, y, n, y_stride);
+    if (K > 0) return onednn_linear_rows(x, M, K, run.variants[variant]->offset, w, bias, y, n, y_stride);
     variant = 0;  // no products to make (y = b): our own kernel writes it
   }
   const Variant& v = *run.variants[variant];
@@ -352,20 +373,8 @@ void int8_linear_rows(const float* x, int64_t M, int64_t K, const Int8Weight& w,
       for (int64_t m0 = b0; m0 < b1; m0 += v.rows) {
         const int rows = static_cast<int>(std::min<int64_t>(v.rows, b1 - m0));
         v.tile(rows, q.get() + m0 * stride, stride, K4, panel, acc);
-        // The epilogue, on local restrict pointers so that it vectorizes.
-        const int32_t off = v.offset;
-        const int32_t* __restrict colsum = w.weight_colsum + n0;
-        const float* __restrict sw = w.weight_scale + n0;
         for (int r = 0; r < rows; ++r) {
-          float* __restrict out = y + (m0 + r) * y_stride + n0;
-          const int32_t* __restrict a = acc + r * kInt8Panel;
-          const float s = sx[m0 + r];
-          if (bias != nullptr) {
-            const float* __restrict b = bias + n0;
-            for (int64_t c = 0; c < width; ++c) out[c] = static_cast<float>(a[c] - off * colsum[c]) * (s * sw[c]) + b[c];
-          } else {
-            for (int64_t c = 0; c < width; ++c) out[c] = static_cast<float>(a[c] - off * colsum[c]) * (s * sw[c]);
-          }
+          epilogue_row(acc + r * kInt8Panel, v.offset, w, n0, width, sx[m0 + r], bias, y + (m0 + r) * y_stride + n0);
         }
       }
     }

@@ -32,7 +32,7 @@
 
 namespace fastformer {
 
-// The rule (int8_linear.cpp int8_choose), on a CPU with AMX: oneDNN's products from M = 32 rows, for projections
+// The rule's bounds (int8_linear.cpp int8_choose, onednn_preferred below), on a CPU with AMX: oneDNN's products from M = 32 rows, for projections
 // of at least 2^22 multiply-adds (M N K). A call to oneDNN costs about 18 us more than one to our kernel before
 // any product is made (its boxed dispatch, primitive lookup and output: C.int8_linear at 32 x 16 x 4, 3.3 us
 // ours, 21 us oneDNN's; AVX-512 VNNI EPYC, 1 thread), and our kernel takes about 28 us for 2^22 (64 x 256 x
@@ -81,6 +81,10 @@ inline bool cpu_has_int8_dot() {  // no 16-bit intermediate sums in oneDNN's int
   return false;
 #endif
 }
+
+// The rule's preference (int8_linear.cpp's provider table): oneDNN's products for an M x K by K x N product
+// on a CPU with AMX where onednn_rule holds.
+inline bool onednn_preferred(int64_t M, int64_t N, int64_t K) { return cpu_has_amx_int8() && onednn_rule(M, N, K); }
 
 inline std::optional<c10::OperatorHandle> onednn_op(const char* name) {
   return c10::Dispatcher::singleton().findSchema({name, ""});

@@ -135,7 +135,7 @@ class Binder {
       const Tensor& weight = find(name + ".weight");
       PackedProjection w = int8_projection(weight, find(name + ".weight_scale"), find(name + ".weight_colsum"), b,
                                            in, out, where_, name, bias, pack(name + ".onednn"));
-      if (w.int8.onednn == nullptr && in > 0 && out > 0 && int8_wants_onednn(int8_variant_)) {
+      if (w.int8.onednn == nullptr && in > 0 && out > 0 && int8_needs_pack(int8_variant_)) {
         made_.push_back(onednn_int8_pack(weight, out, in));
         w.int8.onednn = made_.back().get();
       }
