@@ -42,7 +42,6 @@ from fastformer._ext import C
 from fastformer.export import ctranslate2_translate, write_ctranslate2
 from fastformer.nn import Transformer, TransformerConfig
 from fastformer.nn.decoding import beam_search
-from fastformer.nn.quantize import pack_for_providers
 from harness import int8_provider, optional  # benchmarks/ is on sys.path (pytest inserts a conftest's folder)
 from plain_decoder import PlainDecoder
 
@@ -135,10 +134,11 @@ def test_decoding(bench, ctx, size, batch, beam, compute, tmp_path, threads):
         if "onednn" in variants:
             at_output = C.int8_variant_for(batch * beam, config.vocab_size, config.d_model)
             other = "onednn" if at_output != "onednn" else variants[0]
-            if other == "onednn":  # packed for it now, as quantization packs where the rule takes it (AMX)
-                _forcing(other, lambda: pack_for_providers(quantized))()
+            # a copy bound to it (its modules read FASTFORMER_INT8_PROVIDER when quantized, the C++ decoder when
+            # built), packed for oneDNN where it is the other
+            forced = _forcing(other, lambda: fastformer.quantize(model, "int8"))()
             contenders[f"fastformer int8 {other}"] = _forcing(
-                other, lambda: quantized.generate(src, beam_size=beam, **settings))
+                other, lambda: forced.generate(src, beam_size=beam, **settings))
     pieces = ["<pad>", "<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(4, config.vocab_size)]  # made-up vocabulary
     translator = _ctranslate2_translator(model, pieces, ctx, bench.request.config, tmp_path, compute, threads)
     if translator is not None:

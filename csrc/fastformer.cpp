@@ -265,6 +265,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a float32 weight (n, K) as the panels packed_linear streams: (ceil(n / PACKED_LINEAR_PANEL), "
         "PACKED_LINEAR_PANEL / PACKED_LINEAR_STRIP, K, PACKED_LINEAR_STRIP), W^T's columns in contiguous strips, "
         "zeros past n");
+  m.def("int8_weight_shape", &fastformer::int8_weight_shape, py::arg("n"), py::arg("K"),
+        "the shape of quantize_int8's packed weight for an (n, K) weight (csrc/gemm/gemm.h): (ceil(n / 32), "
+        "ceil(K / 4), 32, 4)");
   m.def("quantize_int8", &fastformer::quantize_int8, py::arg("weight"),
         "a float32 weight (n, K) quantized per output channel (csrc/gemm/gemm.h's rule) -> (weight int8, packed "
         "(ceil(n / 32), ceil(K / 4), 32, 4), weight_scale float32 (n,), weight_colsum int32 (n,))");

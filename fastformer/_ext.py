@@ -142,15 +142,14 @@ def int8_providers() -> dict:
     "fastformer" or "auto") forces one. Every variant gives the same int32 sums and so the same outputs.
     ``C.int8_variant_for(M, N, K)`` answers for one product. ``print(fastformer.int8_providers())``."""
     C = extension()
-    import os
-
     rows, products = C.int8_onednn_rule()
+    forced = C.int8_provider()  # FASTFORMER_INT8_PROVIDER, read where C++ reads it
     return {
         "level": _cpu_level,
         "amx_int8": C.cpu_has_amx_int8(),
         "vnni_or_amx": C.cpu_has_int8_dot(),
         "variants": C.int8_variants(),
-        "forced": os.environ.get("FASTFORMER_INT8_PROVIDER") or None,
+        "forced": None if forced == "auto" else forced,
         "rule": f"onednn on a CPU with AMX for at least {rows} rows and {products:,.0f} multiply-adds (M N K), "
                 f"else {C.int8_variants()[0]}",
         f"below {rows} rows or {products:,.0f} multiply-adds": C.int8_variant_for(1, 1, 1),

@@ -57,7 +57,7 @@ from fastformer import _dispatch, ops
 from fastformer._ext import C
 from fastformer.nn.layers import (ACTIVATIONS, DECODER_LAYER, DECODER_SUBLAYERS, decoder_layer_weights,
                                   run_sublayers)
-from fastformer.nn.linear import Int8Embedding, linear, packed_applies, packed_panels
+from fastformer.nn.linear import packed_applies
 
 Hypotheses = list[tuple[list[int], float]]
 
@@ -72,16 +72,6 @@ def length_limit(n: int, a: float, b: float) -> int:
     before its eos: floor(a n + b), at least 0. The one place this rule is written (the search, the
     CTranslate2 comparison in fastformer/export.py)."""
     return max(0, math.floor(a * n + b))
-
-
-def _projection(name: str, weight: Optional[Tensor], int8) -> dict[str, object]:
-    """A projection's weight as the C++ step binds it (csrc/inference/decoder.cpp Binder::linear): its packed
-    float32 panels ("<name>.panels"), or a quantized model's int8 weight by its state dict names ("<name>.weight",
-    "<name>.weight_scale", "<name>.weight_colsum") and its module's oneDNN packing where it holds one
-    ("<name>.onednn", a C.OnednnInt8)."""
-    if int8 is None:
-        return {name + ".panels": packed_panels(weight)}
-    return {f"{name}.{field}": part for field, part in int8._asdict().items() if part is not None}
 
 
 # The cross-attention's k|v projection: applied here to the encoder memory once per sentence, not in a step.
@@ -117,7 +107,7 @@ class IncrementalDecoder:
         # Cross-attention keys/values, once per sentence: (B, S, 2d) -> k, v (B, H, S, Dh).
         self.cross = []
         for weights in self.weights:
-            kv = linear(memory.reshape(B * S, d), *weights[CROSS_KV])
+            kv = weights[CROSS_KV](memory.reshape(B * S, d))
             kv = kv.view(B, S, 2, self.H, self.Dh).permute(2, 0, 3, 1, 4)
             self.cross.append((kv[0].contiguous(), kv[1].contiguous()))
         self.src_padding = src_padding if bool(src_padding.any()) else None
@@ -148,12 +138,11 @@ class IncrementalDecoder:
         for weights in self.weights:
             named = {}
             for w in DECODER_LAYER:
-                weight, bias, int8 = weights[w.name]
+                module = weights[w.name]
                 if w.kind == "norm":
-                    named[w.name + ".weight"], named[w.name + ".bias"] = weight, bias
+                    named[w.name + ".weight"], named[w.name + ".bias"] = module.weight, module.bias
                 elif w.name != CROSS_KV:
-                    named.update(_projection(w.name, weight, int8))
-                    named[w.name + ".bias"] = bias
+                    named.update(module.bind(w.name))  # its packed panels or int8 form, and its bias
             layers.append(named)
         cfg, final = model.config, model.decoder.final_norm
         return C.CpuDecoder({
@@ -179,8 +168,7 @@ class IncrementalDecoder:
         """The target embedding, also the output projection, as the C++ step binds it: "embed.weight" (V, d)
         and its panels, or the int8 weight; and the output bias if the model has one (config.output_bias)."""
         embed, bias = self.model.embed, self.model.output_bias
-        named = {"embed.weight": embed.weight.detach(),
-                 **_projection("embed", embed.weight, embed.int8() if isinstance(embed, Int8Embedding) else None)}
+        named = embed.bind("embed")
         if bias is not None:
             named["output_bias"] = bias.detach()
         return named
@@ -224,25 +212,25 @@ class IncrementalDecoder:
 
         def self_attention(index, spec, w):
             def run(h):  # (N, d) -> (N, d)
-                qkv = linear(h, *w[spec.weights["qkv"]]).view(N, 3, H, Dh)
+                qkv = w[spec.weights["qkv"]](h).view(N, 3, H, Dh)
                 k, v = self._append(index, qkv[:, 1], qkv[:, 2])
                 # one query per row against its own t + 1 keys: nothing to mask
                 a = ops.attention(qkv[:, 0, :, None], k, v, backend=self.backend)  # (N, H, 1, Dh)
-                return linear(a.reshape(N, d), *w[spec.weights["out"]])
+                return w[spec.weights["out"]](a.reshape(N, d))
             return run
 
         def cross_attention(index, spec, w):
             def run(h):  # (N, d) -> (N, d): the K beams of a sentence are the K queries of one attention call
-                q = linear(h, *w[spec.weights["q"]]).view(n, self.K, H, Dh).transpose(1, 2)  # (n, H, K, Dh)
+                q = w[spec.weights["q"]](h).view(n, self.K, H, Dh).transpose(1, 2)  # (n, H, K, Dh)
                 k, v = self.cross[index]
                 a = ops.attention(q, k, v, key_padding_mask=self.src_padding, backend=self.backend)
-                return linear(a.transpose(1, 2).reshape(N, d), *w[spec.weights["out"]])
+                return w[spec.weights["out"]](a.transpose(1, 2).reshape(N, d))
             return run
 
         act = ACTIVATIONS[self.model.config.activation]
 
         def feed_forward(index, spec, w):
-            return lambda h: linear(act(linear(h, *w[spec.weights["fc1"]]), True), *w[spec.weights["fc2"]])
+            return lambda h: w[spec.weights["fc2"]](act(w[spec.weights["fc1"]](h), True))
 
         run = {"self_attention": self_attention, "cross_attention": cross_attention, "feed_forward": feed_forward}
         eps = self.model.config.layer_norm_eps

@@ -23,7 +23,7 @@ from fastformer import ops
 from fastformer.data.batching import Sequences
 from fastformer.nn.attention import MultiHeadAttention
 from fastformer.nn.config import TransformerConfig
-from fastformer.nn.linear import Int8Linear, Int8Weight, Linear, product
+from fastformer.nn.linear import Linear, product
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -88,33 +88,22 @@ ACTIVATIONS: dict[str, Callable[[Tensor, bool], Tensor]] = {
 }
 
 
-class BoundWeight(NamedTuple):
-    """One weight of ``DECODER_LAYER`` as bound: ``linear(x, *bound)`` applies a linear one."""
-    weight: Optional[Tensor]  # None for an int8 projection (its weight lives in ``int8``)
-    bias: Tensor
-    int8: Optional[Int8Weight]  # a linear layer's int8 form in a quantized model, else None
-
-
-def decoder_layer_weights(layer: nn.Module, config: TransformerConfig) -> dict[str, BoundWeight]:
-    """name -> (weight, bias, int8) of ``DECODER_LAYER``, looked up by name in ``layer``, each checked against
-    its described shape: a renamed or reshaped weight fails here, not as wrong numbers. The parameters
-    themselves (not detached copies): the packed panels of fastformer/nn/linear.py are cached per parameter."""
+def decoder_layer_weights(layer: nn.Module, config: TransformerConfig) -> dict[str, nn.Module]:
+    """name -> the module of each weight of ``DECODER_LAYER``, looked up by name in ``layer``, each checked
+    against its described shape: a renamed or reshaped weight fails here, not as wrong numbers. A projection
+    module applies itself (``module(x)``, float or int8) and gives its weights to the C++ decoder
+    (``module.bind(name)``); a norm is read by its ``weight`` and ``bias``."""
     units = {"d": config.d_model, "2d": 2 * config.d_model, "3d": 3 * config.d_model, "f": config.d_ff}
     out = {}
     for w in DECODER_LAYER:
         module = layer.get_submodule(w.name)
         shape = tuple(units[u] for u in w.shape)
-        if isinstance(module, Int8Linear):
-            bound = BoundWeight(None, module.bias, module.int8())
-            got = (module.out_features, module.in_features)
-        else:
-            bound = BoundWeight(module.weight, module.bias, None)
-            got = tuple(module.weight.shape)
-        bias = bound.bias
+        got = tuple(module.weight.shape) if w.kind == "norm" else (module.out_features, module.in_features)
+        bias = module.bias
         if got != shape or bias is None or tuple(bias.shape) != shape[:1]:
             raise ValueError(f"decoder layer weight {w.name} ({w.kind}) must be {shape} with a bias of "
                              f"{shape[:1]}, got {got} and {None if bias is None else tuple(bias.shape)}")
-        out[w.name] = bound
+        out[w.name] = module
     return out
 
 

@@ -35,12 +35,21 @@ picks ``fastformer._C.int8_linear`` (csrc/gemm/int8_linear.cpp: int8 weights, ac
 and elsewhere ``F.linear`` on the weight dequantized for that call. The packed layouts and the quantization
 rule are C++'s (csrc/gemm/gemm.h): ``C.pack_linear``, ``C.quantize_int8``, ``C.dequantize_int8``.
 
-Where oneDNN's int8 products can run (a CPU with AMX, or ``FASTFORMER_INT8_PROVIDER=onednn``:
-csrc/gemm/int8_onednn.h), an int8 module also holds its weight packed for them (``C.int8_prepare``: a
-``C.OnednnInt8``, the fourth part of ``Int8Weight``, "<name>.onednn" in the C++ decoder's dict), as torch's
-quantized Linear holds its ``LinearPackedParams``: made at quantization and at ``load_state_dict``, again at
-the first call after the weight tensor is replaced, freed with the module; not in the state dict. A weight
-changed in place some other way (``module.weight.copy_``) needs ``fastformer.nn.quantize.pack_for_providers``.
+Each projection module answers for itself: ``module(x)`` (``project(h, bias)`` for a table) applies it, float
+or int8, and ``module.bind(name)`` gives its weights under the names the C++ decoder binds them by
+(csrc/inference/decoder.cpp Binder::linear): "<name>.panels" (and "<name>.bias") for a float projection,
+"<name>.weight", "<name>.weight_scale", "<name>.weight_colsum" (and "<name>.onednn", "<name>.bias") for an int8
+one. Nothing outside this file asks which kind a module is.
+
+The int8 modules share ``Int8Module``: the three buffers, and the module's binding to an int8 provider
+(csrc/gemm/int8_linear.cpp's table), made at quantization and at ``load_state_dict``, again at the first call
+after the weight tensor is replaced: the variant ``FASTFORMER_INT8_PROVIDER`` forces then (read once there, as
+the C++ decoder reads it once when built; ``C.int8_provider``), else the rule's per call, and, where that
+provider can run oneDNN's products (a CPU with AMX, or oneDNN forced: csrc/gemm/int8_onednn.h), the weight packed
+for them (``C.int8_prepare``: a ``C.OnednnInt8``, "<name>.onednn"), as torch's quantized Linear holds its
+``LinearPackedParams``; freed with the module, not in the state dict. A weight changed in place some other way
+(``module.weight.copy_``), or a provider forced after quantization, needs
+``fastformer.nn.quantize.pack_for_providers``.
 """
 from __future__ import annotations
 
@@ -57,15 +66,14 @@ _PANELS = WeakIdKeyDictionary()  # weight -> (its (data_ptr, version, shape) whe
 
 
 class Int8Weight(NamedTuple):
-    """A weight (out, in) quantized to int8 per output channel, as ``C.quantize_int8`` returns it (an int8 module's
-    buffers, by their state dict names), and its oneDNN packing where its module holds one."""
+    """A weight (out, in) quantized to int8 per output channel, as ``C.quantize_int8`` returns it: an int8
+    module's buffers, by their state dict names."""
     weight: Tensor         # int8 (ceil(out / P), ceil(in / 4), P, 4): Wq in the kernel's layout (csrc/gemm/gemm.h)
     weight_scale: Tensor   # float32 (out,): s_w, W ~ Wq s_w
     weight_colsum: Tensor  # int32 (out,): sum_k Wq[n, k]
-    onednn: Optional[object] = None  # C.OnednnInt8: Wq packed for oneDNN (C.int8_prepare), or None
 
 
-INT8_BUFFERS = Int8Weight._fields[:3]  # the tensors of an int8 weight: its module's buffers
+INT8_BUFFERS = Int8Weight._fields  # the tensors of an int8 weight: its module's buffers
 
 
 def pack_panels(weight: Tensor) -> Tensor:
@@ -204,19 +212,8 @@ def product(module: nn.Module, x: Tensor) -> tuple[Tensor, Optional[Tensor]]:
     return module(x), None
 
 
-def linear(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor] = None,
-           int8: Optional[Int8Weight] = None) -> Tensor:
-    """x (..., in) W^T + b: ``F.linear``, or the packed kernel where ``packed_applies(x)``; with ``int8`` (a
-    quantized model's projection; ``weight`` is then None), the int8 kernel where ``packed_applies(x)``, else
-    ``F.linear`` on the weight dequantized for this call."""
-    if int8 is not None:
-        out = int8.weight_scale.shape[0]
-        if packed_applies(x):
-            y = C.int8_linear(x.reshape(-1, x.shape[-1]), int8.weight, int8.weight_scale, int8.weight_colsum,
-                              None if bias is None else bias.detach(), out, onednn=int8.onednn)
-            return y.view(*x.shape[:-1], out)
-        dequantized = C.dequantize_int8(int8.weight, int8.weight_scale, out, x.shape[-1])
-        return F.linear(x, dequantized.to(x.dtype), None if bias is None else bias.to(x.dtype))
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """x (..., in) W^T + b: ``F.linear``, or the packed kernel where ``packed_applies(x)``."""
     if packed_applies(x):
         panels = packed_panels(weight)
         if panels is not None:
@@ -226,12 +223,26 @@ def linear(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor] = None,
     return F.linear(x, weight, bias)
 
 
+def _with_bias(named: dict[str, object], name: str, bias: Optional[Tensor]) -> dict[str, object]:
+    if bias is not None:
+        named[name + ".bias"] = bias
+    return named
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same state dict) whose inference runs ``linear`` above."""
 
     def forward(self, x: Tensor) -> Tensor:
         y = compute_linear(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias) if y is None else y
+
+    def bind(self, name: str) -> dict[str, object]:
+        """The C++ decoder's entries: "<name>.panels" (the packed weight) and "<name>.bias" where there is one."""
+        return _with_bias({name + ".panels": packed_panels(self.weight)}, name, self.bias)
+
+    def to_int8(self, quantize: bool = True) -> "Int8Linear":
+        """This projection quantized (``Int8Linear.from_float``), or an empty one of its shape to load into."""
+        return Int8Linear.from_float(self, quantize)
 
 
 class Embedding(nn.Embedding):
@@ -245,51 +256,90 @@ class Embedding(nn.Embedding):
         y = compute_linear(h, self.weight, bias)
         return linear(h, self.weight, bias) if y is None else y
 
+    def bind(self, name: str) -> dict[str, object]:
+        """The C++ decoder's entries: "<name>.weight" (the table, for lookups) and "<name>.panels" (for ``project``)."""
+        return {name + ".weight": self.weight.detach(), name + ".panels": packed_panels(self.weight)}
+
+    def to_int8(self, quantize: bool = True) -> "Int8Embedding":
+        """This table quantized (``Int8Embedding.from_float``), or an empty one of its shape to load into."""
+        return Int8Embedding.from_float(self, quantize)
+
 
 class Int8Module(nn.Module):
     """What the int8 modules share: a weight (out, in) quantized to int8, as buffers (``INT8_BUFFERS``: the state
-    dict), and, not in the state dict, the same weight packed for oneDNN's products where they can run
-    (``onednn``; see the top of this file)."""
+    dict); its binding to an int8 provider, not in the state dict (see the top of this file); the int8
+    projection (``project``) and the C++ decoder's entries (``bind``)."""
 
     def __init__(self, out: int, inp: int):
         super().__init__()
         self.int8_shape = (out, inp)
-        for name, tensor in zip(INT8_BUFFERS, C.quantize_int8(torch.zeros(out, inp))):  # the layout C++ owns
-            self.register_buffer(name, tensor)
-        self._onednn = (None, None)  # (the weight tensor packed, its C.OnednnInt8 or None); none packed yet
+        # empty (zeros), in the layout C++ owns (csrc/gemm/gemm.h int8_weight_shape), for load_state_dict
+        self.register_buffer("weight", torch.zeros(C.int8_weight_shape(out, inp), dtype=torch.int8))
+        self.register_buffer("weight_scale", torch.zeros(out))
+        self.register_buffer("weight_colsum", torch.zeros(out, dtype=torch.int32))
+        self._binding = (None, "auto", None)  # (the weight tensor bound, its variant, its C.OnednnInt8 or None)
 
     def _quantize_from(self, weight: Tensor) -> None:
-        """The buffers set to ``C.quantize_int8`` of a float (out, in) weight, and packed (``pack``)."""
+        """The buffers set to ``C.quantize_int8`` of a float (out, in) weight, and bound (``pack``)."""
         for name, tensor in zip(INT8_BUFFERS, C.quantize_int8(weight.detach().float().cpu())):
             setattr(self, name, tensor)
         self.pack()
 
     def pack(self) -> "Int8Module":
-        """The weight packed for oneDNN's products now (``C.int8_prepare``) where they can run: a CPU with AMX, or
-        ``FASTFORMER_INT8_PROVIDER`` forcing them; elsewhere any packing is dropped. Returns the module."""
+        """Binds the module to the int8 provider of now: the variant ``FASTFORMER_INT8_PROVIDER`` forces (read here,
+        once), else "auto" (the rule, per call); and packs the weight for oneDNN's products where that provider
+        can run them (``C.int8_prepare``: a CPU with AMX, or oneDNN forced), else drops any packing. Returns the
+        module."""
         out, inp = self.int8_shape
-        self._onednn = (self.weight, C.int8_prepare(self.weight, self.weight_scale, self.weight_colsum, out, inp))
+        variant = C.int8_provider()
+        onednn = C.int8_prepare(self.weight, self.weight_scale, self.weight_colsum, out, inp, variant)
+        self._binding = (self.weight, variant, onednn)
         return self
+
+    def _bound(self) -> tuple[Tensor, str, Optional[object]]:
+        if self._binding[0] is not self.weight:  # replaced since, or never bound
+            self.pack()
+        return self._binding
+
+    @property
+    def provider(self) -> str:
+        """The int8 variant this module's products run: a name of ``C.int8_variants()``, or "auto" (the rule)."""
+        return self._bound()[1]
 
     @property
     def onednn(self):
-        """The weight's oneDNN packing (a ``C.OnednnInt8``) or None; packed first if the weight tensor is not
-        the one packed (replaced since, or never packed)."""
-        if self._onednn[0] is not self.weight:
-            self.pack()
-        return self._onednn[1]
+        """The weight's oneDNN packing (a ``C.OnednnInt8``) or None; bound first if the weight tensor is not the
+        one bound."""
+        return self._bound()[2]
 
-    def int8(self) -> Int8Weight:
-        return Int8Weight(self.weight, self.weight_scale, self.weight_colsum, self.onednn)
+    def project(self, x: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+        """x (..., in) Wq^T + b: the int8 kernel (``C.int8_linear``, this module's provider) where
+        ``packed_applies(x)``, else ``F.linear`` on the weight dequantized for this call."""
+        out, inp = self.int8_shape
+        if packed_applies(x):
+            _, variant, onednn = self._bound()
+            y = C.int8_linear(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale, self.weight_colsum,
+                              None if bias is None else bias.detach(), out, variant, onednn)
+            return y.view(*x.shape[:-1], out)
+        dequantized = C.dequantize_int8(self.weight, self.weight_scale, out, inp)
+        return F.linear(x, dequantized.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+    def bind(self, name: str) -> dict[str, object]:
+        """The C++ decoder's entries: "<name>.weight", "<name>.weight_scale", "<name>.weight_colsum", and
+        "<name>.onednn" where the module holds a oneDNN packing."""
+        named = {f"{name}.{field}": getattr(self, field) for field in INT8_BUFFERS}
+        if self.onednn is not None:
+            named[name + ".onednn"] = self.onednn
+        return named
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
-        self.pack()  # the weight loaded (copied into the same tensor, or assigned) packed anew
+        self.pack()  # the weight loaded (copied into the same tensor, or assigned) bound anew
 
     def __getstate__(self):
-        # A copy (copy.deepcopy, pickle) takes no packing: it packs its own at its first call.
+        # A copy (copy.deepcopy, pickle) takes no binding: it binds its own at its first call.
         state = super().__getstate__()
-        state["_onednn"] = (None, None)
+        state["_binding"] = (None, "auto", None)
         return state
 
 
@@ -324,7 +374,11 @@ class Int8Linear(Int8Module):
         return cls(linear.in_features, linear.out_features, linear.bias is not None)
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, None, self.bias, self.int8())
+        return self.project(x, self.bias)
+
+    def bind(self, name: str) -> dict[str, object]:
+        """``Int8Module.bind`` and "<name>.bias" where there is one."""
+        return _with_bias(super().bind(name), name, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
@@ -362,10 +416,6 @@ class Int8Embedding(Int8Module):
     def forward(self, tokens: Tensor) -> Tensor:
         """tokens (any shape, int64 in [0, num)) -> (*tokens.shape, dim) float32."""
         return C.int8_embedding(tokens, self.weight, self.weight_scale, self.num_embeddings, self.embedding_dim)
-
-    def project(self, h: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-        """h (..., dim) -> (..., num_embeddings): ``linear`` on the int8 weight."""
-        return linear(h, None, bias, self.int8())
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # A source table saved by 9aea6a7's code has no weight_colsum (it was never a projection): the int8

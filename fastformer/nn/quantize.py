@@ -38,7 +38,7 @@ import copy
 
 import torch
 
-from fastformer.nn.linear import Embedding, Int8Embedding, Int8Linear, Int8Module, Linear
+from fastformer.nn.linear import Int8Module
 
 QUANTIZATIONS = ("int8",)
 
@@ -54,19 +54,16 @@ def _check(model, dtype: str) -> None:
         raise ValueError(f"quantize: the model is already quantized ({model.quantization})")
 
 
-_INT8_MODULES = ((Linear, Int8Linear), (Embedding, Int8Embedding))  # float module -> its int8 module
-
-
 def to_int8(model, quantize_weights: bool):
-    """``model`` with every ``Linear`` replaced by an ``Int8Linear`` and every ``Embedding`` by an
-    ``Int8Embedding``, in place: each holding its float module's weight quantized (``quantize_weights``), or
-    empty, for the ``load_state_dict`` of a quantized model's state; returned in eval mode with frozen
-    parameters."""
+    """``model`` with every projection module that has an int8 form (``to_int8``: ``Linear`` -> ``Int8Linear``,
+    ``Embedding`` -> ``Int8Embedding``) replaced by it, in place: each holding its float module's weight quantized
+    (``quantize_weights``), or empty, for the ``load_state_dict`` of a quantized model's state; returned in eval
+    mode with frozen parameters."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            int8 = next((cls for float_cls, cls in _INT8_MODULES if isinstance(child, float_cls)), None)
-            if int8 is not None:
-                setattr(module, name, int8.from_float(child, quantize_weights))
+            convert = getattr(child, "to_int8", None)
+            if convert is not None:
+                setattr(module, name, convert(quantize_weights))
     model.requires_grad_(False)
     return model.eval()
 

@@ -4,8 +4,8 @@ call and to the C++ decoder; no cache. Issue 55: ``fastformer.quantize`` under `
 raised "Inference tensors do not track version counter" (the cache was keyed on the weight's version), and a
 deleted model's packings stayed in that cache.
 
-oneDNN's products are forced here (FASTFORMER_INT8_PROVIDER=onednn, read at each call and when a decoder is
-built), so packings are made and used on any CPU whose torch has oneDNN. Outputs are compared with oneDNN's
+oneDNN's products are forced here (FASTFORMER_INT8_PROVIDER=onednn, read when a module is bound: at quantization,
+load and pack_for_providers; and when a C++ decoder is built), so packings are made and used on any CPU whose torch has oneDNN. Outputs are compared with oneDNN's
 own elsewhere, and with our kernel's only where the CPU has VNNI or AMX (without, oneDNN's 16-bit pair sums can
 saturate: tests/nn/test_int8_providers.py)."""
 import copy
@@ -196,7 +196,7 @@ def test_a_replaced_weight_and_a_copy_are_packed_again():
         assert torch.equal(layer(x), expected)
         assert layer.onednn is not None and layer.onednn is not first
         for copied in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
-            assert copied._onednn == (None, None)
+            assert copied._binding == (None, "auto", None)
             assert torch.equal(copied(x), expected)
             assert copied.onednn is not None and copied.onednn is not layer.onednn
 

@@ -16,7 +16,7 @@ import torch
 
 import fastformer
 from fastformer._ext import C
-from fastformer.nn.linear import Int8Linear
+from fastformer.nn.linear import Int8Linear, Int8Module
 from fastformer.nn.quantize import pack_for_providers
 from model_reference import varied_model
 from test_int8 import CONFIG
@@ -133,6 +133,7 @@ def test_every_variant_translates_to_the_same_tokens(operands, monkeypatch):
     try:
         for variant in VARIANTS:
             monkeypatch.setenv("FASTFORMER_INT8_PROVIDER", variant)
+            assert {m.provider for m in pack_for_providers(model).modules() if isinstance(m, Int8Module)} == {variant}
             for n in (1, 3):
                 torch.set_num_threads(n)
                 results[variant, n] = model.beam_search(src, beam_size=4, max_len_b=6)
@@ -175,6 +176,37 @@ def test_the_rule_and_the_forced_provider(monkeypatch):
         C.int8_linear(x, *weight, None, 3)
     with pytest.raises(ValueError, match='variant "amx" does not run here'):
         C.int8_linear(x, *weight, None, 3, "amx")
+
+
+def test_a_module_reads_the_provider_once_when_bound(monkeypatch):
+    """C.int8_provider names what FASTFORMER_INT8_PROVIDER forces ("fastformer": our best; unset or "auto": the
+    rule). An int8 module reads it when bound (quantization, load_state_dict, pack_for_providers) and keeps it:
+    changing the variable later changes nothing until it is bound again; its outputs are the same whichever
+    variant it runs (the same int32 sums)."""
+    monkeypatch.delenv("FASTFORMER_INT8_PROVIDER", raising=False)
+    assert C.int8_provider() == "auto" and C.int8_provider("fastformer") == VARIANTS[0]
+    assert [C.int8_provider(v) for v in VARIANTS] == VARIANTS
+    with pytest.raises(ValueError, match='variant "amx" does not run here'):
+        C.int8_provider("amx")
+    g = torch.Generator().manual_seed(3)
+    weight, bias, x = torch.randn(40, 24, generator=g), torch.randn(40, generator=g), torch.randn(7, 24, generator=g)
+    layer = Int8Linear.quantize(weight, bias)
+    assert layer.provider == "auto"
+    with torch.no_grad():
+        expected = layer(x)
+    last = VARIANTS[-1] if OPERANDS == "full-range" or VARIANTS[-1] != "onednn" else VARIANTS[0]
+    monkeypatch.setenv("FASTFORMER_INT8_PROVIDER", last)
+    assert C.int8_provider() == last and layer.provider == "auto"  # bound before: unchanged
+    state = layer.state_dict()
+    layer.load_state_dict(state)
+    assert layer.provider == last
+    with torch.no_grad():
+        assert torch.equal(layer(x), expected)
+    monkeypatch.setenv("FASTFORMER_INT8_PROVIDER", "fastformer")
+    assert layer.provider == last and pack_for_providers(layer).provider == VARIANTS[0]
+    monkeypatch.setenv("FASTFORMER_INT8_PROVIDER", "amx_please")
+    with pytest.raises(ValueError, match='FASTFORMER_INT8_PROVIDER "amx_please" does not run here'):
+        Int8Linear.quantize(weight, bias)
 
 
 @pytest.mark.skipif("onednn" not in VARIANTS, reason="this torch has no oneDNN (no variant onednn to pack for)")
