@@ -77,7 +77,7 @@ def fastformer_calls(forward, backward=torch.Tensor.backward) -> list[str]:
 
 
 def assert_every_update_replayed(run, batches: list, guard) -> None:
-    """Trains each host batch ((src, tgt_in, tgt_out) or a PackedBatch) as one update through ``run.graphs``
+    """Trains each host batch ((src, tgt_in, tgt_out) or a PackedBatch) as one update through ``run.step``
     (fastformer/training/graphs.py: the micro-batch, then the update) inside the context manager ``guard``
     (on a GPU, torch.cuda.set_sync_debug_mode("error")), and asserts that every micro-batch and every update
     was a replay of a graph captured before: counted on the captured graphs' own ``replay``, so that a
@@ -85,7 +85,7 @@ def assert_every_update_replayed(run, batches: list, guard) -> None:
     rather than escaping the guard's check."""
     assert batches, "no batch to replay"
     scales = [1.0 / int(batch[2].ne(run.config.pad_id).sum()) for batch in batches]  # tgt_out, counted on the host
-    graphs, counts = run.graphs, collections.Counter()
+    graphs, counts = run.step, collections.Counter()
     held = [(graph, "micro") for graph, _ in graphs.micro.values()]
     held += [(graphs.update_graph, "update")] if graphs.update_graph is not None else []
 

@@ -69,13 +69,13 @@ def fastformer_step(config, backend, graphs: bool, data, dtype, device, tokens):
     host = tuple(t.cpu() for t in data)
     if graphs:
         from fastformer.training.graphs import CudaGraphs
-        run.graphs = CudaGraphs(run)
+        run.step = CudaGraphs(run)
 
         def step():
             with value_checks(run):
                 run.sums.zero_()
-                run.graphs.micro_batch(host)
-                run.graphs.update()
+                run.step.micro_batch(host)
+                run.step.update()
     else:
         def step():
             with value_checks(run):  # as train_step: on a GPU the targets' check is deferred, no sync

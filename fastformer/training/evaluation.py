@@ -17,7 +17,7 @@ from fastformer.training.step import loss_sums
 from fastformer.translation import score, translate
 
 if TYPE_CHECKING:
-    from fastformer.training.setup import Run
+    from fastformer.training.run import Run
 
 
 @torch.no_grad()

@@ -27,7 +27,7 @@ from fastformer.data.batching import PackedBatch, Sequences
 from fastformer.training.step import loss_sums, optimizer_update, packed_loss_sums
 
 if TYPE_CHECKING:
-    from fastformer.training.setup import Run
+    from fastformer.training.run import Run
 
 
 def refusal(args, device: torch.device, world: int) -> str | None:
@@ -53,7 +53,8 @@ def capture(body, inputs: tuple, pool) -> torch.cuda.CUDAGraph:
 
 
 class CudaGraphs:
-    """The captured micro-batches (one graph per batch shape) and the captured update of one run."""
+    """The step replayed as CUDA graphs (fastformer.training.run.Step): the captured micro-batches (one graph per
+    batch shape) and the captured update of one run."""
 
     def __init__(self, run: Run):
         self.run = run
@@ -120,9 +121,13 @@ class CudaGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         return capture(body, inputs, self.pool)
 
-    def micro_batch(self, batch) -> None:
+    def begin(self) -> None:
+        """Nothing: the gradients are persistent, zeroed by the captured update."""
+
+    def micro_batch(self, batch, sync: bool = True) -> None:
         """Forward and backward of one host batch (src, tgt_in, tgt_out: int64 (B, S), (B, T), (B, T); or a
-        fixed-shape PackedBatch): replayed when its shape has a graph, else run and captured."""
+        fixed-shape PackedBatch): replayed when its shape has a graph, else run and captured. ``sync`` is
+        always true in effect: graphs run in a single process (``refusal``)."""
         tensors, key = self._tensors(batch)
         entry = self.micro.get(key)
         if entry is None:

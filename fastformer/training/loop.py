@@ -14,7 +14,7 @@ from fastformer.cli import progress
 from fastformer.runtime import provenance, resident_bytes, trim_freed_memory
 from fastformer.training.evaluation import evaluate_dev, final_test, fine_tuning_gain
 from fastformer.training.resume import save_checkpoint
-from fastformer.training.setup import Run
+from fastformer.training.run import Run
 from fastformer.training.step import train_step
 
 

@@ -23,7 +23,7 @@ import torch
 from fastformer import checkpoint as ckpt
 
 if TYPE_CHECKING:
-    from fastformer.training.setup import Run
+    from fastformer.training.run import Run
 
 
 def rng_state(device: torch.device) -> dict:

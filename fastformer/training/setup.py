@@ -1,11 +1,11 @@
 """A training run from its command-line arguments: the corpus, the joint sentencepiece vocabulary (trained
 once per run folder), the model, Adam with the paper's betas, the precision, and the training state (fresh,
-or resumed from the run folder's latest checkpoint). ``Run`` holds all of it for the loop."""
+or resumed from the run folder's latest checkpoint), and the step that trains it (eager, or replayed as CUDA
+graphs): a ``Run`` (fastformer/training/run.py) holds all of it for the loop."""
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, field
 
 import torch
 
@@ -20,38 +20,11 @@ from fastformer.training import finetune, resume
 from fastformer.training.batches import BatchStream, special_ids
 from fastformer.training.optim import Adam
 from fastformer.training.processes import Processes
+from fastformer.training.run import Run
 from fastformer.training.runlog import RunLog
+from fastformer.training.step import EagerStep
 
 PROG = "python -m fastformer.train"
-
-
-@dataclass
-class Run:
-    args: argparse.Namespace
-    procs: Processes
-    run_dir: str
-    corpus: ParallelCorpus
-    data_info: dict             # how the corpus was chosen (stored in checkpoints, for evaluate)
-    data_name: str
-    tokenizer: Tokenizer
-    ids: dict                   # split -> (source ids, target ids)
-    config: TransformerConfig
-    model: Transformer
-    train_model: torch.nn.Module  # model, or DDP around it
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    amp_dtype: torch.dtype | None
-    batches: BatchStream
-    log: RunLog
-    sums: torch.Tensor          # (loss, nll) summed over the current update's micro-batches, on the device
-    grad_scale: torch.Tensor    # world / target tokens of the current update, on the device
-    graphs: object = None       # fastformer.training.graphs.CudaGraphs with --cuda-graphs
-    # parameter -> its copy in the autocast dtype (fastformer/nn/linear.py set_compute_dtype), written by the
-    # optimizer's step; empty in float32 and under --compile (which traces plain autocast)
-    compute_copies: dict = field(default_factory=dict)
-    state: dict = field(default_factory=lambda: {"step": 0, "tokens": 0, "train_seconds": 0.0})
-    last_dev_step: int = -1
-    malloc_trims: int = 0  # updates after which --max-rss-gib handed free heap pages back (this process)
 
 
 def configure_process(args: argparse.Namespace) -> None:
@@ -176,7 +149,9 @@ def setup(args: argparse.Namespace, procs: Processes) -> Run:
     run.train_model = procs.wrap(model)
     if args.cuda_graphs:
         from fastformer.training.graphs import CudaGraphs
-        run.graphs = CudaGraphs(run)
+        run.step = CudaGraphs(run)
+    else:
+        run.step = EagerStep(run)
     procs.say(f"{args.config or 'fine-tuned'} model, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
               f"parameters, vocab {config.vocab_size}, device {procs.device}, backend {args.backend or 'default'}, "
               f"precision {str(amp_dtype or torch.float32).removeprefix('torch.')}, {procs.world} process(es); data "

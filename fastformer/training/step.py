@@ -24,7 +24,7 @@ from fastformer.data.batching import PackedBatch
 from fastformer.nn.linear import mark_compute_copies_current
 
 if TYPE_CHECKING:
-    from fastformer.training.setup import Run
+    from fastformer.training.run import Run
 
 
 SCHEDULES = ("paper", "inverse-sqrt", "linear")  # --schedule
@@ -150,9 +150,28 @@ def value_checks(run: Run):
     return ops.deferred_checks() if run.procs.device.type == "cuda" else contextlib.nullcontext()
 
 
+class EagerStep:
+    """The step run op by op (fastformer.training.run.Step): each micro-batch moved to the device and trained
+    (``micro_batch``), then ``optimizer_update``; the gradients dropped before an update's first micro-batch."""
+
+    def __init__(self, run: Run):
+        self.run = run
+
+    def begin(self) -> None:
+        self.run.optimizer.zero_grad(set_to_none=True)
+
+    def micro_batch(self, batch, sync: bool = True) -> None:
+        device_batch = to_device(batch, self.run.procs.device)
+        micro_batch(self.run, *((device_batch,) if isinstance(batch, PackedBatch) else device_batch), sync=sync)
+
+    def update(self) -> None:
+        optimizer_update(self.run)
+
+
 def train_step(run: Run) -> dict:
-    """One optimizer update; returns its learning rate, its target tokens over all ranks (an int) and its
-    loss sums (``sums``: a device tensor (loss, nll) of this rank, read only when the loop logs).
+    """One optimizer update through ``run.step`` (eager, or replayed as CUDA graphs); returns its learning rate,
+    its target tokens over all ranks (an int) and its loss sums (``sums``: a device tensor (loss, nll) of this
+    rank, read only when the loop logs).
 
     Each rank takes batches from its stream until its share (1/N) of --update-tokens target tokens; only
     the last micro-batch's backward all-reduces (DDP averages over ranks), and the gradient is rescaled to
@@ -161,26 +180,18 @@ def train_step(run: Run) -> dict:
         args, procs, config = run.args, run.procs, run.config
         lr = scheduled_rate(args, run.state["step"] + 1, config.d_model)
         set_learning_rate(run.optimizer, lr)
-        if run.graphs is None:
-            run.optimizer.zero_grad(set_to_none=True)
+        run.step.begin()
         run.sums.zero_()
         tokens = 0
         while True:
             batch = run.batches.next_tensors()
             n = check_batch(run, batch)  # on the host, before the batch moves
             last = tokens + n >= args.update_tokens / procs.world
-            if run.graphs is not None:
-                run.graphs.micro_batch(batch)
-            else:
-                device_batch = to_device(batch, procs.device)
-                micro_batch(run, *((device_batch,) if isinstance(batch, PackedBatch) else device_batch), sync=last)
+            run.step.micro_batch(batch, sync=last)
             tokens += n
             if last:
                 break
         tokens = int(procs.sum(tokens)[0]) if procs.world > 1 else tokens
         run.grad_scale.fill_(procs.world / tokens)
-        if run.graphs is not None:
-            run.graphs.update()
-        else:
-            optimizer_update(run)
+        run.step.update()
         return {"lr": lr, "tokens": tokens, "sums": run.sums}

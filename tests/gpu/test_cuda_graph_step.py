@@ -63,7 +63,7 @@ def test_captured_step_gives_the_eager_losses(tmp_path, backend, case):
     torch.manual_seed(0)
     got, micro, _ = train_updates(graphed, 12)
     assert micro == eager_micro
-    assert len(graphed.graphs.shapes) >= 2, graphed.graphs.shapes  # replays of more than one shape
+    assert len(graphed.step.shapes) >= 2, graphed.step.shapes  # replays of more than one shape
     if extra:
         assert min(micro) >= 2, micro
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=2e-3, atol=2e-3)
@@ -88,7 +88,7 @@ def test_captured_step_never_synchronizes(tmp_path, backend):
     first, _, drawn = train_updates(run, 6)
     assert_every_update_replayed(run, drawn, cuda_sync_errors())
     assert all(torch.isfinite(torch.tensor(first)))
-    graph, _ = next(iter(run.graphs.micro.values()))
+    graph, _ = next(iter(run.step.micro.values()))
     sums = []
     for _ in range(2):
         run.sums.zero_()

@@ -197,7 +197,7 @@ def fixed_shape_run(out, graphs, *extra, attention_dropout=0.0):
     run.batches.fixed_shapes = True
     run.batches.seek(0)
     if graphs is not None:
-        run.graphs = graphs.CudaGraphs(run)
+        run.step = graphs.CudaGraphs(run)
     return run
 
 
@@ -234,9 +234,9 @@ def test_graph_logic_gives_the_eager_losses(tmp_path, graphs, case):
     steps = 8
     (eager, expected, eager_micro, drawn), (graphed, got, micro, _) = eager_and_graphed(
         tmp_path, graphs, extra, attention_dropout, steps)
-    shapes = len(graphed.graphs.shapes)
+    shapes = len(graphed.step.shapes)
     assert ReplayedBody.captures == shapes + 1  # one per shape met, one of the update
-    assert shapes == 1 if "packed" in extra else shapes >= 2, graphed.graphs.shapes
+    assert shapes == 1 if "packed" in extra else shapes >= 2, graphed.step.shapes
     # every micro-batch but the first of each shape, every update but the first
     assert ReplayedBody.replays == sum(micro) - shapes + steps - 1, (ReplayedBody.replays, micro, shapes)
     assert micro == eager_micro and ("--update-tokens" not in extra or min(micro) >= 2), micro
@@ -283,10 +283,10 @@ def test_every_update_counted_as_a_replay(tmp_path, graphs, monkeypatch):
     assert_every_update_replayed(run, drawn, detector)
     assert detector.syncs == []
     later = (run.batches.next_tensors() for _ in range(100))
-    new_shape = next(b for b in later if (*b[0].shape, b[1].shape[1]) not in run.graphs.micro)
+    new_shape = next(b for b in later if (*b[0].shape, b[1].shape[1]) not in run.step.micro)
     with pytest.raises(AssertionError, match="micro-batch graphs 1, of the update graph 2"):
         assert_every_update_replayed(run, [drawn[0], new_shape], SyncDetector())
-    monkeypatch.setattr(run.graphs, "micro_batch", lambda batch: run.graphs._micro_body(*batch))
+    monkeypatch.setattr(run.step, "micro_batch", lambda batch, sync=True: run.step._micro_body(*batch))
     with pytest.raises(AssertionError, match="micro-batch graphs 0"):
         assert_every_update_replayed(run, drawn, SyncDetector())
 
