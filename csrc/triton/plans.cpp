@@ -102,6 +102,7 @@ constexpr int op_index(const char* name, int i = 0) {
 // plus a byte offset, a scalar's bits (`value`, little-endian in `size` bytes), or a null pointer (Triton's
 // trailing scratch parameters when the kernel needs no scratch).
 struct Param {
+  // Exported to fastformer/triton/plans.py as fastformer._C.TRITON_PLAN_PARAM_KINDS (bind_triton_plans below).
   enum Kind : uint8_t { kInput = 0, kAlloc = 1, kValue = 2, kNull = 3 };
   Kind kind;
   uint8_t size;     // bytes the function reads (from the kernel's PTX; cuFuncGetParamInfo agrees)
@@ -320,8 +321,12 @@ void store(const std::string& key, std::shared_ptr<const Plan> plan, const std::
 
 // ---- the Python side (fastformer/triton/plans.py), looked up once with the GIL held ----
 
+// What _run says of a call (exported to fastformer/triton/plans.py as fastformer._C.TRITON_PLAN_STATUS): it
+// recorded a plan (its description follows), refused one (a reason follows), or was not asked to record.
+enum class Status : int { kNotRecorded = -1, kPlan = 0, kRefused = 1 };
+
 struct Python {
-  py::object run;              // _run(op, phase, record, args) -> (outputs, status, plan or reason)
+  py::object run;              // _run(op, phase, record, args) -> (outputs, Status, plan description or reason)
   py::object run_interpreted;  // _run_interpreted(kernel id, grid, parameter bits)
 };
 
@@ -480,7 +485,8 @@ std::vector<Tensor> replay(const Plan& plan, const Tensor* const* inputs, c10::D
 
 std::vector<int64_t> int_list(py::handle h) { return h.cast<std::vector<int64_t>>(); }
 
-// The plan described by fastformer/triton/plans.py (its docstring gives the tuples), or a reason to refuse.
+// The plan described by fastformer/triton/plans.py (its PlanDescription: named tuples, read here by position),
+// or a reason to refuse.
 std::shared_ptr<Plan> parse(py::handle description, const std::vector<bool>& is_tensor, size_t n_outputs,
                             std::string& reason) {
   auto plan = std::make_shared<Plan>();
@@ -601,11 +607,13 @@ R run(int op, int phase, const A&... args) {
   py::gil_scoped_acquire gil;
   const py::tuple result = python().run(kOpNames[op], kPhaseNames[phase], record, py::make_tuple(args...));
   R outputs = result[0].cast<R>();
-  const int status = result[1].cast<int>();
-  if (status < 0) return outputs;  // not recorded
-  std::string reason = status == 1 ? result[2].cast<std::string>() : "";
+  const Status status = static_cast<Status>(result[1].cast<int>());
+  if (status == Status::kNotRecorded) return outputs;
+  TORCH_CHECK(status == Status::kPlan || status == Status::kRefused,
+              "fastformer triton: the recorder returned an unknown status ", static_cast<int>(status));
+  std::string reason = status == Status::kRefused ? result[2].cast<std::string>() : "";
   std::shared_ptr<Plan> plan;
-  if (status == 0) {
+  if (status == Status::kPlan) {
     std::vector<bool> is_tensor;
     for (const Tensor* t : inputs) is_tensor.push_back(t != nullptr);
     plan = parse(result[2], is_tensor, Result<R>::size, reason);
@@ -726,6 +734,19 @@ TORCH_LIBRARY_IMPL(fastformer, CUDA, m) { fastformer::triton_plans::register_ker
 
 void fastformer::bind_triton_plans(pybind11::module_& m) {
   namespace tp = fastformer::triton_plans;
+  using Kind = tp::Param::Kind;
+  using tp::Status;
+  // The protocol's codes, defined once above and read by fastformer/triton/plans.py.
+  py::dict status, kinds;
+  status["not_recorded"] = static_cast<int>(Status::kNotRecorded);
+  status["plan"] = static_cast<int>(Status::kPlan);
+  status["refused"] = static_cast<int>(Status::kRefused);
+  kinds["input"] = static_cast<int>(Kind::kInput);
+  kinds["alloc"] = static_cast<int>(Kind::kAlloc);
+  kinds["value"] = static_cast<int>(Kind::kValue);
+  kinds["null"] = static_cast<int>(Kind::kNull);
+  m.attr("TRITON_PLAN_STATUS") = status;
+  m.attr("TRITON_PLAN_PARAM_KINDS") = kinds;
   m.def("triton_plans_stats", &tp::stats,
         "per op and phase: calls replayed from C++, calls run in Python (first sights among them), configurations "
         "recorded, refused and evicted; the reasons of the refusals; the configurations in the table and its "

@@ -43,11 +43,25 @@ Under TRITON_INTERPRET=1 (CPU tensors, CI) ``on_cpu(True)`` registers the same C
 the interpreter's launches are then recorded by wrapping ``InterpretedFunction.run`` and replayed through
 ``_run_interpreted``, one Python call per launch: test equipment for everything but cuLaunchKernel.
 
-The description handed to C++ (``_Recording.result``): ``(allocs, launches, outputs)`` with
-``allocs`` [(sizes, strides, dtype)], ``launches`` [((function, interpreted id or -1, threads, shared bytes,
-name), (gx, gy, gz), [(kind, index, value, size)])] where kind is INPUT (index: argument position, value:
-byte offset), ALLOC (index: allocation, value: byte offset), VALUE (value: the bits) or NULL, and
-``outputs`` [(alloc, whole, sizes, strides, storage offset)].
+The protocol with C++. ``_run`` returns (outputs, status, payload): the status codes (PLAN with a
+``PlanDescription``, REFUSED with a reason, NOT_RECORDED with None) and the parameter kinds are C++'s
+(``C.TRITON_PLAN_STATUS``, ``C.TRITON_PLAN_PARAM_KINDS``: csrc/triton/plans.cpp ``Status``, ``Param::Kind``),
+read here, not restated. The description is the named tuples below (C++ reads them by position, in the order of
+their fields): ``PlanDescription(allocs, launches, outputs)`` of ``Alloc``, ``Launch`` (``KernelRef``, grid,
+``Param`` list) and ``Output``.
+
+The recorder reads Triton's internals (``CompiledKernel.run``'s launcher arguments, ``Autotuner._bench``,
+``InterpretedFunction.run``, a compiled kernel's metadata and PTX): it records only under the Triton versions in
+``RECORDER_TRITON_VERSIONS``, those its tests have passed on (tests/ops/test_triton_plans.py here,
+tests/gpu/test_triton_plans_on_cuda.py on a GPU). Under another, every configuration is refused with that reason
+(its calls run in Python, correct, as without plans) and one warning says so.
+
+The rule for a Triton wrapper (``fastformer.triton.<op>.<op>_<phase>``) that plans replay: everything it
+decides (tiles, grids, allocations, the autotuner's key, scalars passed to kernels) depends only on the call's
+key (the module docstring's first part; docs/triton-kernels.md), and the only ATen ops it runs are allocations
+and views; it reads no tensor's values on the host and keeps no state between calls. A wrapper that breaks the
+second rule is refused (safe: it runs in Python); one that breaks the first would replay a stale decision, and
+nothing can detect it: that rule is the wrapper author's.
 """
 from __future__ import annotations
 
@@ -58,6 +72,8 @@ import inspect
 import re
 import struct
 import threading
+import warnings
+from typing import NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -66,10 +82,85 @@ from fastformer import _dispatch
 from fastformer._ext import C
 from fastformer.triton import INTERPRET
 
-# _run's status: a plan, a refusal (reason), or no recording asked for.
-PLAN, REFUSED, NOT_RECORDED = 0, 1, -1
+# _run's status: a plan, a refusal (reason), or no recording asked for (csrc/triton/plans.cpp Status).
+PLAN, REFUSED, NOT_RECORDED = (C.TRITON_PLAN_STATUS[k] for k in ("plan", "refused", "not_recorded"))
 # Parameter kinds (csrc/triton/plans.cpp Param::Kind).
-INPUT, ALLOC, VALUE, NULL = 0, 1, 2, 3
+INPUT, ALLOC, VALUE, NULL = (C.TRITON_PLAN_PARAM_KINDS[k] for k in ("input", "alloc", "value", "null"))
+
+# The Triton versions (major.minor) whose internals the recorder reads as written here.
+RECORDER_TRITON_VERSIONS = ("3.6", "3.8")
+
+
+class Alloc(NamedTuple):
+    """An allocation of the call (``torch.empty`` and its kin), made again by each replay."""
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class KernelRef(NamedTuple):
+    """The kernel of a launch: a compiled kernel's CUfunction (interpreted -1), or under the interpreter the
+    id of an entry of ``_interpreted`` (function 0)."""
+    function: int
+    interpreted: int
+    threads: int  # 32 x num_warps
+    shared: int   # dynamic shared memory, bytes
+    name: str
+
+
+class Param(NamedTuple):
+    """One kernel parameter: INPUT (index: argument position, value: byte offset), ALLOC (index: allocation,
+    value: byte offset), VALUE (value: the bits) or NULL; size: the bytes the function reads."""
+    kind: int
+    index: int
+    value: int
+    size: int
+
+
+class Launch(NamedTuple):
+    kernel: KernelRef
+    grid: tuple[int, int, int]
+    params: list[Param]
+
+
+class Output(NamedTuple):
+    """An output: allocation ``alloc`` whole, or a view of it (sizes, strides, storage offset)."""
+    alloc: int
+    whole: bool
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+
+
+class PlanDescription(NamedTuple):
+    """What ``_Recording.result`` hands to C++ (csrc/triton/plans.cpp ``parse``)."""
+    allocs: list[Alloc]
+    launches: list[Launch]
+    outputs: list[Output]
+
+
+def recorder_supports(version: str) -> bool:
+    """Whether the recorder reads this Triton version's internals as written here (RECORDER_TRITON_VERSIONS)."""
+    return ".".join(version.split(".")[:2]) in RECORDER_TRITON_VERSIONS
+
+
+def _unsupported_triton() -> str | None:
+    """The refusal of every recording under a Triton the recorder does not know (one warning), or None."""
+    import triton
+
+    if recorder_supports(triton.__version__):
+        return None
+    reason = (f"Triton {triton.__version__} is not a version the launch-plan recorder knows "
+              f"({', '.join(RECORDER_TRITON_VERSIONS)})")
+    global _warned_version
+    if not _warned_version:
+        _warned_version = True
+        warnings.warn(f"fastformer: {reason}: triton calls run in Python, correct but with Python's cost per call",
+                      RuntimeWarning, stacklevel=3)
+    return reason
+
+
+_warned_version = False
 
 _ALLOCATIONS = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
                           torch.ops.aten.new_empty.default, torch.ops.aten.empty_strided.default,
@@ -144,13 +235,17 @@ def on_cpu(on: bool) -> None:
 def _run(op: str, phase: str, record: bool, args: tuple):
     """``fastformer.triton.<op>.<op>_<phase>(*args)`` (the arguments as csrc/ops.h's adapter prepared them),
     with autocast off as for every Python-written backend; recorded when ``record``. Returns (outputs,
-    status, the plan's description or a reason)."""
+    status, payload): (outputs, PLAN, a PlanDescription), (outputs, REFUSED, the reason) or (outputs,
+    NOT_RECORDED, None)."""
     fn = _dispatch.implementation(op, phase, "triton")
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     autocast = torch.autocast(device.type, enabled=False) if torch.is_autocast_enabled(device.type) else None
+    unsupported = _unsupported_triton() if record else None
     with autocast or contextlib.nullcontext():
         if not record:
             return fn(*args), NOT_RECORDED, None
+        if unsupported:
+            return fn(*args), REFUSED, unsupported
         with _recorded(args, device) as recording:
             out = fn(*args)
     status, payload = recording.result(out)
@@ -219,9 +314,9 @@ class _Recording:
                 self.roots[id(a)] = (INPUT, i)
         self.views: dict[int, torch.Tensor] = {}  # id(view) -> the tensor it is a view of
         self.keep: list = [args]  # every tensor whose id is held above stays alive while recording
-        self.allocs: list[tuple] = []
+        self.allocs: list[Alloc] = []
         self.alloc_tensors: list[torch.Tensor] = []
-        self.launches: list[tuple] = []
+        self.launches: list[Launch] = []
         self.kernels: list = []  # the CompiledKernels launched: kept alive by _compiled once the plan is handed over
         self.refusal: str | None = None
         self.launching = False  # inside a launch: the launcher's own ATen ops (interpreter) are not the call's
@@ -238,7 +333,7 @@ class _Recording:
                 self.refuse(f"allocates a {out.layout} tensor on {out.device}")
                 return
             self.roots[id(out)] = (ALLOC, len(self.allocs))
-            self.allocs.append((tuple(out.shape), tuple(out.stride()), out.dtype))
+            self.allocs.append(Alloc(tuple(out.shape), tuple(out.stride()), out.dtype))
             self.alloc_tensors.append(out)
             self.keep.append(out)
         elif func.is_view:
@@ -309,7 +404,8 @@ class _Recording:
         params += [(NULL, 0, 0, 8)] * len(hidden)
         self.kernels.append(kernel)
         threads = kernel.metadata.num_warps * kernel.metadata.target.warp_size
-        self.launches.append(((kernel.function, -1, threads, kernel.metadata.shared, name), grid, params))
+        self.launches.append(Launch(KernelRef(kernel.function, -1, threads, kernel.metadata.shared, name), grid,
+                                    [Param(*p) for p in params]))
 
     def on_interpreted(self, fn, args: tuple, kwargs: dict, grid) -> None:
         names = list(inspect.signature(fn.fn).parameters)
@@ -337,8 +433,8 @@ class _Recording:
                 self.refuse(f"{fn.fn.__name__} takes a {type(v).__name__} argument ({n})")
                 return
         _interpreted.append((fn, names, {n: values[n] for n in constexprs}, types))
-        self.launches.append(((0, len(_interpreted) - 1, 0, 0, fn.fn.__name__), grid + (1,) * (3 - len(grid)),
-                              params))
+        self.launches.append(Launch(KernelRef(0, len(_interpreted) - 1, 0, 0, fn.fn.__name__),
+                                    grid + (1,) * (3 - len(grid)), [Param(*p) for p in params]))
 
     def result(self, out):
         if self.refusal:
@@ -348,11 +444,11 @@ class _Recording:
             root, _ = self.locate(o) if isinstance(o, torch.Tensor) else (None, 0)
             if root is None or root[0] != ALLOC:
                 return REFUSED, "returns a tensor that it did not allocate"
-            outputs.append((root[1], o is self.alloc_tensors[root[1]], tuple(o.shape), tuple(o.stride()),
-                            o.storage_offset()))
+            outputs.append(Output(root[1], o is self.alloc_tensors[root[1]], tuple(o.shape), tuple(o.stride()),
+                                  o.storage_offset()))
         for kernel in self.kernels:
             _compiled.setdefault(kernel.function, kernel)
-        return PLAN, (self.allocs, self.launches, outputs)
+        return PLAN, PlanDescription(self.allocs, self.launches, outputs)
 
 
 class _Watch(TorchDispatchMode):

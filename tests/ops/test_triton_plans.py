@@ -217,6 +217,58 @@ def test_refused_configuration_runs_in_python():
     assert reason.startswith("runs aten.") and reason.endswith(" in torch"), reason
 
 
+def test_an_unknown_triton_version_runs_in_python_with_one_warning(monkeypatch):
+    """Under a Triton the recorder does not list (RECORDER_TRITON_VERSIONS), a configuration's second call is
+    refused with that reason instead of recorded: every call runs in Python (the same results), one warning."""
+    import warnings
+
+    import triton
+    from fastformer.triton import plans
+
+    assert plans.recorder_supports(triton.__version__), triton.__version__  # the Triton CI installs is listed
+    assert plans.recorder_supports("3.6.0") and not plans.recorder_supports("3.5.1")
+    monkeypatch.setattr(plans, "RECORDER_TRITON_VERSIONS", ("0.1",))
+    monkeypatch.setattr(plans, "_warned_version", False)
+    x = randn(3, 8, dtype=F32)
+    expected = ops.softmax(x, backend="torch")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            torch.testing.assert_close(ops.softmax(x, backend="triton"), expected)
+        ops.softmax(randn(5, 8, dtype=F32), backend="triton")
+        ops.softmax(randn(5, 8, dtype=F32), backend="triton")  # a second configuration's recording: no warning
+    assert [str(w.message) for w in caught if "launch-plan recorder" in str(w.message)] == [
+        f"fastformer: Triton {triton.__version__} is not a version the launch-plan recorder knows (0.1): triton "
+        "calls run in Python, correct but with Python's cost per call"]
+    fwd, _ = stats("softmax")
+    assert fwd == counts(python=6, first_sight=2, refused=2)
+    assert plans.stats()["refused_reasons"] == {
+        f"Triton {triton.__version__} is not a version the launch-plan recorder knows (0.1)": 2}
+
+
+def test_the_protocol_codes_are_cpps():
+    """The status codes and parameter kinds plans.py uses are the ones C++ exports (defined once there), and
+    the description handed to C++ is named tuples in the order C++ reads them."""
+    from fastformer._ext import C
+    from fastformer.triton import plans
+
+    assert (plans.PLAN, plans.REFUSED, plans.NOT_RECORDED) == (
+        C.TRITON_PLAN_STATUS["plan"], C.TRITON_PLAN_STATUS["refused"], C.TRITON_PLAN_STATUS["not_recorded"])
+    assert len({plans.PLAN, plans.REFUSED, plans.NOT_RECORDED}) == 3
+    assert (plans.INPUT, plans.ALLOC, plans.VALUE, plans.NULL) == tuple(
+        C.TRITON_PLAN_PARAM_KINDS[k] for k in ("input", "alloc", "value", "null"))
+    assert plans.PlanDescription._fields == ("allocs", "launches", "outputs")
+    assert plans.Launch._fields == ("kernel", "grid", "params")
+    assert plans.Param._fields == ("kind", "index", "value", "size")
+    x = randn(3, 8, dtype=F32)
+    out, status, description = plans._run("softmax", "fwd", True, (x, None, 1.0))
+    assert status == plans.PLAN and isinstance(description, plans.PlanDescription), (status, description)
+    (launch,) = description.launches
+    assert launch.kernel.interpreted >= 0 and all(isinstance(p, plans.Param) for p in launch.params)
+    assert description.outputs[0].alloc == 0
+    torch.testing.assert_close(out, ops.softmax(x, backend="torch"))
+
+
 def test_errors_come_through_as_before():
     q, k, v = (randn(1, 1, 4, 130, dtype=F32) for _ in range(3))
     with pytest.raises(ValueError, match="head dim 130"):  # the Triton code's own limit, raised in Python
