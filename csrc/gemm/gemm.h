@@ -17,8 +17,7 @@
 //     S = kPackedLinearStrip: a panel is P / S strips of S columns, each K x S contiguous floats, so that a
 //     kernel reading S columns at a time (AVX2: two vectors) streams whole cache lines, one after the other
 //     (with the strips interleaved, K x 32, it read every other line: half of each line fetched unused by
-//     that pass, and the L1 sets of the odd lines idle: 84 -> 91 GFLOP/s on the output projection's shape
-//     at M = 128 in a harness of both layouts, AVX2 EPYC, 1 thread; packed_linear 91 with y's rows aligned)
+//     that pass, and the L1 sets of the odd lines idle; measured: docs/cpu-kernels.md, "Measured")
 //   int8 weight    (ceil(n / P), ceil(K / 4), P, 4): weight[p][g][j][i] = Wq[p P + j][4 g + i] (int8_index)
 // An int8 weight is three tensors, named as in the state dict (fastformer/nn/linear.py Int8Linear), in Python
 // (Int8Weight), here (Int8Weight) and in the C++ decoder's dict ("<name>.weight", ...): weight (Wq, packed),

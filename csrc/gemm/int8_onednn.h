@@ -32,11 +32,10 @@
 
 namespace fastformer {
 
-// The rule's bounds (int8_linear.cpp int8_choose, onednn_preferred below), on a CPU with AMX: oneDNN's products from M = 32 rows, for projections
-// of at least 2^22 multiply-adds (M N K). A call to oneDNN costs about 18 us more than one to our kernel before
-// any product is made (its boxed dispatch, primitive lookup and output: C.int8_linear at 32 x 16 x 4, 3.3 us
-// ours, 21 us oneDNN's; AVX-512 VNNI EPYC, 1 thread), and our kernel takes about 28 us for 2^22 (64 x 256 x
-// 256): below that oneDNN would have to multiply at over ~1 TOP/s just to break even.
+// The rule's bounds (int8_linear.cpp int8_choose, onednn_preferred below), on a CPU with AMX: oneDNN's products
+// from M = 32 rows, for projections of at least 2^22 multiply-adds (M N K). Below them oneDNN's fixed cost per
+// call (its boxed dispatch, primitive lookup and output), which comes before any product, outweighs what its
+// tiles could save (measured: docs/decoding.md, "int8 providers").
 constexpr int64_t kOnednnMinRows = 32;
 constexpr double kOnednnMinProducts = 4194304.0;  // 2^22 multiply-adds a call
 // Whether the rule takes oneDNN's products for an M x K by K x N product on a CPU with AMX.
@@ -46,8 +45,8 @@ inline bool onednn_rule(int64_t M, int64_t N, int64_t K) {
 }
 constexpr int64_t kOnednnBlock = 4096;   // at most this many output columns a call: its (M, block) float32 sums
                                          // (2 MB at M = 128) stay in cache for the epilogue, and the freed
-                                         // buffer is reused by the next call (a 37,000-column output at once was
-                                         // a 19 MB allocation a call, page faults included: 1.4-2x slower)
+                                         // buffer is reused by the next call (a whole vocabulary at once was one
+                                         // large allocation a call, page faults included: docs/cpu-kernels.md)
 
 // Wq (n, K) as oneDNN's packed weights (csrc/gemm/int8_onednn.cpp onednn_int8_pack): a grid of blocks of
 // output columns by chunks of inputs. Read-only once made; Python holds it as fastformer._C.OnednnInt8 (hidden
