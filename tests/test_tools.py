@@ -119,6 +119,21 @@ def test_make_results_covers_every_results_file():
     assert sorted(f"{name}.md" for name in tool.NAMES) == sorted(p.name for p in (ROOT / "docs" / "results").glob("*.md"))
 
 
+def test_make_results_commands_import_the_checkout(monkeypatch):
+    """Each command runs with the checkout first on PYTHONPATH (a tools/ script's own folder comes first on its
+    path, so without it the script would import a copy of fastformer installed in site-packages, or none), what
+    was on PYTHONPATH kept after it, in the repository root, with this interpreter."""
+    tool = load_make_results()
+    seen = []
+    monkeypatch.setattr(tool.subprocess, "run", lambda argv, cwd, env: seen.append((argv, cwd, env)) or
+                        subprocess.CompletedProcess(argv, 0))
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    tool.execute(["python", "tools/translation_report.py", "RUN"])
+    ((argv, cwd, env),) = seen
+    assert argv == [sys.executable, "tools/translation_report.py", "RUN"] and cwd == tool.ROOT
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(tool.ROOT), "/elsewhere"]
+
+
 def test_make_results_refuses_a_dirty_tree(monkeypatch, capsys):
     tool = load_make_results()
     monkeypatch.setattr(tool, "dirty_files", lambda root=None: ["README.md"])

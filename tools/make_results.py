@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import shlex
 import shutil
@@ -150,12 +151,15 @@ def run_commit(run_dir: pathlib.Path) -> str | None:
 
 
 def execute(command: list[str]) -> None:
-    """Runs a command in the repository root with this interpreter (``python``, ``pytest``); stops on failure."""
+    """Runs a command in the repository root with this interpreter (``python``, ``pytest``); stops on failure.
+    The checkout comes first on PYTHONPATH, so that every command (tools/*.py too, whose own folder is first on
+    their path) measures the checkout whose commit the results name, not a copy installed in site-packages."""
     argv = ([sys.executable, *command[1:]] if command[0] == "python"
             else [sys.executable, "-m", "pytest", *command[1:]] if command[0] == "pytest" else command)
     print(f"$ {shlex.join(command)}", flush=True)
     start = time.monotonic()
-    done = subprocess.run(argv, cwd=ROOT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run(argv, cwd=ROOT, env=env)
     if done.returncode != 0:
         raise SystemExit(f"make_results: `{shlex.join(command)}` failed (exit status {done.returncode}); "
                          "docs/results/ is unchanged")

@@ -76,6 +76,12 @@ def restore(run: Run) -> None:
                          f"--resume: {found[-1]} was trained from scratch: resume without --init")
     if saved["config"] != run.config.to_dict():
         raise SystemExit(f"--resume: {found[-1]} was trained with another config; use another --out")
+    # padded and packed batching cut the data into different batches: a batch position means nothing in the
+    # other (checkpoints from before --batching were padded)
+    batching = (saved.get("args") or {}).get("batching", "padded")
+    if batching != run.args.batching:
+        raise SystemExit(f"--resume: {found[-1]} was trained with --batching {batching}: resume with --batching "
+                         f"{batching}")
     if "ranks" not in saved:
         raise SystemExit(f"--resume: {found[-1]} was written by an older fastformer without the per-process "
                          "training state; it translates and evaluates, but cannot be resumed")

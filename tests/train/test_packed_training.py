@@ -131,6 +131,10 @@ def test_packed_run_trains_and_resumes_exactly(tmp_path):
     interrupted.mkdir()
     shutil.copy(straight / "spm.model", interrupted / "spm.model")
     main(tiny_run_args(interrupted, "--max-steps", "10", "--batching", "packed", "--precision", "fp32"))
+    # the other batching would cut other batches: a batch position of one means nothing in the other
+    with pytest.raises(SystemExit, match="was trained with --batching packed: resume with --batching packed"):
+        main(tiny_run_args(interrupted, "--max-steps", "30", "--batching", "padded", "--precision", "fp32",
+                           "--resume"))
     main(tiny_run_args(interrupted, "--max-steps", "30", "--batching", "packed", "--precision", "fp32", "--resume"))
     a, b = ckpt.load(str(straight / "checkpoint_30.pt")), ckpt.load(str(interrupted / "checkpoint_30.pt"))
     for name, tensor in a["model"].items():
