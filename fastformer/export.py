@@ -120,7 +120,8 @@ def ctranslate2_spec(model, pieces: list[str], source_pieces: list[str] | None =
                 weights = decoder_layer_weights(model.decoder.layers[i], cfg)
                 for w in DECODER_LAYER:
                     target = _CT2_DECODER_LAYER[w.name](layer)
-                    weight, bias = (t.detach().float().cpu().numpy() for t in (weights[w.name].weight, weights[w.name].bias))
+                    module = weights[w.name]
+                    weight, bias = (t.detach().float().cpu().numpy() for t in (module.weight, module.bias))
                     if w.kind == "norm":
                         target.gamma, target.beta = weight, bias
                     else:

@@ -182,8 +182,9 @@ struct Isa {
 
 // The int8 provider table: one row per variant, its name, whether this CPU runs it, whether the rule ("auto")
 // prefers it for an M x K by K x N product over the first row that runs (our best), whether its products need
-// the weight prepared once (int8_prepare: oneDNN's pack), and how it multiplies: our tile (its activations'
-// offset, 0 or 128 for an unsigned operand, and rows per pass), or nullptr: oneDNN's products.
+// the weight prepared once (int8_prepare: oneDNN's pack), the offset its activations go in with (0, or 128 for an
+// unsigned operand: the VNNI tiles and oneDNN), and how it multiplies: our tile and its rows per pass, or nullptr:
+// oneDNN's products.
 struct Variant {
   const char* name;
   bool (*runs)();
@@ -305,16 +306,18 @@ void onednn_linear_rows(const float* x, int64_t M, int64_t K, int offset, const 
   for (int64_t b = 0; b < w.onednn->blocks(); ++b) {
     const int64_t n0 = w.onednn->columns[b], width = w.onednn->columns[b + 1] - n0;
     const at::Tensor sums = onednn_int8_sums(*w.onednn, b, q);
-    at::parallel_for(0, M, std::max<int64_t>(1, 16384 / width), [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m) {
-        float* out = y + m * y_stride + n0;
-        if (sums.scalar_type() == at::kFloat) {
-          epilogue_row(sums.const_data_ptr<float>() + m * width, 0, w, n0, width, sx[m], bias, out);
-        } else {
-          epilogue_row(sums.const_data_ptr<int32_t>() + m * width, 0, w, n0, width, sx[m], bias, out);
+    auto rows = [&](const auto* block_sums) {  // float32 (one chunk of inputs) or int32 (several) sums
+      at::parallel_for(0, M, std::max<int64_t>(1, 16384 / width), [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m) {
+          epilogue_row(block_sums + m * width, 0, w, n0, width, sx[m], bias, y + m * y_stride + n0);
         }
-      }
-    });
+      });
+    };
+    if (sums.scalar_type() == at::kFloat) {
+      rows(sums.const_data_ptr<float>());
+    } else {
+      rows(sums.const_data_ptr<int32_t>());
+    }
   }
 }
 
