@@ -126,7 +126,7 @@ def want_cuda():
 
 # The sources compiled once per CPU level (the rest of csrc/gemm and csrc/inference goes into fastformer._C).
 LEVEL_SOURCES = sorted(glob.glob("csrc/cpu/*.cpp")) + [
-    "csrc/gemm/packed_linear.cpp", "csrc/gemm/int8_linear.cpp", "csrc/gemm/products.cpp",
+    "csrc/gemm/packed_linear.cpp", "csrc/gemm/int8_linear.cpp", "csrc/gemm/products.cpp", "csrc/gemm/weight_grad.cpp",
     "csrc/inference/decoder_step.cpp", "csrc/inference/search_candidates.cpp", "csrc/optim/adam_cpu.cpp"]
 # The headers that declare the CPU kernel table and what crosses it: their digest is the table's layout
 # (csrc/cpu/kernel_table.h), compiled into _C and every level module, so a stale module is refused at import.

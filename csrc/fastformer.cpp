@@ -43,6 +43,9 @@ TORCH_LIBRARY(fastformer, m) {
   m.def(#op "_bwd_py(" bwd_args ", str backend) -> " bwd_returns, tags);
   FASTFORMER_OPS(FASTFORMER_DEFINE)
 #undef FASTFORMER_DEFINE
+  // Not an op of the list: a weight's gradient in bf16 training on the CPU (csrc/gemm/weight_grad.cpp), an op so
+  // that the profiler and dispatch modes see the GEMM (fastformer/training/copies.py counts it).
+  m.def("weight_grad(Tensor dy, Tensor x) -> (Tensor, Tensor)");
 }
 
 namespace {
@@ -304,6 +307,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tile_product", &fastformer::tile_product, py::arg("a"), py::arg("b"), py::arg("variant"),
         "C (m, n) = a (m, k) b (k, n) on fastformer's CPU micro-kernel by one of product_variants() (a test's hook): "
         "float32/float64 for \"fma\", bfloat16 (C float32) for the bf16 variants");
+  m.def("weight_grad", &fastformer::weight_grad, py::arg("dy"), py::arg("x"), py::arg("variant") = "",
+        "(dW, db): dW (N, K) float32 = dy (M, N)^T x (M, K) and db (N) float32 = dy's column sums, for bfloat16 CPU "
+        "dy and x, summed in float32 on fastformer's CPU micro-kernel (csrc/gemm/weight_grad.cpp): a projection's "
+        "gradients in bf16 training; variant: \"\" "
+        "(bf16_dot where the CPU has AVX512_BF16, else bf16_emulated) or one of those two (a test's hook)");
   m.def("int8_variant_for", &fastformer::int8_variant_for, py::arg("M"), py::arg("N"), py::arg("K"),
         "the int8 variant a projection y (M, N) = x (M, K) W^T runs: FASTFORMER_INT8_PROVIDER's, else the rule's "
         "(oneDNN's products on a CPU with AMX from 32 rows and 2^22 multiply-adds, the first of int8_variants() "

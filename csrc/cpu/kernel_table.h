@@ -59,6 +59,10 @@ bool int8_packs(int variant);
 // (products.cpp; A and B 2-D with unit column stride, checked by the caller: gemm.cpp).
 const char* const* product_variants();
 Tensor tile_product(const Tensor& a, const Tensor& b, const std::string& variant);
+// A projection's gradients in bf16 training, dW (N, K) float32 = dy (M, N)^T x (M, K) and db (N) float32 = the
+// column sums of dy, with dy and x bfloat16 of unit column stride (csrc/gemm/weight_grad.cpp; checked by the
+// caller: gemm.cpp); emulated: bf16_emulated even where bf16_dot runs (the tests').
+std::tuple<Tensor, Tensor> weight_grad(const Tensor& dy, const Tensor& x, bool emulated);
 
 // The forward of layer_norm_residual without dropout on raw float32 rows (csrc/cpu/layer_norm_residual.cpp):
 // s = residual + x and y = LayerNorm(s), mean and rstd (R,) written. Row by row each input row is read
@@ -86,7 +90,8 @@ constexpr const char* kCpuKernelsCapsule = "fastformer.cpu_kernels";
 // The non-op entries, in three groups (each list is the one place its members are named: the struct and the
 // level module's initializer expand it).
 #define FASTFORMER_GEMM_KERNELS(X) \
-  X(packed_linear) X(int8_linear_rows) X(int8_variants) X(int8_choose) X(int8_packs) X(product_variants) X(tile_product)
+  X(packed_linear) X(int8_linear_rows) X(int8_variants) X(int8_choose) X(int8_packs) X(product_variants) X(tile_product) \
+  X(weight_grad)
 #define FASTFORMER_INFERENCE_KERNELS(X) X(decoder_step) X(search_candidates)
 #define FASTFORMER_OPTIM_KERNELS(X) X(adam_step)
 #define FASTFORMER_CPU_TABLE_MEMBER(name) decltype(&cpu::name) name;

@@ -219,6 +219,30 @@ at::Tensor tile_product(const at::Tensor& a, const at::Tensor& b, const std::str
   return cpu_kernels().gemm.tile_product(a, b, variant);
 }
 
+std::tuple<at::Tensor, at::Tensor> weight_grad(const at::Tensor& dy, const at::Tensor& x, const std::string& variant) {
+  const std::string who = "fastformer weight_grad";
+  const std::vector<std::string> names = product_variants();
+  TORCH_CHECK_VALUE(variant.empty() || (variant != "fma" && std::find(names.begin(), names.end(), variant) !=
+                                                                 names.end()),
+                    who, ": variant \"", variant, "\" is not a bfloat16 product that runs here (", cpu_kernels().level,
+                    " level on this CPU: ", c10::Join(", ", names), "; or \"\", the best)");
+  TORCH_CHECK_VALUE(dy.dim() == 2 && x.dim() == 2 && dy.size(0) == x.size(0), who, ": expected dy (M, N) and x "
+                    "(M, K) with the same rows, got ", dy.sizes(), " and ", x.sizes());
+  TORCH_CHECK_VALUE(dy.device().is_cpu() && x.device().is_cpu() && dy.scalar_type() == at::kBFloat16 &&
+                        x.scalar_type() == at::kBFloat16,
+                    who, ": dy and x must be bfloat16 CPU tensors, got ", dtype_name(dy.scalar_type()), " on ",
+                    dy.device(), " and ", dtype_name(x.scalar_type()), " on ", x.device());
+  // Rows of unit column stride, read as they lie (a transposed or column-sliced view is copied first).
+  const auto rows = [](const at::Tensor& t) {
+    return (t.size(1) <= 1 || t.stride(1) == 1) && t.stride(0) >= t.size(1) ? t : t.contiguous();
+  };
+  return cpu_kernels().gemm.weight_grad(rows(dy), rows(x), variant == "bf16_emulated");
+}
+
+TORCH_LIBRARY_IMPL(fastformer, CPU, m) {
+  m.impl("weight_grad", [](const at::Tensor& dy, const at::Tensor& x) { return weight_grad(dy, x, ""); });
+}
+
 std::vector<std::string> int8_variants() { return names_of(cpu_kernels().gemm.int8_variants()); }
 
 int int8_variant_index(const std::string& variant, const std::string& who) {

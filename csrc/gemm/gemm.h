@@ -123,6 +123,7 @@ struct PackedProjection {
 #include <c10/util/Optional.h>
 
 #include <memory>
+#include <tuple>
 
 namespace fastformer {
 
@@ -187,6 +188,10 @@ std::shared_ptr<OnednnInt8> onednn_int8_pack(const at::Tensor& weight, int64_t n
 // float32 or float64 for "fma", bfloat16 for the bf16 variants (C float32).
 std::vector<std::string> product_variants();
 at::Tensor tile_product(const at::Tensor& a, const at::Tensor& b, const std::string& variant);
+// A projection's gradients in bf16 training on the CPU, (dW (N, K), db (N)) float32: dy (M, N)^T x (M, K) and the
+// column sums of dy, dy and x bfloat16 (csrc/gemm/weight_grad.cpp). variant: "" (bf16_dot where it runs, else
+// bf16_emulated) or one of the bf16 product_variants() (the tests').
+std::tuple<at::Tensor, at::Tensor> weight_grad(const at::Tensor& dy, const at::Tensor& x, const std::string& variant);
 // The packs made and not yet freed, in this process (a test's check that they are freed with their owner).
 int64_t onednn_int8_live();
 

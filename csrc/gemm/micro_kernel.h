@@ -22,7 +22,9 @@
 // and, for the tile product (not the int8 panels): using Out (float or double) and Vectorized<Out> out(Acc).
 //
 // The micro-kernel: acc[r][v] (kLanes columns each) += sum over steps t of A(r, t) . B(t, v), where
-//   A(r, t) = the kDepth elements at a + r lda + t kDepth (a_transposed, kDepth 1 only: a + t lda + r);
+//   A(r, t) = the kDepth elements at a + r lda + t kDepth (rows of A in memory), or, a_transposed, at
+//             a + t lda + r kDepth (steps of A in memory: kDepth 1, A^T row-major; kDepth 2, a step's pairs of
+//             every row side by side, as pack_row_pairs lays out A^T);
 //   B(t, v) = the register at b[v] + t b_step (the B operand's layout is the caller's: row-major rows, column
 //             strips of a packed panel, pair- or quad-interleaved rows);
 // in that order, one step at a time for every element, whatever its row, column, block or thread: so a result
@@ -34,12 +36,12 @@
 template <class Isa, int R, int NV, bool a_transposed = false>
 inline void micro_kernel(int64_t steps, const typename Isa::AElem* a, int64_t lda,
                          const typename Isa::BElem* const* b, int64_t b_step, typename Isa::Acc (&acc)[R][NV]) {
-  static_assert(!a_transposed || Isa::kDepth == 1, "a transposed A is read one element a step");
   for (int64_t t = 0; t < steps; ++t) {
     typename Isa::BReg bv[NV];
     for (int v = 0; v < NV; ++v) bv[v] = Isa::load(b[v] + t * b_step);
     for (int r = 0; r < R; ++r) {
-      const typename Isa::AReg ar = Isa::broadcast(a_transposed ? a + t * lda + r : a + r * lda + t * Isa::kDepth);
+      const typename Isa::AElem* ar_at = a_transposed ? a + t * lda + r * Isa::kDepth : a + r * lda + t * Isa::kDepth;
+      const typename Isa::AReg ar = Isa::broadcast(ar_at);
       for (int v = 0; v < NV; ++v) acc[r][v] = Isa::madd(acc[r][v], ar, bv[v]);
     }
   }
@@ -47,7 +49,9 @@ inline void micro_kernel(int64_t steps, const typename Isa::AElem* a, int64_t ld
 
 // ---- The tile product ------------------------------------------------------------------------------------
 //   C (m x n, ldc, Out) = alpha op(A) B   (+ C when accumulate)
-//   op(A) (m x k): A[i lda + t] (a_transposed: A[t lda + i]);
+//   op(A) (m x k): A[i lda + t]; a_transposed: A[t lda + i] (kDepth 1), or, kDepth 2, the step s = t / 2 of row i
+//      at A + s lda + 2 i (ceil(k / 2) rows of lda AElems, pairs of A^T's rows interleaved: pack_row_pairs; past
+//      k: zeros);
 //   B: ceil(k / kDepth) rows of ldb BElems, row s holding step s of every column (kDepth 1: B (k x n) row-major;
 //      bf16: pairs of rows interleaved, products.h pack_row_pairs / pack_column_pairs; past k: zeros).
 // Every element: acc = 0; acc = madd(acc, A(i, step), B(step, j)) for each step in order; C = alpha acc (+ C).
@@ -57,7 +61,7 @@ inline void micro_kernel(int64_t steps, const typename Isa::AElem* a, int64_t ld
 // one of half that and one of a single register where they fit (so that head dims such as 32, 48 and 96 at
 // AVX-512 need no padding), then the last columns (fewer than kLanes) through a zero-padded copy of their B
 // and C (the same arithmetic). A k that is not a whole number of steps: its last, partial step reads A's last
-// values zero-padded (and B's zero-padded row), after the loop.
+// values zero-padded (and B's zero-padded row), after the loop (a transposed A arrives zero-padded, as B).
 
 template <class Isa, int R, int NV, bool a_transposed>
 inline void tile_block(int64_t i0, int64_t j0, int64_t k, typename Isa::Out alpha, const typename Isa::AElem* a,
@@ -70,10 +74,10 @@ inline void tile_block(int64_t i0, int64_t j0, int64_t k, typename Isa::Out alph
     for (int v = 0; v < NV; ++v) acc[r][v] = Isa::zero();
   const typename Isa::BElem* bcol[NV];
   for (int v = 0; v < NV; ++v) bcol[v] = b + j0 + v * Isa::kLanes;
-  const typename Isa::AElem* ab = a_transposed ? a + i0 : a + i0 * lda;
-  const int64_t steps = k / Isa::kDepth;
+  const typename Isa::AElem* ab = a_transposed ? a + i0 * Isa::kDepth : a + i0 * lda;
+  const int64_t steps = a_transposed ? (k + Isa::kDepth - 1) / Isa::kDepth : k / Isa::kDepth;
   micro_kernel<Isa, R, NV, a_transposed>(steps, ab, lda, bcol, ldb, acc);
-  if constexpr (Isa::kDepth > 1) {
+  if constexpr (Isa::kDepth > 1 && !a_transposed) {
     if (const int64_t rest = k - steps * Isa::kDepth; rest != 0) {
       typename Isa::AElem tail[R * Isa::kDepth] = {};  // each row's last `rest` values, then zeros
       for (int r = 0; r < R; ++r)

@@ -133,7 +133,8 @@ struct Isa {
 #include "gemm/micro_kernel.h"
 
 inline void tile_gemm(int64_t m, int64_t n, int64_t k, float alpha, const c10::BFloat16* a, int64_t lda,
-                      const uint32_t* b, int64_t ldb, bool accumulate, float* c, int64_t ldc) {
+                      bool a_pairs, const uint32_t* b, int64_t ldb, bool accumulate, float* c, int64_t ldc) {
+  if (a_pairs) return tile_product<Isa, true>(m, n, k, alpha, a, lda, b, ldb, accumulate, c, ldc);
   tile_product<Isa, false>(m, n, k, alpha, a, lda, b, ldb, accumulate, c, ldc);
 }
 }  // namespace fastformer::cpu::micro::bf16_dot
@@ -167,17 +168,22 @@ inline void tile_gemm(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int6
   }
 }
 
-// C (m x n float32, ldc) = alpha A B (+ C when accumulate), A (m x k, lda) bfloat16 row-major, B as packed
-// pairs (ceil(k / 2) rows of ldb pairs: pack_row_pairs, pack_column_pairs): bf16_dot where it runs, else
-// bf16_emulated (`emulated` forces bf16_emulated: the test hook's, products.cpp).
+// C (m x n float32, ldc) = alpha A B (+ C when accumulate), B as packed pairs (ceil(k / 2) rows of ldb pairs:
+// pack_row_pairs, pack_column_pairs); A (m x k, lda) bfloat16 row-major, or, a_pairs, A^T packed as B is
+// (ceil(k / 2) rows of lda bfloat16, the pairs of A^T's rows interleaved: pack_row_pairs of A^T; a weight's
+// gradient dy^T x, csrc/gemm/weight_grad.cpp): bf16_dot where it runs, else bf16_emulated (`emulated` forces
+// bf16_emulated: the test hooks', products.cpp and weight_grad.cpp).
 inline void tile_gemm_bf16(int64_t m, int64_t n, int64_t k, float alpha, const c10::BFloat16* a, int64_t lda,
                            const uint32_t* b, int64_t ldb, bool accumulate, float* c, int64_t ldc,
-                           bool emulated = false) {
+                           bool emulated = false, bool a_pairs = false) {
 #if defined(CPU_CAPABILITY_AVX512)
   if (!emulated && bf16_dot_runs()) {
-    return micro::bf16_dot::tile_gemm(m, n, k, alpha, a, lda, b, ldb, accumulate, c, ldc);
+    return micro::bf16_dot::tile_gemm(m, n, k, alpha, a, lda, a_pairs, b, ldb, accumulate, c, ldc);
   }
 #endif
+  if (a_pairs) {
+    return micro::tile_product<micro::Bf16Emulated, true>(m, n, k, alpha, a, lda, b, ldb, accumulate, c, ldc);
+  }
   micro::tile_product<micro::Bf16Emulated, false>(m, n, k, alpha, a, lda, b, ldb, accumulate, c, ldc);
 }
 

@@ -22,9 +22,12 @@ autocast to that dtype the projections multiply the copies (``compute_linear``),
 the optimizer (fastformer/training/optim.py) writes each copy in the pass that updates its parameter. A copy
 is tagged with its parameter's version counter when written; a parameter changed in place by anything else
 (``load_state_dict``, ``copy_``, another optimizer) has moved on, and its copy is written again at its next use.
-The weight's gradient reaches the float32 parameter from a product with a float32 output where ATen has one
-(CUDA: ``mm`` with ``out_dtype``); on the CPU ATen multiplies bfloat16 into bfloat16 only, so autograd casts that
-gradient (one cast per weight per micro-batch, as under plain autocast).
+The weight's gradient reaches the float32 parameter from a product with a float32 output, summed in float32:
+on CUDA ``mm`` with ``out_dtype``; on the CPU in bfloat16 fastformer's own (the op
+``torch.ops.fastformer.weight_grad``, csrc/gemm/weight_grad.cpp, which also sums the bias's gradient as it reads
+dy), since ATen multiplies bfloat16 into bfloat16 only there (autograd would cast that gradient: one cast and one
+rounding to bfloat16 per weight per micro-batch, as under plain autocast; and a float32 sum of dy casts all of
+dy first). float16 on the CPU keeps those casts.
 
 A model quantized by ``fastformer.quantize(model, "int8")`` (fastformer/nn/quantize.py) has ``Int8Linear``
 projections in place of ``Linear`` and ``Int8Embedding`` tables in place of ``Embedding``: the same state dict
@@ -154,12 +157,23 @@ def mark_compute_copies_current(params) -> None:
             entry[1] = param._version
 
 
-def _wgrad(dy: Tensor, x: Tensor) -> Tensor:
-    """dy (M, out)^T x (M, in) -> (out, in), in float32 where ATen has a product with a float32 output for these
-    dtypes (CUDA), else in dy's dtype (autograd then casts it to the parameter's float32)."""
+def _weight_grads(dy: Tensor, x: Tensor, bias: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """(dy (M, out)^T x (M, in), the column sums of dy when ``bias``): in float32 where there is a product with a
+    float32 output for these dtypes (CUDA: ATen's; CPU bfloat16: fastformer's, which sums db as it reads dy), else
+    dW in dy's dtype (autograd then casts it to the parameter's float32)."""
+    if dy.device.type == "cpu" and dy.dtype == torch.bfloat16 and x.dtype == torch.bfloat16:
+        dw, db = torch.ops.fastformer.weight_grad(dy, x)
+        return dw, db if bias else None
+    db = dy.sum(0, dtype=torch.float32) if bias else None
     if dy.device.type == "cuda":
-        return torch.mm(dy.t(), x, out_dtype=torch.float32)
-    return dy.t() @ x
+        return torch.mm(dy.t(), x, out_dtype=torch.float32), db
+    return dy.t() @ x, db
+
+
+@torch.library.register_fake("fastformer::weight_grad")
+def _weight_grad_fake(dy: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+    return (dy.new_empty((dy.shape[1], x.shape[1]), dtype=torch.float32),
+            dy.new_empty((dy.shape[1],), dtype=torch.float32))
 
 
 class _ComputeLinear(torch.autograd.Function):
@@ -178,8 +192,12 @@ class _ComputeLinear(torch.autograd.Function):
         x, weight_c = ctx.saved_tensors
         dx = dy @ weight_c if ctx.needs_input_grad[0] else None
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-        dw = _wgrad(dy2, x2) if ctx.needs_input_grad[1] else None
-        db = dy2.sum(0, dtype=torch.float32) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        dw, db = None, None
+        want_db = ctx.has_bias and ctx.needs_input_grad[2]
+        if ctx.needs_input_grad[1]:
+            dw, db = _weight_grads(dy2, x2, want_db)
+        elif want_db:
+            db = dy2.sum(0, dtype=torch.float32)
         return dx, dw, db, None, None
 
 

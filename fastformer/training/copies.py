@@ -5,7 +5,8 @@ Two observers of one step, since neither sees everything:
 
 - a dispatch mode (``CopyCounter``) sees every ATen call the step makes from Python and autograd: casts
   (``_to_copy``), ``copy_``, ``clone``, zero-filled gradient buffers (``new_zeros``/``zeros`` of the backward's
-  ``select_backward`` and friends), and the GEMMs (``mm``, ``addmm``, ``bmm``, ``baddbmm``); each is attributed to
+  ``select_backward`` and friends), and the GEMMs (``mm``, ``addmm``, ``bmm``, ``baddbmm``, and fastformer's
+  ``weight_grad``: a weight's gradient in bf16 on the CPU); each is attributed to
   the autograd node running it (``ToCopyBackward0``: a cast's backward) or to the forward;
 - the profiler (``profile_step``) sees ``aten::copy_`` also where an ATen kernel calls it internally (``addmm``
   broadcasting its bias into the output before the product), with its shapes, and the time by kernel class:
@@ -29,8 +30,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 MIN_ELEMENTS = 4096
 
 aten = torch.ops.aten
+# fastformer's own GEMM in a step: a weight's gradient in bf16 on the CPU (csrc/gemm/weight_grad.cpp)
+FASTFORMER_GEMMS = ("fastformer::weight_grad",)
 GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.addmm_.default,
-         aten.mm.out, aten.addmm.out}
+         aten.mm.out, aten.addmm.out, torch.ops.fastformer.weight_grad.default}
 # Calls that move data already computed (a cast is a copy into another dtype); zero-filled buffers count as
 # the first half of a scatter-style copy (select_backward: zeros of the full size, then the slice copied in).
 COPIES = {aten._to_copy.default, aten.copy_.default, aten.clone.default, aten.new_zeros.default,
@@ -100,6 +103,8 @@ def kernel_class(name: str, triton_kernels: frozenset[str] = frozenset()) -> str
     fastformer:: ops, the CUDA kernels of namespace fastformer, the Triton kernels ``triton_kernels``), "copy"
     or "other"."""
     low = name.lower()
+    if name in FASTFORMER_GEMMS:
+        return "gemm"
     if name.startswith("fastformer::") or "fastformer" in low or name in triton_kernels:
         return "fastformer"
     if any(k in low for k in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "gemm", "xmma", "cutlass",
