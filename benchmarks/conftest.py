@@ -24,6 +24,8 @@ What runs (docs/benchmarks.md, "What it compares", describes each file)
   test_generate.py             Transformer.generate, beam 4, with and without the key/value cache (sentences/s)
   test_decoding.py             decoding beside CTranslate2 and a plain-PyTorch decoder
   test_overhead.py             the cost of a call on tiny tensors beside the PyTorch calls it replaces
+  test_optim.py                the fused Adam step beside torch's Adam
+  test_weight_grad.py          a projection's bf16 gradients on the CPU beside ATen's bf16 product and its cast
   Each op runs forward ("fwd"), backward alone ("bwd", on a graph kept from one forward) and both
   ("fwd+bwd"), at L = 32, 64, 128, 256 and the long case 1024.
 

@@ -21,7 +21,7 @@
 // result in token order. So dW does not depend on the threads (threads take rows of dW; each packs its own
 // copy of B), on memory offsets or on the level. dy and x may have any row stride (unit column stride).
 // Memory: dy and x read once each (and written once as pairs, in cache); B re-read from L1/L2 per 6 rows;
-// dW read and written once per token block (8 bytes per output per 256 tokens, against 256 multiply-adds).
+// dW read and written once per token block (8 bytes per output per 512 tokens, against 512 multiply-adds).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -35,15 +35,16 @@ namespace fastformer {
 namespace cpu {
 namespace {
 
-// Tokens per block: the B block of a 64-column register block is kTokenBlock / 2 x 64 pairs = 32 KiB (L1), and
-// the thread's A block kTokenBlock / 2 x rows pairs.
-constexpr int64_t kTokenBlock = 256;
+// Tokens per block: the B block of a 64-column register block is kTokenBlock / 2 x 64 pairs = 64 KiB (L2, beside
+// the thread's A chunk), and dW is read and written once per block (the block sizes' measurements:
+// docs/cpu-kernels.md, "Measured").
+constexpr int64_t kTokenBlock = 512;
 // Rows of dW per task: a multiple of the register block's 6 rows, enough that packing B per thread (K x
 // kTokenBlock per block, against rows x K x kTokenBlock multiply-adds) stays a few percent.
 constexpr int64_t kRowGrain = 48;
-// Rows of dW per product within a thread's rows: the A block, kTokenBlock / 2 x kRowChunk pairs = 96 KiB, stays in
-// L2 while the tile product passes over it once per 64 columns (a thread's whole A, 2 MiB for the 8,000-row output
-// projection at 2 threads, came from L3 each time: 0.82x oneDNN there, against 1.04x below 1,024 rows).
+// Rows of dW per product within a thread's rows: the A chunk, kTokenBlock / 2 x kRowChunk pairs = 192 KiB, stays
+// in L2 while the tile product passes over it once per 64 columns (a thread's whole A, 8 MiB for the 8,000-row
+// output projection at 2 threads, came from L3 each time).
 constexpr int64_t kRowChunk = 192;
 
 }  // namespace
