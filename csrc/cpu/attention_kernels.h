@@ -192,7 +192,8 @@ inline void mask_row(T* s, int64_t nk, const T* pad_bias, int64_t visible_end, T
 // products.h pack_row_pairs, pack_column_pairs), bf16 products with float32 sums (vdpbf16ps where the CPU has
 // AVX512_BF16, the same arithmetic emulated elsewhere); the probabilities P and dS are rounded to bfloat16 for
 // their products, as FlashAttention does on GPUs, the scores, softmax and every sum stay float32. No tile is
-// converted to float32 before a product.
+// converted to float32 before a product. In the backward, P^T and dS^T (the A operands of dV and dK) are read as
+// P's and dS's pairs of rows a step at a time (products.h tile_gemm_bf16's a_pairs): nothing is transposed.
 // ldk: the score tiles' leading dimension (>= every key block's nk); bq: query rows per tile.
 template <typename scalar_t, bool = std::is_same_v<scalar_t, c10::BFloat16>>
 struct ForwardTiles {
@@ -297,15 +298,15 @@ struct BackwardTiles<scalar_t, true> {
   using bf16 = c10::BFloat16;
   int64_t D, ldk, bq;
   // pairs: Q and dO as pairs of rows (ceil(max_q / 2) x D); K_b^T and V_b^T (ceil(D / 2) x ldk); K_b as pairs of
-  // rows (ceil(ldk / 2) x D)
-  Buffer<uint32_t> qp, dop, kp, vp, kr;
-  Buffer<float> t32;              // P^T or dS^T in float32 (ldk x bq)
-  Buffer<bf16> pt, dst, ds_rows;  // P^T and dS^T (ldk x bq), dS (bq x ldk), rounded to bfloat16
+  // rows (ceil(ldk / 2) x D); P and dS rounded, as pairs of rows (ceil(bq / 2) x ldk)
+  Buffer<uint32_t> qp, dop, kp, vp, kr, pp, dsp;
+  Buffer<bf16> p_rows, ds_rows;  // P and dS (bq x ldk), rounded to bfloat16
   const bf16 *qa = nullptr, *doa = nullptr;
   int64_t ldq = 0, lddo = 0;
   BackwardTiles(int64_t D, int64_t max_q, int64_t bq, int64_t ldk)
       : D(D), ldk(ldk), bq(bq), qp((max_q + 1) / 2 * D), dop((max_q + 1) / 2 * D), kp((D + 1) / 2 * ldk),
-        vp((D + 1) / 2 * ldk), kr((ldk + 1) / 2 * D), t32(ldk * bq), pt(ldk * bq), dst(ldk * bq), ds_rows(bq * ldk) {}
+        vp((D + 1) / 2 * ldk), kr((ldk + 1) / 2 * D), pp((bq + 1) / 2 * ldk), dsp((bq + 1) / 2 * ldk),
+        p_rows(bq * ldk), ds_rows(bq * ldk) {}
   void load_head(const bf16* q, int64_t q_ld, const bf16* dout, int64_t do_ld, int64_t Lq) {
     qa = q;
     ldq = q_ld;
@@ -328,14 +329,19 @@ struct BackwardTiles<scalar_t, true> {
   // i0 is even (a multiple of kBlockQ): row i0 of Q and dO begins pair row i0 / 2.
   void add_grads(int64_t i0, int64_t nq, int64_t nk, float scale, const float* p, const float* ds, float* dv_b,
                  float* dk_b, float* dq_t) {
-    // P^T and dS^T: transposed as float32 (in registers, transpose32), then rounded row by row (vectorized)
-    transpose32(p, nq, nk, ldk, t32.data(), bq);
-    for (int64_t j = 0; j < nk; ++j) convert_row(t32.data() + j * bq, pt.data() + j * bq, nq);
-    transpose32(ds, nq, nk, ldk, t32.data(), bq);
-    for (int64_t j = 0; j < nk; ++j) convert_row(t32.data() + j * bq, dst.data() + j * bq, nq);
-    for (int64_t r = 0; r < nq; ++r) convert_row(ds + r * ldk, ds_rows.data() + r * ldk, nk);
-    tile_gemm_bf16(nk, D, nq, 1.0f, pt.data(), bq, dop.data() + i0 / 2 * D, D, true, dv_b, D);
-    tile_gemm_bf16(nk, D, nq, scale, dst.data(), bq, qp.data() + i0 / 2 * D, D, true, dk_b, D);
+    // P and dS rounded row by row (vectorized), then interleaved as pairs of rows: P^T and dS^T are the A operands
+    // of dV and dK, read a step (a pair of queries) at a time (a_pairs), so nothing is transposed; dS's rows are
+    // also dQ's A operand as they are.
+    for (int64_t r = 0; r < nq; ++r) {
+      convert_row(p + r * ldk, p_rows.data() + r * ldk, nk);
+      convert_row(ds + r * ldk, ds_rows.data() + r * ldk, nk);
+    }
+    pack_row_pairs(p_rows.data(), nq, nk, ldk, pp.data(), ldk);
+    pack_row_pairs(ds_rows.data(), nq, nk, ldk, dsp.data(), ldk);
+    const auto* p_pairs = reinterpret_cast<const bf16*>(pp.data());
+    const auto* ds_pairs = reinterpret_cast<const bf16*>(dsp.data());
+    tile_gemm_bf16(nk, D, nq, 1.0f, p_pairs, 2 * ldk, dop.data() + i0 / 2 * D, D, true, dv_b, D, false, true);
+    tile_gemm_bf16(nk, D, nq, scale, ds_pairs, 2 * ldk, qp.data() + i0 / 2 * D, D, true, dk_b, D, false, true);
     tile_gemm_bf16(nq, D, nk, scale, ds_rows.data(), ldk, kr.data(), D, true, dq_t, D);
   }
 };
