@@ -99,6 +99,29 @@ def write_m2m(folder, spm_file, init_std):
     return str(folder)
 
 
+def write_nllb(folder, spm_file, init_std):
+    """An NLLB folder as the hub's: no vocab.json; sentencepiece.bpe.model, the language codes as tokenizer.json's
+    added tokens past the pieces (fairseq's ids: a piece's sentencepiece id + 1, <s> <pad> </s> <unk> at 0 .. 3),
+    tokenizer_config.json naming NllbTokenizer and the source language; the model an M2M-100 (NLLB's class).
+    Returns the folder and the codes' ids {"deu_Latn": ..., "eng_Latn": ...}."""
+    import shutil
+
+    shutil.copy(spm_file, folder / "sentencepiece.bpe.model")
+    size = sentencepiece.SentencePieceProcessor(model_file=spm_file).get_piece_size()
+    codes = {"deu_Latn": size + 1, "eng_Latn": size + 2}
+    added = [{"id": i, "content": c} for i, c in enumerate(["<s>", "<pad>", "</s>", "<unk>"])]
+    added += [{"id": i, "content": c} for c, i in codes.items()]
+    with open(folder / "tokenizer.json", "w") as f:
+        json.dump({"added_tokens": added}, f)
+    with open(folder / "tokenizer_config.json", "w") as f:
+        json.dump({"src_lang": "eng_Latn", "tokenizer_class": "NllbTokenizer"}, f)
+    config = transformers.M2M100Config(vocab_size=size + 1 + len(codes) + 8, scale_embedding=True,
+                                       init_std=init_std, **LAYERS)
+    torch.manual_seed(1)
+    transformers.M2M100ForConditionalGeneration(config).eval().save_pretrained(folder)
+    return str(folder), codes
+
+
 # Weights of std 1: the decoders' tokens vary (greedy comparisons); std 0.3: logits of a size whose float32
 # error the tolerance table bounds (logit comparisons).
 @pytest.fixture(scope="module")
@@ -383,7 +406,7 @@ def test_tokenizer_and_model_must_agree_on_separate_vocabularies(separate_dir, t
         fastformer.from_transformers(str(folder))
 
 
-def test_nllb_tokenizer_follows_fairseqs_ids(m2m_dir, spm_file, tmp_path):
+def test_nllb_tokenizer_follows_fairseqs_ids(spm_file, tmp_path):
     """An NLLB folder (no vocab.json): sentencepiece id + 1 for every piece, <s> <pad> </s> <unk> at 0 .. 3
     (sentencepiece's unk becomes 3), the language codes at the ids of tokenizer.json's added tokens, the
     source-language code first: checked against the rule, and the pieces' ids against transformers'
@@ -391,20 +414,10 @@ def test_nllb_tokenizer_follows_fairseqs_ids(m2m_dir, spm_file, tmp_path):
     language codes: those are compared by the rule only)."""
     import shutil
 
-    folder = tmp_path / "nllb"
-    folder.mkdir()
-    shutil.copy(os.path.join(m2m_dir, "config.json"), folder / "config.json")
-    shutil.copy(os.path.join(m2m_dir, "model.safetensors"), folder / "model.safetensors")
-    shutil.copy(spm_file, folder / "sentencepiece.bpe.model")
+    (folder := tmp_path / "nllb").mkdir()
+    folder, codes = write_nllb(folder, spm_file, 1.0)
     sp = sentencepiece.SentencePieceProcessor(model_file=spm_file)
-    codes = {"deu_Latn": sp.get_piece_size() + 1, "eng_Latn": sp.get_piece_size() + 2}
-    added = [{"id": i, "content": c} for i, c in enumerate(["<s>", "<pad>", "</s>", "<unk>"])]
-    added += [{"id": i, "content": c} for c, i in codes.items()]
-    with open(folder / "tokenizer.json", "w") as f:
-        json.dump({"added_tokens": added}, f)
-    with open(folder / "tokenizer_config.json", "w") as f:
-        json.dump({"src_lang": "eng_Latn", "tokenizer_class": "NllbTokenizer"}, f)
-    _, tokenizer = fastformer.from_transformers(str(folder))
+    _, tokenizer = fastformer.from_transformers(folder)
     assert tokenizer.languages == codes and tokenizer.source_lang == "eng_Latn"
     for text, ids in zip(TEXT + ["zebra"], tokenizer.encode(TEXT + ["zebra"])):
         pieces = sp.encode(text)

@@ -1,14 +1,15 @@
 """python -m fastformer.train --init CHECKPOINT on converted transformers models (tiny random Marian, with one
-and with separate vocabularies, and M2M-100, built as tests/hf/test_converted.py builds them: save_pretrained
-into a temporary folder, no network), then ``python -m fastformer.convert``:
+and with separate vocabularies, M2M-100 and NLLB, built as tests/hf/test_converted.py builds them:
+save_pretrained into a temporary folder, no network), then ``python -m fastformer.convert``:
 
 - the batches hold transformers' ids: the source as its tokenizer's input_ids, the target as its labels
   (``text_target``: Marian's target vocabulary; M2M-100's target-language token first) and the decoder input
-  as its shift_tokens_right of the labels (the decoder's start token first);
+  as its shift_tokens_right of the labels (the decoder's start token first); NLLB's, which transformers cannot
+  read from the hub-less folder the test writes, by fairseq's rule (its language codes first);
 - the run keeps the checkpoint's config and tokenizer (an M2M-100's languages added), the loss falls, dev and
   test BLEU before and after reach the summary, Marian's final_logits_bias stays as it is (a buffer in
   transformers), --resume continues exactly;
-- the fine-tuned M2M-100 translates into its target language by default (translate, evaluate);
+- the fine-tuned M2M-100 and NLLB translate into their target language by default (translate, evaluate);
 - an M2M-100 without a target language, or with an unknown one, is refused.
 """
 import json
@@ -28,11 +29,12 @@ from fastformer.training.batches import special_ids
 from fastformer.training.processes import Processes
 from fastformer.training.setup import setup
 from fastformer.translation import translate
-from test_converted import TEXT, write_m2m, write_marian
+from test_converted import TEXT, write_m2m, write_marian, write_nllb
 
 # A task a tiny model learns in a few updates: each sentence's words in reverse order.
 TARGETS = [" ".join(reversed(text.split())) for text in TEXT]
-FAMILIES = ("marian", "marian-separate", "m2m")
+FAMILIES = ("marian", "marian-separate", "m2m", "nllb")
+TARGET_LANG = {"m2m": "de", "nllb": "deu_Latn"}  # the multilingual families' --target-lang
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +51,8 @@ def checkpoints(tmp_path_factory):
         (folder := root / family).mkdir()
         if family == "m2m":
             write_m2m(folder, spm, 0.05)
+        elif family == "nllb":
+            write_nllb(folder, spm, 0.05)
         else:
             write_marian(folder, spm, 0.05, separate=family == "marian-separate")
         convert([str(folder), "--out", str(root / f"{family}.pt")])
@@ -67,7 +71,7 @@ def data(tmp_path_factory):
 
 
 def init_args(init, data, out, family, *extra):
-    languages = ("--target-lang", "de") if family == "m2m" else ()
+    languages = ("--target-lang", TARGET_LANG[family]) if family in TARGET_LANG else ()
     return ["--init", init, "--out", str(out), *languages,
             *[arg for split in ("train", "valid", "test") for side in ("src", "tgt")
               for arg in (f"--{split}-{side}", str(data / f"{'dev' if split == 'valid' else split}.{side}"))],
@@ -81,7 +85,7 @@ def hf_tokenizer(family, folder):
     return transformers.MarianTokenizer.from_pretrained(folder)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "nllb"])
 def test_batches_hold_transformers_ids(family, checkpoints, data, tmp_path):
     init, folder = checkpoints[family]
     args = build_parser().parse_args(init_args(init, data, tmp_path / "run", family))
@@ -115,6 +119,30 @@ def test_batches_hold_transformers_ids(family, checkpoints, data, tmp_path):
     assert bool(packed.src[packed.src_seqs.cu_seqlens[1:].long() - 1].eq(hf_config.eos_token_id).all())
 
 
+def test_nllb_batches_follow_fairseqs_ids(checkpoints, data, tmp_path):
+    """NLLB (non-legacy, as transformers' NllbTokenizer): the source is its language code, the pieces (sentencepiece
+    id + 1) and eos; the labels the target language's code, the pieces and eos; the decoder input eos (the
+    decoder's start token) then the labels without their eos."""
+    init, folder = checkpoints["nllb"]
+    run = setup(build_parser().parse_args(init_args(init, data, tmp_path / "run", "nllb")), Processes.start("cpu"))
+    sp = sentencepiece.SentencePieceProcessor(model_file=os.path.join(folder, "sentencepiece.bpe.model"))
+    hf_config = transformers.AutoConfig.from_pretrained(folder)
+    size = sp.get_piece_size()
+    deu, eng = size + 1, size + 2  # tests/hf/test_converted.py write_nllb's codes
+
+    def pieces(text):
+        return [p + 1 if p != sp.unk_id() else 3 for p in sp.encode(text)]
+
+    src_ids, tgt_ids = run.ids["test"][0] + run.ids["dev"][0], run.ids["test"][1] + run.ids["dev"][1]
+    for src, tgt, text in zip(src_ids, tgt_ids, run.corpus.src["test"] + run.corpus.src["dev"]):
+        assert src == [eng] + pieces(text)
+        assert tgt == [deu] + pieces(TARGETS[TEXT.index(text)])
+    src, tgt_in, tgt_out = run.batches.next_tensors()
+    assert bool(tgt_in[:, 0].eq(hf_config.decoder_start_token_id).all()) and hf_config.decoder_start_token_id == 2
+    assert bool(tgt_in[:, 1].eq(deu).all()) and bool(tgt_out[:, 0].eq(deu).all())
+    assert bool(src[:, 0].eq(eng).all())
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_init_run_fine_tunes_the_converted_model(family, checkpoints, data, tmp_path):
     init, _ = checkpoints[family]
@@ -122,7 +150,7 @@ def test_init_run_fine_tunes_the_converted_model(family, checkpoints, data, tmp_
     result = main(init_args(init, data, out, family, "--max-steps", "30", "--eval-every", "0"))
     source, tuned = ckpt.load(init), ckpt.load(str(out))
     assert tuned["config"] == source["config"]  # the converted config as it is (its dropout, vocabulary, ...)
-    expected_tokenizer = dict(source["tokenizer"], target_lang="de" if family == "m2m" else None)
+    expected_tokenizer = dict(source["tokenizer"], target_lang=TARGET_LANG.get(family))
     assert tuned["tokenizer"].keys() == expected_tokenizer.keys()
     for key, value in expected_tokenizer.items():
         same = torch.equal(value, tuned["tokenizer"][key]) if isinstance(value, torch.Tensor) else \
@@ -138,20 +166,22 @@ def test_init_run_fine_tunes_the_converted_model(family, checkpoints, data, tmp_
     assert not torch.equal(tuned["model"]["embed.weight"], source["model"]["embed.weight"])
 
 
-def test_fine_tuned_m2m_translates_into_its_target_language(checkpoints, data, tmp_path):
-    init, _ = checkpoints["m2m"]
+@pytest.mark.parametrize("family", sorted(TARGET_LANG))
+def test_fine_tuned_multilingual_model_translates_into_its_target_language(family, checkpoints, data, tmp_path):
+    init, _ = checkpoints[family]
     out = tmp_path / "run"
-    main(init_args(init, data, out, "m2m", "--max-steps", "3", "--eval-every", "0", "--no-test"))
+    main(init_args(init, data, out, family, "--max-steps", "3", "--eval-every", "0", "--no-test"))
     int8 = tmp_path / "int8.pt"
     convert([str(out), "--out", str(int8), "--quantize", "int8"])
     for path in (str(out), str(int8)):
         model, tokenizer, _ = ckpt.load_model(path)
-        assert (tokenizer.source_lang, tokenizer.target_lang) == ("en", "de")
+        source_lang = {"m2m": "en", "nllb": "eng_Latn"}[family]
+        assert (tokenizer.source_lang, tokenizer.target_lang) == (source_lang, TARGET_LANG[family])
         forced = []
         generate = model.generate
         model.generate = lambda *a, **k: forced.append(k["forced_tokens"]) or generate(*a, **k)
         translate(model, tokenizer, TEXT[:2], beam=1)
-        assert forced == [[tokenizer.language_id("de")]]
+        assert forced == [[tokenizer.language_id(TARGET_LANG[family])]]
 
 
 def test_resume_of_a_converted_init_run_is_exact(checkpoints, data, tmp_path):
