@@ -139,6 +139,16 @@ def assert_layout_kept(attention, q, k, v, out, grads, dout):
         assert torch.equal(g, rg)
 
 
+def at_offset(t, offset, pad):
+    """A 2-D t's values in a fresh buffer, starting `offset` elements in, rows `pad` elements longer than t's (the
+    rest NaN): the same matrix at another memory offset and row stride."""
+    rows, cols = t.shape
+    storage = torch.full((offset + rows * (cols + pad) + 1,), float("nan"), dtype=t.dtype)
+    view = storage[offset:offset + rows * (cols + pad)].view(rows, cols + pad)[:, :cols]
+    view.copy_(t)
+    return view
+
+
 def same_memory(a, b):
     """Whether a and b are the same elements of the same memory (one data pointer, shape and strides)."""
     return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fastformer import _C as C
+from helpers import at_offset
 from tolerances import product_bound
 
 VARIANTS = C.product_variants()
@@ -26,15 +27,6 @@ def _ids(case):
 def _operands(m, k, n, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(m, k, generator=g).to(dtype), torch.randn(k, n, generator=g).to(dtype)
-
-
-def _at_offset(t, offset, pad):
-    """t's values in a fresh buffer, starting `offset` elements in, rows `pad` elements longer than t's."""
-    rows, cols = t.shape
-    storage = torch.full((offset + rows * (cols + pad) + 1,), float("nan"), dtype=t.dtype)
-    view = storage[offset:offset + rows * (cols + pad)].view(rows, cols + pad)[:, :cols]
-    view.copy_(t)
-    return view
 
 
 def test_the_variants_listed():
@@ -65,7 +57,7 @@ def test_results_do_not_depend_on_offsets_or_neighbours(case):
     a, b = _operands(m, k, n, dtype, seed=1)
     full = C.tile_product(a, b, variant)
     for offset, pad in [(1, 0), (3, 5), (7, 1)]:
-        moved = C.tile_product(_at_offset(a, offset, pad), _at_offset(b, offset + 2, pad + 3), variant)
+        moved = C.tile_product(at_offset(a, offset, pad), at_offset(b, offset + 2, pad + 3), variant)
         assert torch.equal(moved, full), f"{variant}: offset {offset}, row padding {pad}"
     for r0, r1 in [(0, 1), (5, 12), (13, 29)]:
         assert torch.equal(C.tile_product(a[r0:r1], b, variant), full[r0:r1]), f"{variant}: rows {r0}:{r1}"

@@ -10,6 +10,7 @@ import torch
 
 from fastformer import _C as C
 from fastformer.nn.linear import Linear, set_compute_dtype
+from helpers import at_offset
 from tolerances import product_bound
 
 BF16_VARIANTS = [v for v in C.product_variants() if v != "fma"]
@@ -22,15 +23,6 @@ def _operands(m, n, k, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(m, n, generator=g).to(torch.bfloat16),
             torch.randn(m, k, generator=g).to(torch.bfloat16))
-
-
-def _at_offset(t, offset, pad):
-    """t's values in a fresh buffer, starting `offset` elements in, rows `pad` elements longer than t's."""
-    rows, cols = t.shape
-    storage = torch.full((offset + rows * (cols + pad) + 1,), float("nan"), dtype=t.dtype)
-    view = storage[offset:offset + rows * (cols + pad)].view(rows, cols + pad)[:, :cols]
-    view.copy_(t)
-    return view
 
 
 def _within_bound(actual, a, b):
@@ -90,7 +82,7 @@ def test_results_do_not_depend_on_offsets_strides_or_threads(variant):
         torch.set_num_threads(1)
         full = C.weight_grad(dy, x, variant)
         for offset, pad in [(1, 0), (3, 5), (7, 1)]:
-            moved = C.weight_grad(_at_offset(dy, offset, pad), _at_offset(x, offset + 2, pad + 3), variant)
+            moved = C.weight_grad(at_offset(dy, offset, pad), at_offset(x, offset + 2, pad + 3), variant)
             assert all(torch.equal(m, f) for m, f in zip(moved, full)), f"offset {offset}, row padding {pad}"
         transposed = C.weight_grad(dy.t().contiguous().t(), x.t().contiguous().t(), variant)
         assert all(torch.equal(t, f) for t, f in zip(transposed, full))
