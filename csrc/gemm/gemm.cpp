@@ -6,6 +6,7 @@
 #include "gemm/int8_onednn.h"
 
 #include <c10/util/StringUtil.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdlib>
